@@ -1,0 +1,60 @@
+"""cpscope — runtime (hybrid / dynamic) context parallelism for PyTorch.
+
+The main API:
+
+* :func:`runtime_cp` — ``with runtime_cp(group):`` binds the CP group for this microbatch (context manager and
+  decorator, ContextVar-based: restored on exit or exception, isolated per thread / asyncio task).
+* :func:`current_cp_group`, :func:`cp_size`, :func:`cp_rank` — what is active; :func:`set_build_time_cp_group`
+  sets the static group used outside every scope; :func:`capture_scope` snapshots the scope for later re-entry.
+* :func:`new_cp_groups` — a registry of pre-built CP groups (``{1: None, 2: group, 4: group}``);
+  :func:`cp_stream` — the lazily created auxiliary CUDA stream.
+* :func:`zigzag_shard` / :func:`zigzag_unshard`, :func:`apply_rotary_pos_emb`, :func:`context_parallel_attention`
+  — sharding, RoPE and ring attention that read the active group (or take ``group=``).
+
+Example::
+
+    import cpscope
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    with cpscope.runtime_cp(groups[2]):
+        q, k, v = (cpscope.zigzag_shard(t, seq_dim=1) for t in (q, k, v))
+        q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="bshd")
+        k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
+        out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
+"""
+from .groups import clear_cp_group_cache, group_ranks, new_cp_groups
+from .scope import (
+    CPScope,
+    ScopeReadInBackwardError,
+    build_time_cp,
+    build_time_cp_group,
+    capture_scope,
+    cp_rank,
+    cp_size,
+    current_cp_group,
+    resolve_scope,
+    runtime_cp,
+    set_build_time_cp_group,
+    set_debug_autograd_reads,
+)
+from .streams import cp_stream
+
+__all__ = [
+    "CPScope",
+    "ScopeReadInBackwardError",
+    "build_time_cp",
+    "build_time_cp_group",
+    "capture_scope",
+    "clear_cp_group_cache",
+    "cp_rank",
+    "cp_size",
+    "cp_stream",
+    "current_cp_group",
+    "group_ranks",
+    "new_cp_groups",
+    "resolve_scope",
+    "runtime_cp",
+    "set_build_time_cp_group",
+    "set_debug_autograd_reads",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Input validation shared by sharding, RoPE and attention.
+
+Every check raises ``ValueError`` naming the received values *before* any collective or kernel runs: these are the
+inputs that a kernel would otherwise turn into an illegal memory access, a NaN or a silently wrong position.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "QKV_FORMATS",
+    "check_qkv_format",
+    "cu_seqlens_list",
+    "check_cu_seqlens",
+    "check_divisible_seq",
+    "check_local_thd_len",
+    "check_seq_dim",
+]
+
+QKV_FORMATS = ("bshd", "sbhd", "thd")
+
+
+def check_qkv_format(qkv_format: str) -> str:
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+    return qkv_format
+
+
+def cu_seqlens_list(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> list[int]:
+    """``cu_seqlens`` as a Python list of ints, after checking dtype, rank, start at 0 and monotonicity.
+
+    One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it).
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an int32 (or int64) tensor, got dtype {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+        values = cu_seqlens.tolist()
+    else:
+        values = list(cu_seqlens)
+        if not all(isinstance(v, int) for v in values):
+            raise ValueError(f"{name} must hold integers, got {values}")
+    if len(values) < 2:
+        raise ValueError(f"{name} must have at least 2 entries (0 and the total), got {values}")
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]} (cu_seqlens={values})")
+    bad = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if bad:
+        i = bad[0]
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i}]={values[i]} < {name}[{i - 1}]={values[i - 1]} "
+            f"(cu_seqlens={values})"
+        )
+    return values
+
+
+def check_cu_seqlens(cu: list[int], cp: int, name: str = "cu_seqlens") -> None:
+    """Every document length must be divisible by 2·cp (zigzag cuts each document into 2·cp chunks)."""
+    if cp == 1:
+        return
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    bad = [(i, n) for i, n in enumerate(lens) if n % (2 * cp)]
+    if bad:
+        shown = ", ".join(f"document {i} has length {n}" for i, n in bad[:5])
+        raise ValueError(
+            f"with CP size {cp} every document length must be divisible by 2*cp={2 * cp}: {shown} "
+            f"({name}={cu}); pad documents with cpscope.pad_packed_batch"
+        )
+
+
+def check_divisible_seq(seqlen: int, cp: int, what: str = "sequence length") -> None:
+    if cp > 1 and seqlen % (2 * cp):
+        raise ValueError(
+            f"with CP size {cp} the global {what} must be divisible by 2*cp={2 * cp}, got {seqlen}; pad it"
+        )
+
+
+def check_local_thd_len(local_tokens: int, cu: list[int], cp: int, name: str = "tensor") -> None:
+    total = cu[-1]
+    if total % cp or local_tokens != total // cp:
+        raise ValueError(
+            f"{name} holds {local_tokens} local tokens, but cu_seqlens[-1]={total} with CP size {cp} needs "
+            f"cu_seqlens[-1]/cp={total / cp:g}; cu_seqlens must be the global (unsharded) offsets"
+        )
+
+
+def check_seq_dim(x: torch.Tensor, seq_dim: int) -> int:
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim={seq_dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return seq_dim % x.dim()
+
+
+def optional_int(v: Optional[int], name: str) -> Optional[int]:
+    if v is not None and (not isinstance(v, int) or v <= 0):
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v

@@ -1,0 +1,24 @@
+import pytest
+
+from tests.distributed import shutdown_pools
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    yield
+    shutdown_pools()
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
