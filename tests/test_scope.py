@@ -1,0 +1,318 @@
+"""Scope runtime semantics (CONTRACT.md "Scope runtime", "Groups and streams"), on real gloo groups of 2 and 4 ranks."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpscope
+from cpscope import scope as scope_mod
+from tests.distributed import run_ranks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single process: no process group needed for CP1 semantics.
+
+
+def test_defaults_outside_every_scope_are_cp1():
+    assert cpscope.current_cp_group() is None
+    assert cpscope.cp_size() == 1 and cpscope.cp_rank() == 0
+    assert cpscope.capture_scope().is_cp1
+
+
+def test_cp1_scope_and_local_cp_size_one():
+    with cpscope.runtime_cp(None, local_cp_size=1) as s:
+        assert s.is_cp1 and cpscope.current_cp_group() is None
+    assert cpscope.cp_size() == 1
+
+
+def test_local_cp_size_contradicting_none_raises():
+    with pytest.raises(ValueError, match=r"local_cp_size=2.*None"):
+        cpscope.runtime_cp(None, local_cp_size=2)
+
+
+def test_non_group_object_raises():
+    with pytest.raises(ValueError, match="ProcessGroup or None"):
+        cpscope.runtime_cp("not a group")  # type: ignore[arg-type]
+
+
+def test_cp_stream_is_none_without_cuda():
+    assert cpscope.cp_stream("cpu") is None
+    assert cpscope.cp_stream(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        assert cpscope.cp_stream() is None
+
+
+def test_decorator_rejects_async_generator():
+    async def agen():
+        yield 1
+
+    with pytest.raises(TypeError, match="async generator"):
+        cpscope.runtime_cp(None)(agen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-process workers (module level: pickled by reference into the rank pool).
+
+
+def _groups(world):
+    sizes = [s for s in (1, 2, 4) if world % s == 0]
+    return cpscope.new_cp_groups(sizes)
+
+
+def _expect(group):
+    """(group, size, rank) that the readers must report for ``group`` bound."""
+    if group is None or group.size() == 1:
+        return None, 1, 0
+    return group, group.size(), dist.get_rank(group)
+
+
+def _reads():
+    return cpscope.current_cp_group(), cpscope.cp_size(), cpscope.cp_rank()
+
+
+def _w_basic_semantics():
+    world = dist.get_world_size()
+    g = _groups(world)
+    big = g[world]
+    me = dist.get_rank()
+    # The registry: aligned contiguous blocks, cached, real groups.
+    assert cpscope.group_ranks(g[2]) == [me - me % 2, me - me % 2 + 1]
+    assert cpscope.new_cp_groups([1, 2, 4] if world == 4 else [1, 2])[2] is g[2]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g[2])
+    assert t.item() == 2.0
+    # Enter / exit, nesting, explicit CP1 inside CP2, restore on exception.
+    assert _reads() == (None, 1, 0)
+    with cpscope.runtime_cp(g[2]) as s2:
+        assert s2.size == 2 and _reads() == _expect(g[2])
+        with cpscope.runtime_cp(None):
+            assert _reads() == (None, 1, 0)
+            with cpscope.runtime_cp(big):
+                assert _reads() == _expect(big)
+            assert _reads() == (None, 1, 0)
+        assert _reads() == _expect(g[2])
+        try:
+            with cpscope.runtime_cp(big):
+                raise KeyError("boom")
+        except KeyError:
+            pass
+        assert _reads() == _expect(g[2])
+    assert _reads() == (None, 1, 0)
+    # A CP1 microbatch after a CP2 one never inherits the stale group.
+    seen = []
+    for cp in (2, 1, world, 1):
+        with cpscope.runtime_cp(g[cp]):
+            seen.append(cpscope.cp_size())
+    assert seen == [2, 1, world, 1]
+    return True
+
+
+def _w_local_cp_size_contract():
+    world = dist.get_world_size()
+    g = _groups(world)
+    single = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    # Both conventions for CP1.
+    for cp1 in (None, single):
+        with cpscope.runtime_cp(cp1, local_cp_size=1):
+            assert _reads() == (None, 1, 0)
+        with cpscope.runtime_cp(cp1):
+            assert cpscope.current_cp_group() is None  # a size-1 group is reported as None
+    with cpscope.runtime_cp(g[2], local_cp_size=2):
+        assert cpscope.cp_size() == 2
+    errors = []
+    cases = [(g[2], 1), (None, 2), (single, 2), (g[2], 4)] + ([(g[4], 2)] if world == 4 else [])
+    for group, lcs in cases:
+        with pytest.raises(ValueError, match=rf"local_cp_size={lcs}") as info:
+            cpscope.runtime_cp(group, local_cp_size=lcs)
+        errors.append(str(info.value))
+    assert len(errors) == (5 if world == 4 else 4)
+    assert any("a group of size 2" in e for e in errors) and any("None (CP1)" in e for e in errors)
+    return len(errors)
+
+
+def _w_not_a_member():
+    handle = dist.new_group([0, 1])  # collective; ranks 2, 3 get the non-member sentinel
+    if dist.get_rank() >= 2:
+        with pytest.raises(ValueError, match="not a member"):
+            cpscope.runtime_cp(handle)
+    else:
+        with cpscope.runtime_cp(handle):
+            assert cpscope.cp_size() == 2
+    return True
+
+
+def _w_new_cp_groups_errors_and_subsets():
+    world = dist.get_world_size()
+    with pytest.raises(ValueError, match=r"\[3\].*do not divide the 4 ranks"):
+        cpscope.new_cp_groups([2, 3])
+    with pytest.raises(ValueError, match="distinct global ranks"):
+        cpscope.new_cp_groups([2], ranks=[0, 0])
+    with pytest.raises(ValueError, match=r"\[0\]"):
+        cpscope.new_cp_groups([0])
+    sub = cpscope.new_cp_groups([1, 2], ranks=[2, 3])  # e.g. one data-parallel replica's ranks
+    if dist.get_rank() in (2, 3):
+        assert sub[1] is None and cpscope.group_ranks(sub[2]) == [2, 3]
+    else:
+        assert sub == {}
+    return world
+
+
+def _w_build_time_group():
+    world = dist.get_world_size()
+    g = _groups(world)
+    cpscope.set_build_time_cp_group(g[2])
+    try:
+        assert _reads() == _expect(g[2])
+        with cpscope.runtime_cp(None):
+            assert _reads() == (None, 1, 0)
+        with cpscope.runtime_cp(g[world]):
+            assert _reads() == _expect(g[world])
+        assert _reads() == _expect(g[2])  # outside every scope: the build-time group
+        with cpscope.build_time_cp(None):
+            assert _reads() == (None, 1, 0)
+        assert cpscope.build_time_cp_group() is g[2]
+        # A snapshot resolves the effective group, and can be re-entered elsewhere.
+        snap = cpscope.capture_scope()
+    finally:
+        cpscope.set_build_time_cp_group(None)
+    assert _reads() == (None, 1, 0)
+    with snap.bind():
+        assert _reads() == _expect(g[2])
+    assert snap.run(cpscope.cp_size) == 2
+    return True
+
+
+def _w_decorator_recursion_and_threads():
+    world = dist.get_world_size()
+    g = _groups(world)
+    order = [g[2], None, g[world], g[2], None]
+
+    def make(depth):
+        @cpscope.runtime_cp(order[depth])
+        def rec(d):
+            assert _reads() == _expect(order[d])
+            if d + 1 < len(order):
+                decorated[d + 1](d + 1)
+                assert _reads() == _expect(order[d])  # restored after the inner call returned
+            return d
+
+        return rec
+
+    decorated = [make(d) for d in range(len(order))]
+    decorated[0](0)
+    assert _reads() == (None, 1, 0)
+
+    # The same decorated function entered concurrently from threads: each call binds afresh.
+    f2 = cpscope.runtime_cp(g[2])(lambda barrier: (barrier.wait(), _reads())[1])
+    barrier = threading.Barrier(4)
+    results = [None] * 4
+
+    def run(i):
+        results[i] = f2(barrier)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == _expect(g[2]) for r in results)
+
+    # A binding in one thread never leaks into another (new threads see the build-time group).
+    seen = {}
+    with cpscope.runtime_cp(g[2]):
+        th = threading.Thread(target=lambda: seen.setdefault("other", _reads()))
+        th.start()
+        th.join()
+        assert _reads() == _expect(g[2])
+    assert seen["other"] == (None, 1, 0)
+
+    # A generator is bound around each step, never across a yield.
+    @cpscope.runtime_cp(g[2])
+    def gen():
+        for _ in range(3):
+            yield cpscope.cp_size()
+
+    it = gen()
+    assert next(it) == 2 and cpscope.cp_size() == 1
+    with cpscope.runtime_cp(None):
+        assert next(it) == 2 and cpscope.cp_size() == 1
+    assert list(it) == [2]
+    return True
+
+
+def _w_asyncio_isolation():
+    world = dist.get_world_size()
+    g = _groups(world)
+
+    async def task(group, gate_in, gate_out):
+        with cpscope.runtime_cp(group):
+            gate_in.set()
+            await gate_out.wait()  # the other task binds its own group meanwhile
+            return _reads()
+
+    @cpscope.runtime_cp(g[world])
+    async def decorated():
+        await asyncio.sleep(0)
+        return _reads()
+
+    async def main():
+        a_in, b_in, go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        ta = asyncio.create_task(task(g[2], a_in, go))
+        tb = asyncio.create_task(task(None, b_in, go))
+        await a_in.wait()
+        await b_in.wait()
+        outer = _reads()
+        go.set()
+        ra, rb = await ta, await tb
+        with cpscope.runtime_cp(g[2]):
+            inherited = await asyncio.create_task(_reads_async())  # tasks copy the creating context
+        return outer, ra, rb, inherited, await decorated(), _reads()
+
+    async def _reads_async():
+        return _reads()
+
+    outer, ra, rb, inherited, dec, after = asyncio.run(main())
+    assert outer == (None, 1, 0)
+    assert ra == _expect(g[2]) and rb == (None, 1, 0)
+    assert inherited == _expect(g[2])
+    assert dec == _expect(g[world]) and after == (None, 1, 0)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    "worker",
+    [_w_basic_semantics, _w_local_cp_size_contract, _w_build_time_group, _w_decorator_recursion_and_threads,
+     _w_asyncio_isolation],
+    ids=lambda f: f.__name__[3:],
+)
+def test_scope_semantics(world, worker):
+    assert all(run_ranks(world, worker))
+
+
+def test_binding_a_group_this_rank_is_not_in_raises():
+    assert all(run_ranks(4, _w_not_a_member))
+
+
+def test_new_cp_groups_validation_and_rank_subsets():
+    assert run_ranks(4, _w_new_cp_groups_errors_and_subsets) == [4] * 4
+
+
+def _w_cp1_group_size_one_from_registry_is_cp1():
+    g = cpscope.new_cp_groups([1])
+    assert g == {1: None}
+    with cpscope.runtime_cp(g[1], local_cp_size=1):
+        return _reads()
+
+
+def test_registry_size_one_is_none():
+    assert run_ranks(2, _w_cp1_group_size_one_from_registry_is_cp1) == [(None, 1, 0)] * 2
+
+
+def test_scope_module_imports_nothing_of_cpscope():
+    src = open(scope_mod.__file__).read()
+    assert "from ." not in src and "import cpscope" not in src
