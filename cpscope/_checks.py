@@ -97,3 +97,44 @@ def optional_int(v: Optional[int], name: str) -> Optional[int]:
     if v is not None and (not isinstance(v, int) or v <= 0):
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     return v
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE checks (added with cpscope/rope.py)
+
+
+def check_rope_freqs(freqs: torch.Tensor, head_dim: int, global_len: int, what: str = "global sequence length") -> int:
+    """Check a TE-style RoPE table ``[max_seqlen, 1, 1, rot_dim]`` against the input; return ``rot_dim``.
+
+    ``rot_dim`` must be even, positive and at most ``head_dim``; the table must cover ``global_len`` positions.
+    """
+    if not isinstance(freqs, torch.Tensor):
+        raise ValueError(f"freqs must be a tensor of shape [max_seqlen, 1, 1, rot_dim], got {type(freqs).__name__}")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must have shape [max_seqlen, 1, 1, rot_dim], got {tuple(freqs.shape)}")
+    if not freqs.is_floating_point():
+        raise ValueError(f"freqs must be a floating-point tensor of angles, got dtype {freqs.dtype}")
+    rot_dim = freqs.shape[-1]
+    if rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rot_dim (freqs.shape[-1]) must be a positive even number, got {rot_dim}")
+    if rot_dim > head_dim:
+        raise ValueError(f"rot_dim (freqs.shape[-1]) = {rot_dim} exceeds the head dimension {head_dim}")
+    if freqs.shape[0] < global_len:
+        raise ValueError(
+            f"freqs covers {freqs.shape[0]} positions but the {what} is {global_len}; freqs must cover the global "
+            f"(unsharded) length — build it with max_seqlen >= {global_len}"
+        )
+    return rot_dim
+
+
+def check_tensor_dims(t: torch.Tensor, qkv_format: str, name: str = "t") -> None:
+    """``bshd`` / ``sbhd`` tensors are 4-D, ``thd`` tensors 3-D."""
+    want = 3 if qkv_format == "thd" else 4
+    if t.dim() != want:
+        raise ValueError(
+            f"{name} must be {want}-D for qkv_format={qkv_format!r} ({'[t, h, d]' if want == 3 else qkv_format}), "
+            f"got shape {tuple(t.shape)}"
+        )
+
+
+__all__ += ["check_rope_freqs", "check_tensor_dims"]

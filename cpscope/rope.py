@@ -1,0 +1,274 @@
+"""Rotary position embedding (RoPE) at the *global* positions of the local zigzag tokens.
+
+Under context parallelism a rank holds chunks ``r`` and ``2·cp−1−r`` of every sequence (or document), so ordinary
+RoPE over the local tensor would use the wrong positions. :func:`apply_rotary_pos_emb` looks up each local token's
+global position (restarting at 0 per document in ``thd``) in a TE-style frequency table and rotates there. Its
+result equals TransformerEngine's ``apply_rotary_pos_emb(..., cp_size=cp_size(), cp_rank=cp_rank())``.
+
+Conventions (TE's): ``freqs`` is ``[max_seqlen, 1, 1, rot_dim]`` fp32 angles (position × inverse frequency).
+Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(x[i], x[i + rot_dim/2])``
+(``rotate_half``). Interleaved: angles are repeated pairwise and the pairs are ``(x[2i], x[2i+1])``. Channels past
+``rot_dim`` pass through unchanged.
+
+Paths: TE's fused kernel when TransformerEngine is importable and the tensor is on CUDA; otherwise plain torch
+math (``torch.compile``-d on CUDA, eager on CPU).
+
+Example::
+
+    rope = cpscope.RotaryEmbedding(rot_dim=64)
+    freqs = rope(max_seqlen=8192, device="cuda")              # [8192, 1, 1, 64] fp32
+    with cpscope.runtime_cp(groups[2]):
+        q = cpscope.apply_rotary_pos_emb(q_local, freqs, qkv_format="bshd")
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ._checks import (
+    check_cu_seqlens,
+    check_divisible_seq,
+    check_local_thd_len,
+    check_qkv_format,
+    check_rope_freqs,
+    check_tensor_dims,
+    cu_seqlens_list,
+)
+from .scope import _UNSET, resolve_scope
+from .sharding import _positions
+
+__all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
+
+logger = logging.getLogger(__name__)
+
+_IMPLS = ("auto", "te", "compiled", "eager")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure math
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The 90° partner of each channel: non-interleaved ``[-x2, x1]`` (halves); interleaved ``(-x1, x0)`` per pair."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))  # [..., rot_dim/2, 2]
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the first ``rot_dim`` channels of ``t`` by ``angles`` (broadcastable ``[..., rot_dim]``), in ≥ fp32."""
+    rot_dim = angles.shape[-1]
+    compute = torch.promote_types(t.dtype, torch.float32)
+    x = t[..., :rot_dim].to(compute)
+    a = angles.to(compute)
+    y = x * torch.cos(a) + _rotate(x, interleaved) * torch.sin(a)
+    if rot_dim == t.shape[-1]:
+        return y.to(t.dtype)
+    return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
+
+
+_compiled_lock = threading.Lock()
+_compiled: Optional[Callable[..., torch.Tensor]] = None
+_compile_failed = False
+
+
+def _rope_math_cuda(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``_rope_math`` as one fused ``torch.compile`` kernel (created on first use); eager if compiling fails."""
+    global _compiled, _compile_failed
+    if not _compile_failed:
+        with _compiled_lock:
+            if _compiled is None:
+                _compiled = torch.compile(_rope_math, dynamic=True)
+        try:
+            return _compiled(t, angles, interleaved)
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
+            _compile_failed = True
+            logger.warning("cpscope RoPE: torch.compile failed (%s); using the eager path", e)
+    return _rope_math(t, angles, interleaved)
+
+
+_te_rope: Any = None  # None = not tried; False = unavailable; else TE's apply_rotary_pos_emb
+
+
+def _te_apply() -> Any:
+    global _te_rope
+    if _te_rope is None:
+        try:
+            from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply
+
+            _te_rope = te_apply
+        except Exception:  # noqa: BLE001 - TE absent or broken: use the torch path
+            _te_rope = False
+    return _te_rope
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    qkv_format: str,
+    cu_seqlens: Optional[Union[torch.Tensor, Sequence[int]]] = None,
+    interleaved: bool = False,
+    group: Any = _UNSET,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Apply RoPE to the local zigzag tensor ``t`` at the global positions of its tokens.
+
+    The CP group is the active one (:func:`cpscope.runtime_cp`) or ``group=``; under CP1 this is ordinary RoPE.
+
+    Args:
+        t: local tensor, ``[b, s, h, d]`` (``bshd``), ``[s, b, h, d]`` (``sbhd``) or ``[t, h, d]`` (``thd``).
+        freqs: ``[max_seqlen, 1, 1, rot_dim]`` angles (TE layout), covering the global length: ``s·cp`` for
+            ``bshd``/``sbhd``, the longest document for ``thd``. ``rot_dim ≤ d``; channels past it pass through.
+        qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
+        cu_seqlens: ``thd`` only: the **global** (padded) document offsets, int32, starting at 0.
+        interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rot_dim/2])``.
+        group: explicit CP group (``None`` = CP1); default: the active scope.
+        impl: ``"auto"`` (TE fused on CUDA when importable, else torch), ``"te"``, ``"compiled"`` or ``"eager"``.
+
+    Returns:
+        A tensor like ``t`` (same dtype; computed in fp32). Differentiable w.r.t. ``t``.
+
+    Raises:
+        ValueError: bad layout or rank; local ``thd`` length ≠ ``cu_seqlens[-1]/cp``; a sequence / document not
+            divisible by ``2·cp``; ``freqs`` of the wrong shape, shorter than the global length, or with an odd
+            ``rot_dim`` or one larger than ``d``; malformed ``cu_seqlens`` — all before any kernel runs.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens_padded)
+    """
+    scope = resolve_scope(group)
+    cp, rank = scope.size, scope.rank
+    check_qkv_format(qkv_format)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    check_tensor_dims(t, qkv_format)
+    if qkv_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens (the global document offsets)")
+        cu = cu_seqlens_list(cu_seqlens)
+        check_local_thd_len(t.shape[0], cu, cp)
+        check_cu_seqlens(cu, cp)
+        global_len = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        check_rope_freqs(freqs, t.shape[-1], global_len, what="longest document")
+    else:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
+        seq = t.shape[1] if qkv_format == "bshd" else t.shape[0]
+        global_len = seq * cp
+        check_divisible_seq(global_len, cp, what=f"sequence length (local {seq} x cp {cp})")
+        check_rope_freqs(freqs, t.shape[-1], global_len)
+        cu = [0, global_len]
+
+    use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
+    if use_te:
+        te_apply = _te_apply()
+        if not te_apply:
+            raise ValueError("impl='te' needs TransformerEngine (transformer_engine.pytorch) to be importable")
+        te_cu = None
+        if qkv_format == "thd":
+            given = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
+            ok = given is not None and given.dtype == torch.int32 and given.device == t.device
+            te_cu = given if ok else torch.tensor(cu, dtype=torch.int32, device=t.device)
+        return te_apply(  # TE's kernel reads freqs as a dense [S, rot_dim] fp32 array
+            t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=True,
+            cu_seqlens=te_cu, cp_size=cp, cp_rank=rank,
+        )
+
+    pos = _positions(tuple(cu), cp, rank, freqs.device)  # [n_local] global positions
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
+    angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
+    if qkv_format == "bshd":
+        angles = angles[None, :, None, :]  # [1, s, 1, rot_dim]
+    elif qkv_format == "sbhd":
+        angles = angles[:, None, None, :]  # [s, 1, 1, rot_dim]
+    else:
+        angles = angles[:, None, :]  # [t, 1, rot_dim]
+    angles = angles.to(t.device)
+    if impl == "compiled" or (impl == "auto" and t.is_cuda):
+        return _rope_math_cuda(t, angles, interleaved)
+    return _rope_math(t, angles, interleaved)
+
+
+def rotary_freqs(
+    rot_dim: int,
+    max_seqlen: int,
+    *,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    device: Optional[Union[torch.device, str]] = None,
+) -> torch.Tensor:
+    """The TE-style fp32 angle table ``[max_seqlen, 1, 1, rot_dim]`` for :func:`apply_rotary_pos_emb`.
+
+    ``angle[p, j] = p · base^(−2j/rot_dim)`` for ``j < rot_dim/2``; non-interleaved concatenates the two halves,
+    interleaved repeats each angle twice in a row.
+
+    Example::
+
+        freqs = cpscope.rotary_freqs(64, 4096)     # [4096, 1, 1, 64]
+    """
+    _check_rot_dim(rot_dim)
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))
+    return _table(inv_freq, max_seqlen, interleaved)
+
+
+def _table(inv_freq: torch.Tensor, max_seqlen: int, interleaved: bool) -> torch.Tensor:
+    pos = torch.arange(max_seqlen, dtype=torch.float32, device=inv_freq.device)
+    ang = torch.outer(pos, inv_freq)  # [S, rot_dim/2]
+    emb = ang.repeat_interleave(2, dim=-1) if interleaved else torch.cat((ang, ang), dim=-1)
+    return emb[:, None, None, :]  # [S, 1, 1, rot_dim]
+
+
+def _check_rot_dim(rot_dim: int) -> None:
+    if not isinstance(rot_dim, int) or isinstance(rot_dim, bool) or rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rot_dim must be a positive even int, got {rot_dim!r}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Builds (and caches) the fp32 RoPE angle table for :func:`apply_rotary_pos_emb`.
+
+    ``forward(max_seqlen, device=None)`` returns ``[max_seqlen, 1, 1, rot_dim]``; the table is cached per device
+    and grown on demand (a shorter request is a view of the cached table). Pass the **global** length.
+
+    Example::
+
+        rope = cpscope.RotaryEmbedding(64)
+        freqs = rope(8192, device="cuda")
+        q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="sbhd")
+    """
+
+    def __init__(self, rot_dim: int, base: float = 10000.0, interleaved: bool = False) -> None:
+        super().__init__()
+        _check_rot_dim(rot_dim)
+        self.rot_dim, self.base, self.interleaved = rot_dim, float(base), bool(interleaved)
+        self._cache: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, max_seqlen: int, device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
+        if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        table = self._cache.get(dev)
+        if table is None or table.shape[0] < max_seqlen:
+            table = rotary_freqs(
+                self.rot_dim, max_seqlen, base=self.base, interleaved=self.interleaved, device=dev
+            )
+            self._cache[dev] = table
+        return table[:max_seqlen]
+
+    def extra_repr(self) -> str:
+        return f"rot_dim={self.rot_dim}, base={self.base}, interleaved={self.interleaved}"

@@ -1,0 +1,390 @@
+"""Zigzag (dual-chunk) sharding of sequences across a CP group.
+
+A sequence of length ``L`` (divisible by ``2·cp``) is cut into ``2·cp`` equal *chunks*; CP rank ``r`` holds chunk
+``r`` followed by chunk ``2·cp−1−r``, which balances causal-attention work across ranks. In ``thd`` every document
+listed in the (global) ``cu_seqlens`` is cut this way on its own, and the local tensor is the concatenation,
+document by document, of each document's local part.
+
+* :func:`zigzag_indices` — the full-tensor token indices a rank holds (pure index math, cached).
+* :func:`zigzag_position_ids` — the global positions of the local tokens (restarting at 0 per document).
+* :func:`zigzag_shard` / :func:`zigzag_unshard` — cut a full tensor / gather it back (collective, differentiable).
+* :func:`pad_packed_batch` / :func:`pad_to_cp_multiple` — pad documents / sequences so they divide by ``2·cp``.
+
+Example::
+
+    with cpscope.runtime_cp(groups[2]):
+        x_local = cpscope.zigzag_shard(x, seq_dim=1)            # [b, s/2, h, d]
+        pos = cpscope.zigzag_position_ids(x.shape[1])           # [s/2] global positions
+        x_full = cpscope.zigzag_unshard(x_local, seq_dim=1)     # == x on every rank
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ._checks import (
+    check_cu_seqlens,
+    check_divisible_seq,
+    check_local_thd_len,
+    check_seq_dim,
+    cu_seqlens_list,
+)
+from .scope import _UNSET, CPScope, resolve_scope
+
+__all__ = [
+    "zigzag_indices",
+    "zigzag_position_ids",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
+    "pad_packed_batch",
+    "PaddedPackedBatch",
+    "pad_to_cp_multiple",
+    "clear_index_cache",
+]
+
+SeqlenOrCu = Union[int, torch.Tensor, Sequence[int]]
+_CACHE_SIZE = 256
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index math (pure, no process group)
+
+
+def _as_cu(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int) -> tuple[tuple[int, ...], bool]:
+    """Normalise to a validated ``cu_seqlens`` tuple; the flag says whether a single length was given."""
+    if isinstance(seqlen_or_cu_seqlens, bool):
+        raise ValueError(f"expected a sequence length or cu_seqlens, got {seqlen_or_cu_seqlens!r}")
+    if isinstance(seqlen_or_cu_seqlens, int):
+        seqlen = seqlen_or_cu_seqlens
+        if seqlen < 0:
+            raise ValueError(f"sequence length must be >= 0, got {seqlen}")
+        check_divisible_seq(seqlen, cp)
+        return (0, seqlen), True
+    cu = cu_seqlens_list(seqlen_or_cu_seqlens)
+    check_cu_seqlens(cu, cp)
+    return tuple(cu), False
+
+
+def _check_cp_rank(cp: int, rank: int) -> None:
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp:
+        raise ValueError(f"rank must be an int in [0, cp={cp}), got {rank!r}")
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _indices_and_starts(
+    cu: tuple[int, ...], cp: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full-tensor indices of the local tokens, start offset of each local token's document); both [n_local]."""
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    lens = cu_t[1:] - cu_t[:-1]  # [docs]
+    local = lens // cp  # tokens per document on each rank (2 chunks)
+    chunk = local // 2
+    n_local = int(local.sum())
+    doc = torch.repeat_interleave(torch.arange(len(lens)), local)  # [n_local] document of each local token
+    local_start = torch.cumsum(local, 0) - local  # [docs] offset of each document in the local tensor
+    k = torch.arange(n_local) - local_start[doc]  # offset of the token inside its document's local part
+    c = chunk[doc]
+    second = k >= c
+    chunk_id = torch.where(second, 2 * cp - 1 - rank, rank)
+    start = cu_t[:-1][doc]
+    idx = start + chunk_id * c + torch.where(second, k - c, k)
+    return idx.to(device), start.to(device)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _inverse_permutation(cu: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
+    """``inv`` with ``full = gathered.index_select(inv)`` where ``gathered`` is the rank-major concatenation."""
+    perm = torch.cat([_indices_and_starts(cu, cp, r, torch.device("cpu"))[0] for r in range(cp)])
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return inv.to(device)
+
+
+def _device(device: Any) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def zigzag_indices(
+    seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
+) -> torch.Tensor:
+    """Indices, in the full (unsharded) tensor, of the tokens CP rank ``rank`` of ``cp`` holds, in local order.
+
+    ``seqlen_or_cu_seqlens`` is either one sequence length (``bshd`` / ``sbhd``) or the global ``cu_seqlens`` of a
+    packed ``thd`` batch (each document is cut on its own). The result is a cached int64 tensor: treat it as
+    read-only. ``cp == 1`` gives ``arange(total)``.
+
+    Raises:
+        ValueError: a length not divisible by ``2·cp``; malformed ``cu_seqlens``; ``rank`` out of range.
+
+    Example::
+
+        >>> zigzag_indices(8, cp=2, rank=0)
+        tensor([0, 1, 6, 7])
+        >>> zigzag_indices([0, 4, 12], cp=2, rank=1)
+        tensor([ 1,  2,  6,  7,  8,  9])
+    """
+    _check_cp_rank(cp, rank)
+    cu, _ = _as_cu(seqlen_or_cu_seqlens, cp)
+    return _indices_and_starts(cu, cp, rank, _device(device))[0]
+
+
+def zigzag_positions(
+    seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
+) -> torch.Tensor:
+    """Global positions (restarting at 0 in every document) of the tokens CP rank ``rank`` of ``cp`` holds.
+
+    The explicit-``cp``/``rank`` form of :func:`zigzag_position_ids`; int64, cached (read-only).
+
+    Example::
+
+        >>> zigzag_positions([0, 4, 12], cp=2, rank=1)
+        tensor([1, 2, 2, 3, 4, 5])
+    """
+    _check_cp_rank(cp, rank)
+    cu, _ = _as_cu(seqlen_or_cu_seqlens, cp)
+    return _positions(cu, cp, rank, _device(device))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _positions(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    idx, start = _indices_and_starts(cu, cp, rank, torch.device("cpu"))
+    return (idx - start).to(device)
+
+
+def zigzag_position_ids(
+    seqlen_or_cu_seqlens: SeqlenOrCu,
+    *,
+    group: Any = _UNSET,
+    device: Optional[Union[torch.device, str]] = None,
+) -> torch.Tensor:
+    """Global position ids of this rank's local zigzag tokens under the active CP group (or ``group=``).
+
+    Positions restart at 0 for every document of a packed (``thd``) batch, as in TE. Under CP1 this is
+    ``arange(seqlen)`` (or the per-document aranges). Returns a cached int64 tensor of shape ``[n_local]``.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):        # rank 1 of 2
+            cpscope.zigzag_position_ids(8)          # tensor([2, 3, 4, 5])
+    """
+    scope = resolve_scope(group)
+    cu, _ = _as_cu(seqlen_or_cu_seqlens, scope.size)
+    return _positions(cu, scope.size, scope.rank, _device(device))
+
+
+def clear_index_cache() -> None:
+    """Drop the cached index / position tensors (e.g. to free device memory)."""
+    _indices_and_starts.cache_clear()
+    _inverse_permutation.cache_clear()
+    _positions.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shard / unshard
+
+
+def zigzag_shard(
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET
+) -> torch.Tensor:
+    """This rank's zigzag part of the full tensor ``x`` (per document when ``cu_seqlens`` is given).
+
+    ``bshd`` uses ``seq_dim=1``, ``sbhd`` and ``thd`` ``seq_dim=0``. No communication; differentiable (the gradient
+    of the full tensor is zero outside this rank's tokens). Under CP1 ``x`` itself is returned.
+
+    Raises:
+        ValueError: ``seq_dim`` out of range; the sequence (or a document) not divisible by ``2·cp``;
+            ``cu_seqlens[-1]`` differs from ``x.shape[seq_dim]``; malformed ``cu_seqlens``.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            q_local = cpscope.zigzag_shard(q, seq_dim=1)                          # bshd
+            t_local = cpscope.zigzag_shard(t, seq_dim=0, cu_seqlens=cu_seqlens)   # thd, global cu_seqlens
+    """
+    scope = resolve_scope(group)
+    seq_dim = check_seq_dim(x, seq_dim)
+    if scope.size == 1:
+        return x
+    cp, rank = scope.size, scope.rank
+    n = x.shape[seq_dim]
+    if cu_seqlens is None:
+        check_divisible_seq(n, cp)
+        c = n // (2 * cp)
+        # [.., 2cp*c, ..] -> chunks r and 2cp-1-r
+        return torch.cat([x.narrow(seq_dim, rank * c, c), x.narrow(seq_dim, (2 * cp - 1 - rank) * c, c)], seq_dim)
+    cu, _ = _as_cu(cu_seqlens, cp)
+    if cu[-1] != n:
+        raise ValueError(
+            f"zigzag_shard: x has {n} tokens along seq_dim={seq_dim} (shape {tuple(x.shape)}) but "
+            f"cu_seqlens[-1]={cu[-1]}; zigzag_shard takes the full (unsharded) tensor and global cu_seqlens"
+        )
+    idx = _indices_and_starts(cu, cp, rank, x.device)[0]
+    return x.index_select(seq_dim, idx)
+
+
+class _ZigzagUnshard(torch.autograd.Function):
+    """All-gather the local zigzag parts and undo the permutation; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seq_dim: int, cu: tuple[int, ...], scope: CPScope) -> torch.Tensor:
+        ctx.seq_dim, ctx.cu, ctx.cp, ctx.rank = seq_dim, cu, scope.size, scope.rank
+        xc = x.contiguous()
+        parts = [torch.empty_like(xc) for _ in range(scope.size)]
+        dist.all_gather(parts, xc, group=scope.group)
+        gathered = torch.cat(parts, seq_dim)  # rank-major: [rank 0's local, rank 1's local, ...]
+        inv = _inverse_permutation(cu, scope.size, x.device)
+        return gathered.index_select(seq_dim, inv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        idx = _indices_and_starts(ctx.cu, ctx.cp, ctx.rank, grad.device)[0]
+        return grad.index_select(ctx.seq_dim, idx), None, None, None
+
+
+def zigzag_unshard(
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET
+) -> torch.Tensor:
+    """Inverse of :func:`zigzag_shard`: gather every rank's local part and restore the original token order.
+
+    **Collective** over the CP group (every member must call it). Differentiable: the backward returns this rank's
+    slice of the full gradient (each rank is assumed to compute the same loss from the full tensor; no reduction
+    is done). The group is resolved once here and kept for backward. Under CP1 ``x`` itself is returned.
+
+    Raises:
+        ValueError: ``seq_dim`` out of range; an odd local length; local ``thd`` length ≠ ``cu_seqlens[-1]/cp``;
+            a document not divisible by ``2·cp``; malformed ``cu_seqlens`` — all before any communication.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            out_full = cpscope.zigzag_unshard(out_local, seq_dim=1)    # [b, s, h, d] on every rank
+    """
+    scope = resolve_scope(group)
+    seq_dim = check_seq_dim(x, seq_dim)
+    if scope.size == 1:
+        return x
+    cp = scope.size
+    n = x.shape[seq_dim]
+    if cu_seqlens is None:
+        if n % 2:
+            raise ValueError(
+                f"zigzag_unshard: the local length must be even (two zigzag chunks), got {n} along seq_dim={seq_dim} "
+                f"(shape {tuple(x.shape)}) with CP size {cp}"
+            )
+        cu: tuple[int, ...] = (0, n * cp)
+    else:
+        cu, _ = _as_cu(cu_seqlens, cp)
+        check_local_thd_len(n, list(cu), cp, name="zigzag_unshard input")
+    return _ZigzagUnshard.apply(x, seq_dim, cu, scope)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Padding
+
+
+class PaddedPackedBatch(NamedTuple):
+    """Result of :func:`pad_packed_batch`.
+
+    Attributes:
+        tensors: the padded tensors (same order as given), each ``[cu_seqlens_padded[-1], ...]``.
+        cu_seqlens_padded: int32 global offsets of the padded documents (what sharding / RoPE / attention take).
+        cu_seqlens: int32 global offsets of the real documents (TE's ``cu_seqlens`` next to ``cu_seqlens_padded``).
+        real_mask: bool ``[cu_seqlens_padded[-1]]``, True at real tokens (for losses).
+        real_index: int64 ``[cu_seqlens[-1]]``, where each real token sits in the padded batch.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    cu_seqlens_padded: torch.Tensor
+    cu_seqlens: torch.Tensor
+    real_mask: torch.Tensor
+    real_index: torch.Tensor
+
+
+def _resolve_cp(cp: Optional[int], group: Any) -> int:
+    if cp is None:
+        return resolve_scope(group).size
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+    return cp
+
+
+def pad_packed_batch(
+    *tensors: torch.Tensor,
+    cu_seqlens: Union[torch.Tensor, Sequence[int]],
+    cp: Optional[int] = None,
+    pad_value: Union[float, int, Sequence[Union[float, int]]] = 0,
+    group: Any = _UNSET,
+) -> PaddedPackedBatch:
+    """Pad every document of a packed ``thd`` batch to a multiple of ``2·cp`` tokens (padding at each end).
+
+    ``tensors`` are full (unsharded) ``[T, ...]`` tensors with ``T = cu_seqlens[-1]`` (tokens, labels, q, ...);
+    ``cp`` defaults to the size of the active group (or ``group=``). ``pad_value`` may be one value or one per
+    tensor (e.g. ``(0, -100)`` for input ids and labels). Differentiable w.r.t. the inputs.
+
+    Example::
+
+        b = cpscope.pad_packed_batch(ids, labels, cu_seqlens=cu, cp=2, pad_value=(0, -100))
+        ids_p, labels_p = b.tensors
+        with cpscope.runtime_cp(groups[2]):
+            ids_local = cpscope.zigzag_shard(ids_p, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)
+    """
+    cp = _resolve_cp(cp, group)
+    cu = cu_seqlens_list(cu_seqlens)
+    pads = list(pad_value) if isinstance(pad_value, (list, tuple)) else [pad_value] * len(tensors)
+    if len(pads) != len(tensors):
+        raise ValueError(f"pad_value has {len(pads)} entries for {len(tensors)} tensors")
+    for i, t in enumerate(tensors):
+        if t.dim() < 1 or t.shape[0] != cu[-1]:
+            raise ValueError(
+                f"pad_packed_batch: tensor {i} has shape {tuple(t.shape)} but cu_seqlens[-1]={cu[-1]}; "
+                f"tensors must be full [T, ...] packed tensors with T = cu_seqlens[-1]"
+            )
+    mult = 2 * cp
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    lens = cu_t[1:] - cu_t[:-1]
+    plens = (lens + mult - 1) // mult * mult
+    cu_p = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(plens, 0)])
+    total_p = int(cu_p[-1])
+    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)  # [T] document of each real token
+    real_index = torch.arange(cu[-1]) - cu_t[:-1][doc] + cu_p[:-1][doc]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    real_index = real_index.to(device)
+    real_mask = torch.zeros(total_p, dtype=torch.bool, device=device)
+    real_mask[real_index] = True
+    out = tuple(
+        t.new_full((total_p, *t.shape[1:]), p).index_copy(0, real_index.to(t.device), t) for t, p in zip(tensors, pads)
+    )
+    cu_dev = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else device
+    return PaddedPackedBatch(
+        out, cu_p.to(torch.int32).to(cu_dev), cu_t.to(torch.int32).to(cu_dev), real_mask, real_index
+    )
+
+
+def pad_to_cp_multiple(
+    x: torch.Tensor, *, seq_dim: int, cp: Optional[int] = None, pad_value: Union[float, int] = 0, group: Any = _UNSET
+) -> tuple[torch.Tensor, int]:
+    """Pad ``x`` at the end of ``seq_dim`` to a multiple of ``2·cp`` (``bshd`` / ``sbhd``); returns ``(x, real_len)``.
+
+    ``cp`` defaults to the size of the active group (or ``group=``). Returns ``x`` itself when no padding is needed.
+
+    Example::
+
+        ids, n = cpscope.pad_to_cp_multiple(ids, seq_dim=1, cp=4, pad_value=0)
+        labels, _ = cpscope.pad_to_cp_multiple(labels, seq_dim=1, cp=4, pad_value=-100)
+    """
+    cp = _resolve_cp(cp, group)
+    seq_dim = check_seq_dim(x, seq_dim)
+    n = x.shape[seq_dim]
+    mult = 2 * cp
+    target = -(-n // mult) * mult
+    if target == n:
+        return x, n
+    shape = list(x.shape)
+    shape[seq_dim] = target - n
+    return torch.cat([x, x.new_full(shape, pad_value)], seq_dim), n

@@ -1,0 +1,310 @@
+"""CP-aware RoPE: the local output (and gradient) equals a float64 full-sequence reference cut per rank, for
+CP 1/2/4 on real gloo groups and CP 1..4 simulated in one process; runtime group switches; the freqs table
+module; bad input. GPU tests compare the torch paths with TransformerEngine's fused kernel."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cpscope
+from cpscope.rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
+from cpscope.sharding import zigzag_position_ids
+from tests.distributed import run_ranks
+from tests.test_sharding import cu_of, fake_scope, ref_local_tokens
+
+SEQ_DIM = {"bshd": 1, "sbhd": 0, "thd": 0}
+HEAD_DIM = 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Independent float64 reference: per channel, as TE defines it (freqs need not be symmetric)
+
+
+def ref_rope_tokens(x: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x: [N, ..., d] float64, angles: [N, rot_dim] float64 (one row per token). Channels past rot_dim pass."""
+    rd = angles.shape[-1]
+    shape = [angles.shape[0]] + [1] * (x.dim() - 2)
+    cos = [torch.cos(angles[:, j]).reshape(shape) for j in range(rd)]
+    sin = [torch.sin(angles[:, j]).reshape(shape) for j in range(rd)]
+    cols = []
+    for j in range(rd):
+        if interleaved:
+            partner = -x[..., j + 1] if j % 2 == 0 else x[..., j - 1]
+        else:
+            partner = -x[..., j + rd // 2] if j < rd // 2 else x[..., j - rd // 2]
+        cols.append(x[..., j] * cos[j] + partner * sin[j])
+    cols += [x[..., j] for j in range(rd, x.shape[-1])]
+    return torch.stack(cols, dim=-1)
+
+
+def ref_rope_full(x: torch.Tensor, freqs: torch.Tensor, layout: str, doc_lens: list[int], interleaved: bool):
+    """Full-sequence RoPE in float64: positions 0..L-1 (per document in thd)."""
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1]).double()
+    pos = torch.cat([torch.arange(n) for n in doc_lens]) if doc_lens else torch.zeros(0, dtype=torch.long)
+    d = SEQ_DIM[layout]
+    xt = x.movedim(d, 0)  # tokens first
+    return ref_rope_tokens(xt, table[pos], interleaved).movedim(0, d)
+
+
+def _doc_lens(layout: str, cp: int, rng: random.Random) -> list[int]:
+    if layout == "thd":
+        return [2 * cp * rng.randint(0, 3) for _ in range(rng.randint(1, 4))]
+    return [2 * cp * rng.randint(1, 3)]
+
+
+def _tensor(layout: str, total: int, g: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    shape = {"bshd": (2, total, 3, HEAD_DIM), "sbhd": (total, 2, 3, HEAD_DIM), "thd": (total, 3, HEAD_DIM)}[layout]
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+def check_case(cp: int, rank: int, layout: str, interleaved: bool, rot_dim: int, seed: int, table: str) -> None:
+    """Compare cpscope's local RoPE (active scope) with the reference cut at this rank's tokens: fwd and grad."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    doc_lens = _doc_lens(layout, cp, rng)
+    total = sum(doc_lens)
+    global_len = max(doc_lens) if layout == "thd" else total  # tight: freqs exactly cover the global length
+    if table == "module":
+        freqs = RotaryEmbedding(rot_dim, interleaved=interleaved)(global_len)
+    else:  # arbitrary angles: exercises the per-channel convention
+        freqs = torch.rand(global_len, 1, 1, rot_dim, generator=g) * 50
+    x = _tensor(layout, total, g)
+    w = _tensor(layout, total, g)
+    d = SEQ_DIM[layout]
+
+    x64 = x.double().requires_grad_(True)
+    ref = ref_rope_full(x64, freqs, layout, doc_lens, interleaved)
+    (ref * w.double()).sum().backward()
+
+    idx = torch.tensor(ref_local_tokens(doc_lens, cp, rank)[0], dtype=torch.long)
+    x_local = x.index_select(d, idx).requires_grad_(True)
+    cu = torch.tensor(cu_of(doc_lens), dtype=torch.int32) if layout == "thd" else None
+    out = apply_rotary_pos_emb(x_local, freqs, qkv_format=layout, cu_seqlens=cu, interleaved=interleaved)
+    assert out.dtype == x_local.dtype and out.shape == x_local.shape
+    what = f"cp={cp} rank={rank} {layout} interleaved={interleaved} rot_dim={rot_dim} docs={doc_lens}"
+    torch.testing.assert_close(out, ref.detach().index_select(d, idx).float(), atol=1e-6, rtol=1e-6, msg=what)
+    (out * w.index_select(d, idx)).sum().backward()
+    torch.testing.assert_close(x_local.grad, x64.grad.index_select(d, idx).float(), atol=1e-6, rtol=1e-6, msg=what)
+
+
+CASES = [
+    (layout, interleaved, rot_dim, table)
+    for layout in ("bshd", "sbhd", "thd")
+    for interleaved in (False, True)
+    for rot_dim, table in ((HEAD_DIM, "module"), (HEAD_DIM // 2, "random"))
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In one process: CP1 unbound, and every rank of CP 2..4 simulated (RoPE needs no communication)
+
+
+@pytest.mark.parametrize("layout,interleaved,rot_dim,table", CASES)
+def test_rope_cp1_unbound(layout, interleaved, rot_dim, table):
+    check_case(1, 0, layout, interleaved, rot_dim, seed=7, table=table)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_rope_simulated_ranks(cp):
+    for i, case in enumerate(CASES):
+        for rank in range(cp):
+            with fake_scope(cp, rank).bind():
+                check_case(cp, rank, *case[:3], seed=100 * cp + i, table=case[3])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real groups on the pools
+
+
+def _rope_pool_task(sizes):
+    groups = cpscope.new_cp_groups(sizes)
+    for cp in sizes:
+        with cpscope.runtime_cp(groups[cp]):
+            assert cpscope.cp_size() == cp
+            for i, case in enumerate(CASES):
+                check_case(cp, cpscope.cp_rank(), *case[:3], seed=10 * cp + i, table=case[3])
+    return True
+
+
+@pytest.mark.parametrize("world,sizes", [(2, [1, 2]), (4, [1, 2, 4])])
+def test_rope_matches_full_reference_on_groups(world, sizes):
+    assert run_ranks(world, _rope_pool_task, sizes) == [True] * world
+
+
+def _mixed_microbatches_task():
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    cpscope.set_debug_autograd_reads(True)  # nothing may read the scope in backward
+    seen = []
+    for step, cp in enumerate([4, 1, 2, 1, 4, 2]):
+        with cpscope.runtime_cp(groups[cp]):
+            rank = cpscope.cp_rank()
+            assert cpscope.cp_size() == cp
+            doc_lens = [2 * cp * 2, 2 * cp]
+            cu = cu_of(doc_lens)
+            want = ref_local_tokens(doc_lens, cp, rank)[1]
+            assert zigzag_position_ids(torch.tensor(cu, dtype=torch.int32)).tolist() == want
+            assert zigzag_position_ids(4 * cp).tolist() == ref_local_tokens([4 * cp], cp, rank)[1]
+            check_case(cp, rank, "thd", step % 2 == 1, HEAD_DIM, seed=step, table="module")
+            check_case(cp, rank, "bshd", False, HEAD_DIM // 2, seed=step, table="random")
+            seen.append((cp, rank))
+    return seen
+
+
+def test_mixed_cp_sizes_on_same_ranks():
+    out = run_ranks(4, _mixed_microbatches_task)
+    for r, seen in enumerate(out):
+        assert seen == [(4, r), (1, 0), (2, r % 2), (1, 0), (4, r), (2, r % 2)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dtypes, the table module
+
+
+def test_low_precision_keeps_dtype():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, 2, HEAD_DIM, generator=g)
+    freqs = rotary_freqs(HEAD_DIM, 16)
+    with fake_scope(2, 1).bind():
+        out = apply_rotary_pos_emb(x.bfloat16(), freqs, qkv_format="bshd")
+        out64 = apply_rotary_pos_emb(x.double(), freqs, qkv_format="bshd")
+    assert out.dtype == torch.bfloat16 and out64.dtype == torch.float64
+    idx = torch.tensor(ref_local_tokens([16], 2, 1)[1])
+    ref = ref_rope_tokens(x.double().movedim(1, 0), freqs[idx, 0, 0].double(), False).movedim(0, 1)
+    torch.testing.assert_close(out64, ref, atol=1e-6, rtol=1e-6)  # float32 angles, float64 math
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_embedding_table(interleaved):
+    rd, base, S = 6, 500.0, 33
+    rope = RotaryEmbedding(rd, base=base, interleaved=interleaved)
+    t = rope(S)
+    assert t.shape == (S, 1, 1, rd) and t.dtype == torch.float32
+    inv = [base ** (-2.0 * j / rd) for j in range(rd // 2)]
+    for p in (0, 1, 17, S - 1):
+        ang = [p * f for f in inv]
+        want = [a for a in ang for _ in range(2)] if interleaved else ang + ang
+        torch.testing.assert_close(t[p, 0, 0].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    shorter = rope(10)
+    assert shorter.data_ptr() == t.data_ptr() and shorter.shape[0] == 10  # cached, sliced
+    longer = rope(40)
+    assert longer.shape[0] == 40 and torch.equal(longer[:S], t)
+    assert torch.equal(rotary_freqs(rd, S, base=base, interleaved=interleaved), t)
+    with pytest.raises(ValueError, match=r"rot_dim must be a positive even int, got 5"):
+        RotaryEmbedding(5)
+    with pytest.raises(ValueError, match=r"max_seqlen must be a non-negative int, got -1"):
+        rope(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: ValueError naming the values, before any work
+
+
+def _bad(match, t, freqs, cp=2, rank=0, **kw):
+    with fake_scope(cp, rank).bind():
+        with pytest.raises(ValueError, match=match):
+            apply_rotary_pos_emb(t, freqs, **kw)
+
+
+F16 = rotary_freqs(4, 16)
+
+
+def test_bad_thd_local_length():
+    _bad(r"holds 5 local tokens.*cu_seqlens\[-1\]=8 with CP size 2", torch.zeros(5, 1, 4), F16,
+         qkv_format="thd", cu_seqlens=[0, 8])
+
+
+def test_bad_document_not_divisible():
+    _bad(r"divisible by 2\*cp=4: document 1 has length 6", torch.zeros(5, 1, 4), F16,
+         qkv_format="thd", cu_seqlens=[0, 4, 10])
+
+
+def test_bad_sequence_not_divisible():
+    _bad(r"divisible by 2\*cp=4, got 6", torch.zeros(1, 3, 1, 4), F16, qkv_format="bshd")
+    _bad(r"divisible by 2\*cp=8, got 12", torch.zeros(3, 1, 1, 4), F16, cp=4, qkv_format="sbhd")
+
+
+def test_bad_freqs_too_short():
+    _bad(r"freqs covers 7 positions but the global sequence length is 8", torch.zeros(1, 4, 1, 4),
+         rotary_freqs(4, 7), qkv_format="bshd")
+    _bad(r"freqs covers 7 positions but the longest document is 8", torch.zeros(6, 1, 4), rotary_freqs(4, 7),
+         qkv_format="thd", cu_seqlens=[0, 4, 12])
+    with pytest.raises(ValueError, match=r"freqs covers 7 positions but the global sequence length is 8"):
+        apply_rotary_pos_emb(torch.zeros(8, 1, 1, 4), rotary_freqs(4, 7), qkv_format="sbhd")  # CP1 too
+
+
+def test_bad_cu_seqlens():
+    t = torch.zeros(4, 1, 4)
+    _bad(r"must start at 0, got 4", t, F16, qkv_format="thd", cu_seqlens=[4, 12])
+    _bad(r"non-decreasing.*cu_seqlens\[2\]=4 < cu_seqlens\[1\]=8", t, F16, qkv_format="thd", cu_seqlens=[0, 8, 4, 8])
+    _bad(r"got dtype torch.float32", t, F16, qkv_format="thd", cu_seqlens=torch.tensor([0.0, 8.0]))
+    _bad(r"must hold integers, got \[0, 8.5\]", t, F16, qkv_format="thd", cu_seqlens=[0, 8.5])
+    _bad(r"needs cu_seqlens", t, F16, qkv_format="thd")
+    _bad(r"cu_seqlens is only used with qkv_format='thd', got qkv_format='bshd'", torch.zeros(1, 4, 1, 4), F16,
+         qkv_format="bshd", cu_seqlens=[0, 8])
+
+
+def test_bad_freqs_shape():
+    t = torch.zeros(1, 4, 1, 4)
+    _bad(r"shape \[max_seqlen, 1, 1, rot_dim\], got \(16, 4\)", t, F16.reshape(16, 4), qkv_format="bshd")
+    _bad(r"shape \[max_seqlen, 1, 1, rot_dim\], got \(16, 2, 1, 4\)", t, F16.expand(16, 2, 1, 4), qkv_format="bshd")
+    _bad(r"floating-point.*torch.int64", t, torch.zeros(16, 1, 1, 4, dtype=torch.long), qkv_format="bshd")
+
+
+def test_bad_rot_dim():
+    t = torch.zeros(1, 4, 1, 4)
+    _bad(r"rot_dim \(freqs.shape\[-1\]\) = 6 exceeds the head dimension 4", t, rotary_freqs(6, 16), qkv_format="bshd")
+    _bad(r"positive even number, got 3", t, torch.zeros(16, 1, 1, 3), qkv_format="bshd")
+
+
+def test_bad_layout():
+    _bad(r"qkv_format must be one of .* got 'bhsd'", torch.zeros(1, 4, 1, 4), F16, qkv_format="bhsd")
+    _bad(r"must be 4-D for qkv_format='sbhd'.*got shape \(4, 1, 4\)", torch.zeros(4, 1, 4), F16, qkv_format="sbhd")
+    _bad(r"must be 3-D for qkv_format='thd'.*got shape \(1, 4, 1, 4\)", torch.zeros(1, 4, 1, 4), F16,
+         qkv_format="thd", cu_seqlens=[0, 8])
+    _bad(r"impl must be one of", torch.zeros(1, 4, 1, 4), F16, qkv_format="bshd", impl="triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: compiled torch path and TE's fused kernel agree with the eager path (and hence the reference)
+
+
+def _gpu_case(cp, rank, layout, interleaved, rot_dim, impl):
+    """CPU eager (checked against the reference above) vs CUDA eager and CUDA ``impl``: forward and gradient."""
+    g = torch.Generator().manual_seed(cp * 10 + rank)
+    doc_lens = [2 * cp * 3, 2 * cp, 2 * cp * 5] if layout == "thd" else [2 * cp * 4]
+    total = sum(doc_lens)
+    freqs = rotary_freqs(rot_dim, max(doc_lens) + 3, interleaved=interleaved)
+    idx = torch.tensor(ref_local_tokens(doc_lens, cp, rank)[0])
+    d = SEQ_DIM[layout]
+    x0 = _tensor(layout, total, g).index_select(d, idx)
+    w0 = torch.randn(x0.shape, generator=g)
+    cu = torch.tensor(cu_of(doc_lens), dtype=torch.int32) if layout == "thd" else None
+    outs = []
+    for device, which in (("cpu", "eager"), ("cuda", "eager"), ("cuda", impl)):
+        x = x0.to(device).clone().requires_grad_(True)
+        with fake_scope(cp, rank).bind():
+            y = apply_rotary_pos_emb(
+                x, freqs.to(device), qkv_format=layout, cu_seqlens=None if cu is None else cu.to(device),
+                interleaved=interleaved, impl=which,
+            )
+        (y * w0.to(device)).sum().backward()
+        outs.append((y.detach().cpu(), x.grad.cpu()))
+    for y, gx in outs[1:]:
+        torch.testing.assert_close(y, outs[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gx, outs[0][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["compiled", "te"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_gpu_paths_match_eager(impl, cp):
+    if impl == "te":
+        pytest.importorskip("transformer_engine.pytorch")
+    for layout in ("bshd", "sbhd", "thd"):
+        for interleaved in (False, True):
+            for rot_dim in (HEAD_DIM, HEAD_DIM // 2):
+                for rank in range(cp):
+                    _gpu_case(cp, rank, layout, interleaved, rot_dim, impl)

@@ -1,0 +1,284 @@
+"""Zigzag sharding: index math against a naive chunk-by-chunk reference, shard/unshard round trips (pure and over
+real gloo groups), gradients, padding helpers and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpscope
+from cpscope.scope import CPScope
+from cpscope.sharding import (
+    clear_index_cache,
+    pad_packed_batch,
+    pad_to_cp_multiple,
+    zigzag_indices,
+    zigzag_position_ids,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from tests.distributed import run_ranks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Independent references
+
+
+def ref_local_tokens(doc_lens: list[int], cp: int, rank: int) -> tuple[list[int], list[int]]:
+    """(full indices, positions) of rank's tokens: cut each document into 2cp chunks, keep r and 2cp-1-r."""
+    idx, pos, start = [], [], 0
+    for n in doc_lens:
+        tokens = list(range(start, start + n))
+        c = n // (2 * cp)
+        chunks = [tokens[i * c : (i + 1) * c] for i in range(2 * cp)]
+        for t in chunks[rank] + chunks[2 * cp - 1 - rank]:
+            idx.append(t)
+            pos.append(t - start)
+        start += n
+    return idx, pos
+
+
+def cu_of(doc_lens: list[int]) -> list[int]:
+    cu = [0]
+    for n in doc_lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def fake_scope(cp: int, rank: int) -> CPScope:
+    """A scope for index-only code paths (no communication), to simulate every rank in one process."""
+    return CPScope(object(), cp, rank) if cp > 1 else CPScope(None, 1, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index math
+
+
+def test_indices_examples():
+    assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert zigzag_indices([0, 4, 12], 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
+    assert zigzag_positions([0, 4, 12], 2, 1).tolist() == [1, 2, 2, 3, 4, 5]
+    assert zigzag_indices(torch.tensor([0, 3, 8], dtype=torch.int32), 1, 0).tolist() == list(range(8))
+    assert zigzag_indices(8, 2, 0).dtype == torch.long
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=st.integers(1, 5), mults=st.lists(st.integers(0, 4), min_size=1, max_size=5))
+def test_indices_and_positions_match_reference(cp, mults):
+    doc_lens = [2 * cp * m for m in mults]
+    cu = cu_of(doc_lens)
+    seen = []
+    for r in range(cp):
+        ref_idx, ref_pos = ref_local_tokens(doc_lens, cp, r)
+        assert zigzag_indices(cu, cp, r).tolist() == ref_idx
+        assert zigzag_positions(cu, cp, r).tolist() == ref_pos
+        with fake_scope(cp, r).bind():
+            assert zigzag_position_ids(torch.tensor(cu, dtype=torch.int32)).tolist() == ref_pos
+        seen += ref_idx
+    assert sorted(seen) == list(range(cu[-1]))  # the ranks partition the tokens
+
+
+def test_index_cache_is_bounded_lru():
+    from cpscope.sharding import _indices_and_starts
+
+    clear_index_cache()
+    a = zigzag_indices([0, 8, 16], 2, 1)
+    assert zigzag_indices(torch.tensor([0, 8, 16]), 2, 1) is a  # same key whether list or tensor
+    info = _indices_and_starts.cache_info()
+    assert info.maxsize is not None and info.hits >= 1
+    for n in range(1, info.maxsize + 10):
+        zigzag_indices(4 * n, 2, 0)
+    assert _indices_and_starts.cache_info().currsize <= info.maxsize
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure round trip: shard for every rank, reassemble by the indices, compare to the naive reference
+
+LAYOUTS = {"bshd": 1, "sbhd": 0, "thd": 0}
+
+
+def _make(layout: str, doc_lens: list[int], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    total = sum(doc_lens)
+    shape = {"bshd": (2, total, 3, 4), "sbhd": (total, 2, 3, 4), "thd": (total, 3, 4)}[layout]
+    return torch.randn(shape, generator=g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cp=st.sampled_from([1, 2, 3, 4]),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    mults=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+)
+def test_shard_reassemble_roundtrip(cp, layout, mults):
+    doc_lens = [2 * cp * m for m in mults]
+    if layout != "thd":
+        doc_lens = [sum(doc_lens)]
+    x = _make(layout, doc_lens)
+    d = LAYOUTS[layout]
+    cu = cu_of(doc_lens) if layout == "thd" else None
+    full = torch.full_like(x, float("nan"))
+    for r in range(cp):
+        local = fake_scope(cp, r).run(zigzag_shard, x, seq_dim=d, cu_seqlens=cu)
+        ref_idx, _ = ref_local_tokens(doc_lens, cp, r)
+        assert torch.equal(local, x.index_select(d, torch.tensor(ref_idx, dtype=torch.long)))
+        full.index_copy_(d, zigzag_indices(cu if cu else doc_lens[0], cp, r), local)
+    assert torch.equal(full, x)
+
+
+def test_cp1_is_identity():
+    x = torch.randn(2, 6, 1, 2)
+    assert zigzag_shard(x, seq_dim=1) is x
+    assert zigzag_unshard(x, seq_dim=1) is x
+    assert zigzag_shard(x, seq_dim=1, group=None) is x
+    assert zigzag_position_ids(6).tolist() == list(range(6))
+    assert zigzag_position_ids([0, 2, 6]).tolist() == [0, 1, 0, 1, 2, 3]
+
+
+def test_shard_is_differentiable():
+    x = torch.randn(16, 3, requires_grad=True)
+    cu = [0, 4, 16]
+    local = fake_scope(2, 1).run(zigzag_shard, x, seq_dim=0, cu_seqlens=cu)
+    w = torch.randn_like(local)
+    (local * w).sum().backward()
+    ref = torch.zeros(16, 3)
+    ref[torch.tensor(ref_local_tokens([4, 12], 2, 1)[0])] = w
+    assert torch.equal(x.grad, ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real collectives on the gloo pools
+
+
+def _unshard_roundtrip_task(sizes):
+    groups = cpscope.new_cp_groups(sizes)
+    out = []
+    for cp in sizes:
+        group = groups[cp]
+        with cpscope.runtime_cp(group):
+            rank = cpscope.cp_rank()
+            for layout, d in LAYOUTS.items():
+                doc_lens = [2 * cp * 2, 0, 2 * cp * 3] if layout == "thd" else [2 * cp * 3]
+                cu = cu_of(doc_lens) if layout == "thd" else None
+                x = _make(layout, doc_lens, seed=cp)
+                local = zigzag_shard(x, seq_dim=d, cu_seqlens=cu).clone().requires_grad_(True)
+                full = zigzag_unshard(local, seq_dim=d, cu_seqlens=cu)
+                assert torch.equal(full, x), (cp, layout)
+                w = _make(layout, doc_lens, seed=100 + cp)
+                (full * w).sum().backward()
+                ref_idx = torch.tensor(ref_local_tokens(doc_lens, cp, rank)[0], dtype=torch.long)
+                assert torch.equal(local.grad, w.index_select(d, ref_idx)), (cp, layout)
+            x = _make("bshd", [4 * cp])
+            with cpscope.runtime_cp(None):  # explicit group= wins over the active (CP1) scope
+                local = zigzag_shard(x, seq_dim=1, group=group)
+                assert torch.equal(zigzag_unshard(local, seq_dim=1, group=group), x)
+        out.append(cp)
+    return out
+
+
+@pytest.mark.parametrize("world,sizes", [(2, [1, 2]), (4, [1, 2, 4])])
+def test_unshard_collective_roundtrip_and_grad(world, sizes):
+    assert run_ranks(world, _unshard_roundtrip_task, sizes) == [sizes] * world
+
+
+def _unshard_bad_input_task():
+    group = cpscope.new_cp_groups([2])[2]
+    with cpscope.runtime_cp(group):
+        with pytest.raises(ValueError, match=r"holds 5 local tokens.*cu_seqlens\[-1\]=8"):
+            zigzag_unshard(torch.zeros(5, 2), seq_dim=0, cu_seqlens=[0, 8])
+        with pytest.raises(ValueError, match=r"local length must be even.*got 3"):
+            zigzag_unshard(torch.zeros(1, 3, 2), seq_dim=1)
+        # the pool is still in step: a real collective right after
+        x = torch.arange(8.0)
+        assert torch.equal(zigzag_unshard(zigzag_shard(x, seq_dim=0), seq_dim=0), x)
+    return True
+
+
+def test_unshard_bad_input_raises_before_collective():
+    assert run_ranks(2, _unshard_bad_input_task) == [True, True]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Padding
+
+
+def test_pad_packed_batch():
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    ids = torch.arange(1, 11)
+    h = torch.randn(10, 2, requires_grad=True)
+    b = pad_packed_batch(ids, h, cu_seqlens=cu, cp=2, pad_value=(-100, 0.0))
+    assert b.cu_seqlens_padded.tolist() == [0, 4, 4, 12] and b.cu_seqlens_padded.dtype == torch.int32
+    assert b.cu_seqlens.tolist() == [0, 3, 3, 10] and b.cu_seqlens.dtype == torch.int32
+    ids_p, h_p = b.tensors
+    assert ids_p.tolist() == [1, 2, 3, -100, 4, 5, 6, 7, 8, 9, 10, -100]
+    assert b.real_mask.tolist() == [t != -100 for t in ids_p.tolist()]
+    assert b.real_index.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9, 10]
+    assert torch.equal(h_p[b.real_index], h) and torch.equal(h_p[~b.real_mask], torch.zeros(2, 2))
+    (h_p * 3).sum().backward()
+    assert torch.equal(h.grad, torch.full_like(h, 3.0))
+    # padded batch shards cleanly with CP2; already-divisible documents are unchanged
+    fake_scope(2, 0).run(zigzag_shard, ids_p, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)
+    same = pad_packed_batch(ids_p, cu_seqlens=b.cu_seqlens_padded, cp=2)
+    assert torch.equal(same.tensors[0], ids_p) and bool(same.real_mask.all())
+
+
+def test_pad_packed_batch_cp_from_scope_and_errors():
+    with fake_scope(4, 1).bind():
+        b = pad_packed_batch(torch.zeros(5), cu_seqlens=[0, 5])
+    assert b.cu_seqlens_padded.tolist() == [0, 8]
+    with pytest.raises(ValueError, match=r"tensor 0 has shape \(6,\).*cu_seqlens\[-1\]=5"):
+        pad_packed_batch(torch.zeros(6), cu_seqlens=[0, 5], cp=2)
+    with pytest.raises(ValueError, match=r"pad_value has 1 entries for 2 tensors"):
+        pad_packed_batch(torch.zeros(5), torch.zeros(5), cu_seqlens=[0, 5], cp=2, pad_value=[0])
+
+
+def test_pad_to_cp_multiple():
+    x = torch.ones(2, 5, 1)
+    y, n = pad_to_cp_multiple(x, seq_dim=1, cp=2, pad_value=-1)
+    assert n == 5 and y.shape == (2, 8, 1) and y[:, 5:].eq(-1).all() and y[:, :5].eq(1).all()
+    z, n = pad_to_cp_multiple(y, seq_dim=1, cp=2)
+    assert z is y and n == 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: ValueError naming the values
+
+
+def test_bad_sequence_not_divisible():
+    with pytest.raises(ValueError, match=r"divisible by 2\*cp=4, got 6"):
+        fake_scope(2, 0).run(zigzag_shard, torch.zeros(1, 6), seq_dim=1)
+    with pytest.raises(ValueError, match=r"divisible by 2\*cp=8, got 12"):
+        zigzag_indices(12, 4, 0)
+
+
+def test_bad_document_not_divisible():
+    with pytest.raises(ValueError, match=r"document 1 has length 6"):
+        fake_scope(2, 0).run(zigzag_shard, torch.zeros(10), seq_dim=0, cu_seqlens=[0, 4, 10])
+
+
+def test_bad_cu_seqlens():
+    with pytest.raises(ValueError, match=r"must start at 0, got 2"):
+        zigzag_indices([2, 8], 2, 0)
+    with pytest.raises(ValueError, match=r"non-decreasing.*cu_seqlens\[2\]=4 < cu_seqlens\[1\]=8"):
+        zigzag_indices([0, 8, 4], 2, 0)
+    with pytest.raises(ValueError, match=r"int32 \(or int64\) tensor, got dtype torch.float32"):
+        zigzag_indices(torch.tensor([0.0, 8.0]), 2, 0)
+    with pytest.raises(ValueError, match=r"must hold integers, got \[0, 8.0\]"):
+        zigzag_indices([0, 8.0], 2, 0)
+
+
+def test_bad_shard_length_vs_cu_seqlens():
+    with pytest.raises(ValueError, match=r"x has 12 tokens.*cu_seqlens\[-1\]=8"):
+        fake_scope(2, 0).run(zigzag_shard, torch.zeros(12), seq_dim=0, cu_seqlens=[0, 8])
+
+
+def test_bad_seq_dim_and_rank():
+    with pytest.raises(ValueError, match=r"seq_dim=3 is out of range for a tensor of shape \(2, 4\)"):
+        zigzag_shard(torch.zeros(2, 4), seq_dim=3)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, cp=2\), got 2"):
+        zigzag_indices(8, 2, 2)
+    with pytest.raises(ValueError, match=r"cp must be a positive int, got 0"):
+        zigzag_indices(8, 0, 0)
