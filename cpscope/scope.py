@@ -280,10 +280,14 @@ def _step_bound(gen: Any, scope: CPScope) -> Any:
 
 
 _debug_autograd_reads = False
+# Debug mode only. The autograd graph task in which this context deliberately re-entered a captured scope
+# (activation-checkpoint recompute, a hook wrapped with ``cpscope.checkpoint.scoped``): reads made there see the
+# scope that was captured in forward, so they are allowed. -1: none. Set and reset by ``cpscope.checkpoint``.
+_REENTERED_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_reentered_in_graph_task", default=-1)
 
 
 class ScopeReadInBackwardError(RuntimeError):
-    """Raised in debug mode when the active CP scope is read while autograd executes a backward node."""
+    """Raised in debug mode when the active CP scope is read while autograd executes a backward pass."""
 
 
 def set_debug_autograd_reads(enabled: bool = True) -> None:
@@ -291,6 +295,19 @@ def set_debug_autograd_reads(enabled: bool = True) -> None:
 
     Backward functions, hooks and recompute must use the scope captured in forward (autograd runs them on its
     own threads, which do not see the caller's ContextVars). Tests turn this on to prove that nothing does.
+
+    "Inside backward" means: on any thread, while the autograd engine runs a graph task — a node's ``backward``,
+    tensor / node / post-accumulate-grad hooks, saved-tensor unpack hooks (non-reentrant checkpoint recompute) and
+    ``queue_callback`` callbacks. Reads inside a scope that was deliberately re-entered during that graph task
+    (``cpscope.checkpoint`` recompute, ``cpscope.checkpoint.scoped`` hooks) are allowed. Not detectable: a thread
+    that a hook starts itself (it is outside every graph task). Off by default; when off, a read costs one
+    global-bool check.
+
+    Example::
+
+        cpscope.set_debug_autograd_reads(True)
+        loss.backward()            # raises if anything in backward calls cp_size() / current_cp_group() ...
+        cpscope.set_debug_autograd_reads(False)
     """
     global _debug_autograd_reads
     _debug_autograd_reads = bool(enabled)
@@ -299,12 +316,15 @@ def set_debug_autograd_reads(enabled: bool = True) -> None:
 def _check_not_in_backward() -> None:
     import torch
 
+    task = torch._C._current_graph_task_id()  # -1 outside every backward; also set in queue_callback callbacks
+    if task == -1 or _REENTERED_IN_TASK.get() == task:
+        return
     node = torch._C._current_autograd_node()
-    if node is not None:
-        raise ScopeReadInBackwardError(
-            f"the active CP scope was read inside autograd backward (node {node.name()}); use the scope captured in "
-            "forward (ctx) instead"
-        )
+    where = f"node {node.name()}" if node is not None else "a callback of the backward pass"
+    raise ScopeReadInBackwardError(
+        f"the active CP scope was read inside autograd backward ({where}, graph task {task}); use the scope "
+        "captured in forward (ctx) instead, or re-enter it explicitly (cpscope.checkpoint.scoped / reentered)"
+    )
 
 
 def capture_scope() -> CPScope:

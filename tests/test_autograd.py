@@ -1,0 +1,452 @@
+"""The scope survives autograd: debug mode, scope-preserving checkpoint, microbatches, backward on other threads.
+
+Layered: pure tests (no process group; fake ``CPScope`` objects stand in for groups) for the debug mode, the
+recompute binding and ``Microbatch``; then 4-rank gloo tests with the real ring attention + RoPE against a float64
+full-sequence reference cut per rank, in schedules that separate a microbatch's forward from its backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import cpscope
+from cpscope.checkpoint import checkpoint, reentered, scope_context_fn, scoped
+from cpscope.microbatch import Microbatch
+from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope, set_debug_autograd_reads
+from tests.distributed import run_ranks
+
+# Stand-ins for real groups in pure tests: the scope machinery never calls into them.
+S2 = CPScope(object(), 2, 1)
+S4 = CPScope(object(), 4, 3)
+
+
+@pytest.fixture
+def debug_reads():
+    set_debug_autograd_reads(True)
+    try:
+        yield
+    finally:
+        set_debug_autograd_reads(False)
+
+
+class _ReadsScopeInBackward(torch.autograd.Function):
+    """A *buggy* CP-aware op: scales the gradient by ``cp_size()`` read in backward (instead of from ctx)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * cpscope.cp_size()
+
+
+class _ScopeOnCtx(torch.autograd.Function):
+    """The correct pattern: resolve in forward, keep on ctx; backward scales by the captured size."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.scope = cpscope.resolve_scope()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * ctx.scope.size
+
+
+def _in_thread(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on a fresh thread (as CUDA's autograd device threads would) and re-raise what it raised."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Debug mode: reading the ContextVar inside backward raises
+
+
+def test_debug_mode_catches_function_backward_read(debug_reads):
+    x = torch.ones(3, requires_grad=True)
+    with S2.bind():
+        y = _ReadsScopeInBackward.apply(x)
+        assert cpscope.cp_size() == 2  # reads in forward are fine
+    with pytest.raises(ScopeReadInBackwardError, match="_ReadsScopeInBackwardBackward"):
+        y.sum().backward()
+
+
+def test_debug_mode_catches_tensor_hook_read(debug_reads):
+    x = torch.ones(3, requires_grad=True)
+    with S2.bind():
+        y = x * 2
+    y.register_hook(lambda g: g * cpscope.cp_size())
+    with pytest.raises(ScopeReadInBackwardError):
+        y.sum().backward()
+
+
+def test_debug_mode_catches_reads_on_another_thread(debug_reads):
+    x = torch.ones(3, requires_grad=True)
+    with S2.bind():
+        y = _ReadsScopeInBackward.apply(x)
+    with pytest.raises(ScopeReadInBackwardError):
+        _in_thread(lambda: y.sum().backward())
+
+
+def test_debug_mode_catches_queue_callback_read(debug_reads):
+    # Engine callbacks run with no current autograd node but inside the graph task: still backward.
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    seen: list[BaseException] = []
+
+    def callback() -> None:
+        try:
+            cpscope.cp_size()
+        except ScopeReadInBackwardError as e:
+            seen.append(e)
+
+    y.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(callback))
+    y.sum().backward()
+    assert len(seen) == 1 and "callback of the backward pass" in str(seen[0])
+
+
+def test_debug_mode_catches_plain_torch_checkpoint_recompute_read(debug_reads):
+    # torch's checkpoint recomputes without re-binding: a scope read in the recompute is the Megatron bug.
+    # (Read before the first saved tensor: non-reentrant recompute stops early once it has what backward needs.)
+    x = torch.ones(3, requires_grad=True)
+    with S2.bind():
+        y = torch_checkpoint.checkpoint(lambda t: cpscope.cp_size() * t.sin(), x, use_reentrant=False)
+    with pytest.raises(ScopeReadInBackwardError):
+        y.sum().backward()
+
+
+def test_debug_mode_off_and_correct_patterns_pass(debug_reads):
+    x = torch.ones(3, requires_grad=True)
+    with S4.bind():
+        y = _ScopeOnCtx.apply(x)
+        h = x * 1.0
+    h.register_hook(scoped(lambda g: g * cpscope.cp_size(), S4))  # explicit re-entry is allowed
+    with S2.bind():  # a different scope bound during backward changes nothing
+        (y.sum() + h.sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 8.0))
+    set_debug_autograd_reads(False)
+    x.grad = None
+    with S2.bind():
+        y = _ReadsScopeInBackward.apply(x)
+    y.sum().backward()  # debug off: no error (and, outside every scope, the buggy op sees CP1 -- a wrong grad)
+    assert torch.equal(x.grad, torch.ones(3))
+
+
+def test_reentered_binds_restores_and_allows_reads_in_backward(debug_reads):
+    binder = reentered(S2)
+    x = torch.ones(3, requires_grad=True)
+    seen: list[int] = []
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        with binder:
+            with binder:  # re-entrant: each ``with`` keeps its own tokens
+                seen.append(cpscope.cp_size())
+            seen.append(cpscope.cp_size())
+        return g
+
+    y = x * 1.0
+    y.register_hook(hook)
+    with S4.bind():
+        y.sum().backward()
+        assert capture_scope() is S4  # restored after the hook
+    assert seen == [2, 2]
+    with pytest.raises(ValueError, match="CPScope"):
+        reentered(None)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Recompute re-enters the captured scope (pure)
+
+
+def _recording(seen: list[CPScope]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        seen.append(capture_scope())
+        return t.sin() * capture_scope().size
+
+    return fn
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("backward_scope", [None, CP1, S4])
+def test_checkpoint_recompute_sees_forward_scope(debug_reads, use_reentrant, backward_scope):
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    with S2.bind():
+        y = checkpoint(_recording(seen), x, use_reentrant=use_reentrant)
+    assert capture_scope() is CP1
+    with backward_scope.bind() if backward_scope is not None else contextlib.nullcontext():
+        y.sum().backward()
+    assert seen == [S2, S2]  # the forward call and the recompute
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+def test_checkpoint_recompute_on_another_thread(debug_reads):
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    with S4.bind():
+        y = checkpoint(_recording(seen), x)
+        _in_thread(lambda: y.sum().backward())  # the thread does not see S4; the recompute re-enters it
+    assert seen == [S4, S4]
+    torch.testing.assert_close(x.grad, 4 * x.detach().cos())
+
+
+def test_scope_context_fn_with_torch_checkpoint_and_user_context(debug_reads):
+    seen: list[CPScope] = []
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def mark(name: str):
+        entered.append(name)
+        yield
+
+    def user_context_fn():
+        return mark("forward"), mark("recompute")
+
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    ctx_fn = scope_context_fn(user_context_fn)
+    with S2.bind():
+        y = torch_checkpoint.checkpoint(_recording(seen), x, use_reentrant=False, context_fn=ctx_fn)
+    with S4.bind():
+        z = torch_checkpoint.checkpoint(_recording(seen), x, use_reentrant=False, context_fn=ctx_fn)
+    (y.sum() + z.sum()).backward()  # one context_fn object, each checkpoint keeps its own capture
+    assert seen[:2] == [S2, S4] and sorted(seen[2:], key=lambda s: s.size) == [S2, S4]
+    assert entered == ["forward", "forward", "recompute", "recompute"]
+    torch.testing.assert_close(x.grad, 6 * x.detach().cos())
+
+
+def test_hf_style_partial_checkpoint_kwargs(debug_reads):
+    # transformers binds gradient_checkpointing_kwargs with functools.partial onto torch's checkpoint
+    # (PreTrainedModel._activation_checkpointing_enable); the same context_fn then serves every layer and step.
+    ckpt = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False, context_fn=scope_context_fn())
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    outs = []
+    for s in (S2, CP1, S4):
+        with s.bind():
+            outs.append(ckpt(_recording(seen), x))
+    for out in reversed(outs):  # backward in another order, nothing bound
+        out.sum().backward()
+    assert seen == [S2, CP1, S4, S4, CP1, S2]
+
+
+def test_nested_checkpoint_and_bad_arguments(debug_reads):
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    inner = _recording(seen)
+    with S2.bind():
+        y = checkpoint(lambda t: checkpoint(inner, t * 1.0), x)
+    y.sum().backward()
+    assert set(seen) == {S2} and len(seen) >= 2
+    with pytest.raises(ValueError, match="CPScope"):
+        scoped(lambda: None, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CPScope"):
+        Microbatch(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="callable"):
+        scope_context_fn(3)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Microbatch (pure)
+
+
+def test_microbatch_carries_scope_through_interleaved_schedule(debug_reads):
+    a, b = Microbatch(S2), Microbatch(S4)
+    xa = torch.ones(3, requires_grad=True)
+    xb = torch.ones(3, requires_grad=True)
+    hook_seen: list[int] = []
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        y = _ScopeOnCtx.apply(x)
+        return y
+
+    ya = a.forward(fwd, xa)
+    yb = b.forward(fwd, xb)
+    a.register_hook(ya, lambda g: hook_seen.append(cpscope.cp_size()))
+    assert capture_scope() is CP1  # forward restored the loop's scope
+    with pytest.raises(AttributeError):
+        a.scope = S4  # type: ignore[misc]
+    b_bound: list[Optional[CPScope]] = []
+    with S4.bind():  # B's scope bound while A runs backward, on another thread
+        _in_thread(lambda: a.backward(ya.sum()))
+        b_bound.append(capture_scope())
+    b.backward(yb.sum())
+    assert torch.equal(xa.grad, torch.full((3,), 2.0)) and torch.equal(xb.grad, torch.full((3,), 4.0))
+    assert hook_seen == [2] and b_bound == [S4]
+    assert Microbatch.capture().scope is CP1 and Microbatch.of(None).scope is CP1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed: real ring attention + RoPE over CP groups, float64 full-sequence reference
+
+B, L, H, D = 1, 16, 2, 8  # L divisible by 2·4
+
+
+def _ref_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Plain non-interleaved RoPE at positions 0..L-1: [b, L, h, d]."""
+    a = freqs[: x.shape[1], 0, 0, :][None, :, None, :].to(x.dtype)  # [1, L, 1, d]
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * a.cos() + rot * a.sin()
+
+
+def _ref_freqs(d: int, n: int) -> torch.Tensor:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat((ang, ang), dim=-1)[:, None, None, :].float()  # [n, 1, 1, d] fp32, TE layout
+
+
+def _reference(q, k, v, w, freqs):
+    """Full-sequence float64 causal attention after RoPE; returns (out, dq, dk, dv) for loss = sum(out * w)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    qr, kr = _ref_rope(q, freqs), _ref_rope(k, freqs)
+    s = torch.einsum("bqhd,bkhd->bhqk", qr, kr) / math.sqrt(q.shape[-1])
+    mask = torch.ones(L, L, dtype=torch.bool).tril()
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    (out * w).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _block(q, k, v, freqs, seen: Optional[list] = None):
+    """RoPE + ring attention reading the active scope; records the scope it ran under."""
+    if seen is not None:
+        seen.append(cpscope.current_cp_group())
+    from cpscope.attention import context_parallel_attention
+    from cpscope.rope import apply_rotary_pos_emb
+
+    q = apply_rotary_pos_emb(q, freqs, qkv_format="bshd")
+    k = apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
+    return context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
+
+
+class _Mb:
+    """One microbatch of the test: full tensors (same on every rank), its local leaves, output and loss."""
+
+    def __init__(self, seed: int, group: Any) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.full = [torch.randn(B, L, H, D, generator=g, dtype=torch.float64) for _ in range(4)]  # q k v w
+        self.group, self.mb = group, Microbatch.of(group)
+        self.seen: list = []
+
+    def forward(self, mode: str, freqs: torch.Tensor) -> None:
+        from cpscope.sharding import zigzag_shard
+
+        def step():
+            q, k, v, w = (zigzag_shard(t, seq_dim=1) for t in self.full)
+            self.leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            if mode == "plain":
+                out = _block(*self.leaves, freqs, self.seen)
+            else:
+                out = checkpoint(_block, *self.leaves, freqs, self.seen, use_reentrant=(mode == "reentrant"))
+            self.out = out
+            return (out * w).sum()
+
+        self.loss = self.mb.forward(step)
+
+    def check(self, freqs: torch.Tensor) -> None:
+        from cpscope.sharding import zigzag_shard
+
+        out, dq, dk, dv = _reference(*self.full, freqs)
+        cut = functools.partial(zigzag_shard, seq_dim=1, group=self.group)
+        torch.testing.assert_close(self.out, cut(out), rtol=1e-9, atol=1e-9)
+        for got, want, name in zip(self.leaves, (dq, dk, dv), "qkv"):
+            torch.testing.assert_close(got.grad, cut(want), rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
+
+
+def _interleaved(mode: str, sizes: tuple[int, int]) -> list:
+    """Forward A (CP sizes[0]), forward B (CP sizes[1]); backward A outside any scope, backward B under CP1."""
+    set_debug_autograd_reads(True)  # proves nothing in backward / recompute reads the ContextVar unbound
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    freqs = _ref_freqs(D, L)
+    a, b = _Mb(1, groups[sizes[0]]), _Mb(2, groups[sizes[1]])
+    a.forward(mode, freqs)
+    b.forward(mode, freqs)
+    a.mb.backward(a.loss)  # nothing bound
+    with cpscope.runtime_cp(None):  # a DIFFERENT scope bound during B's backward
+        b.mb.backward(b.loss)
+    a.check(freqs)
+    b.check(freqs)
+    calls = 1 if mode == "plain" else 2  # forward call (+ recompute)
+    assert a.seen == [a.group] * calls, a.seen
+    assert b.seen == [b.group] * calls, b.seen
+    return [len(a.seen), len(b.seen)]
+
+
+@pytest.mark.parametrize(
+    "mode,sizes", [("plain", (2, 4)), ("checkpoint", (2, 4)), ("reentrant", (4, 2)), ("checkpoint", (2, 1))]
+)
+def test_interleaved_microbatches_grads_match_reference(mode, sizes):
+    calls = 1 if mode == "plain" else 2
+    assert run_ranks(4, _interleaved, mode, sizes) == [[calls, calls]] * 4
+
+
+def _backward_on_thread() -> None:
+    """Checkpointed A under CP2, B under CP4; A's backward (with recompute) runs on another thread, debug mode on."""
+    set_debug_autograd_reads(True)
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    freqs = _ref_freqs(D, L)
+    a, b = _Mb(3, groups[2]), _Mb(4, groups[4])
+    a.forward("checkpoint", freqs)
+    with cpscope.runtime_cp(groups[4]):  # the loop has moved on to B
+        b.forward("plain", freqs)
+        _in_thread(lambda: a.mb.backward(a.loss))
+    _in_thread(lambda: b.mb.backward(b.loss))
+    a.check(freqs)
+    b.check(freqs)
+    assert a.seen == [groups[2], groups[2]] and b.seen == [groups[4]]
+
+
+def test_backward_on_another_thread_uses_forward_groups():
+    run_ranks(4, _backward_on_thread)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA: backward really runs on autograd's device thread, which does not see the caller's ContextVars
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_cuda_recompute_on_device_thread_sees_captured_scope(debug_reads, use_reentrant):
+    threads: list[int] = []
+    seen: list[CPScope] = []
+    inherited: list[Optional[CPScope]] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        seen.append(capture_scope())
+        return t.sin() * 2
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        from cpscope.scope import _ACTIVE
+
+        inherited.append(_ACTIVE.get())  # raw ContextVar (no debug check): what a naive read would see
+        return g
+
+    x = torch.linspace(0.1, 1.0, 8, device="cuda", requires_grad=True)
+    with S2.bind():
+        y = checkpoint(fn, x, use_reentrant=use_reentrant)
+        y.register_hook(hook)
+        y.sum().backward()  # S2 still bound in this thread
+    assert inherited == [None]  # the device thread does not see S2
+    assert seen == [S2, S2] and threads[1] != threading.get_ident()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
