@@ -37,9 +37,34 @@ from .scope import (
     set_debug_autograd_reads,
 )
 from .streams import cp_stream
+from .sharding import (
+    PaddedPackedBatch,
+    pad_packed_batch,
+    pad_to_cp_multiple,
+    zigzag_indices,
+    zigzag_position_ids,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
+from .attention import ContextParallelAttention, context_parallel_attention
 
 __all__ = [
     "CPScope",
+    "ContextParallelAttention",
+    "PaddedPackedBatch",
+    "RotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "context_parallel_attention",
+    "pad_packed_batch",
+    "pad_to_cp_multiple",
+    "rotary_freqs",
+    "zigzag_indices",
+    "zigzag_position_ids",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
     "ScopeReadInBackwardError",
     "build_time_cp",
     "build_time_cp_group",

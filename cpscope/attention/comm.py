@@ -1,0 +1,80 @@
+"""Double-buffered point-to-point exchange around the CP ring.
+
+:class:`RingComm` sends buffers to the next rank of the group and receives the previous rank's buffers into
+fresh ones, asynchronously, so the caller computes on the current buffer while the next one is in flight.
+
+On CUDA the exchange is issued on :func:`cpscope.cp_stream` after that stream waits for the compute stream (the
+buffer being sent is ready), and :meth:`RingComm.wait` makes the compute stream wait for the communication; no
+host synchronisation happens. Buffers used on both streams are marked with ``record_stream``.
+
+Example::
+
+    comm = RingComm(scope.group, scope.rank, scope.size)
+    comm.send_recv([k, v])        # post: k, v -> next rank; prev rank's k, v -> new buffers
+    ...compute on k, v...
+    k, v = comm.wait()            # the received buffers
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..groups import group_ranks
+from ..streams import cp_stream
+
+__all__ = ["RingComm"]
+
+
+class RingComm:
+    """Send to ``rank + 1`` / receive from ``rank - 1`` (mod ``size``) within ``group``; one exchange in flight.
+
+    Misuse raises a one-line ``RuntimeError``: :meth:`wait` without a pending :meth:`send_recv`, or a second
+    :meth:`send_recv` before the first was waited for.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        ranks = group_ranks(group)
+        self.group = group
+        self.next = ranks[(rank + 1) % size]
+        self.prev = ranks[(rank - 1) % size]
+        self._reqs: Optional[list] = None
+        self._recv: Optional[list[torch.Tensor]] = None
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def send_recv(self, send: Sequence[torch.Tensor]) -> None:
+        """Post the exchange: each tensor of ``send`` goes to next; same-shaped buffers are received from prev."""
+        if self._reqs is not None:
+            raise RuntimeError("RingComm.send_recv called twice without wait()")
+        if not all(t.is_contiguous() for t in send):
+            raise RuntimeError("RingComm.send_recv needs contiguous send buffers")
+        recv = [torch.empty_like(t) for t in send]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        if send[0].is_cuda:
+            stream = cp_stream(send[0].device)
+            stream.wait_stream(torch.cuda.current_stream(send[0].device))
+            for t in (*send, *recv):
+                t.record_stream(stream)
+            with torch.cuda.stream(stream):
+                self._reqs = dist.batch_isend_irecv(ops)
+            self._stream = stream
+        else:
+            self._reqs = dist.batch_isend_irecv(ops)
+        self._recv = recv
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for the pending exchange (on CUDA: order the compute stream after it); return the received buffers."""
+        if self._reqs is None:
+            raise RuntimeError("RingComm.wait called before send_recv")
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for req in self._reqs:
+                    req.wait()
+            torch.cuda.current_stream(self._recv[0].device).wait_stream(self._stream)
+        else:
+            for req in self._reqs:
+                req.wait()
+        recv, self._reqs, self._recv, self._stream = self._recv, None, None, None
+        return recv

@@ -1,0 +1,76 @@
+"""``ContextParallelAttention``: an ``nn.Module`` around :func:`cpscope.context_parallel_attention`.
+
+Which group it uses, per forward call:
+
+1. a :func:`cpscope.runtime_cp` scope bound around the call wins (hybrid CP: one group per microbatch);
+2. otherwise the **build-time** scope captured when the module was constructed (static CP — the build-time group
+   in force at ``__init__``, see :func:`cpscope.build_time_cp`), even if the process-wide build-time group has
+   changed since.
+
+The scope is read in a small method excluded from ``torch.compile`` (``torch.compiler.disable``), and only the
+resolved group/size/rank flow into the computation, so a compiled model does not guard on the ContextVar.
+
+Example::
+
+    with cpscope.build_time_cp(groups[2]):
+        attn = ContextParallelAttention(causal=True)        # captures CP2 as its default
+    out = attn(q, k, v)                                      # CP2
+    with cpscope.runtime_cp(None):
+        out = attn(q_full, k_full, v_full)                   # CP1 for this call
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .. import scope as _scope_mod
+from ..scope import _ACTIVE, CPScope, capture_scope
+
+__all__ = ["ContextParallelAttention"]
+
+
+class ContextParallelAttention(nn.Module):
+    """Ring attention over the runtime CP scope, else the build-time scope captured at construction.
+
+    Args:
+        qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
+        causal: causal mask.
+        softmax_scale: default ``1 / sqrt(d)``.
+    """
+
+    def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None) -> None:
+        super().__init__()
+        self.qkv_format, self.causal, self.softmax_scale = qkv_format, causal, softmax_scale
+        self._build_scope: CPScope = capture_scope()
+
+    @property
+    def build_scope(self) -> CPScope:
+        """The scope captured at construction (used when no runtime scope is bound)."""
+        return self._build_scope
+
+    @torch.compiler.disable
+    def active_scope(self) -> CPScope:
+        """The scope for this call: the bound runtime scope if any, else the build-time scope."""
+        bound = _ACTIVE.get()
+        if bound is None:
+            if _scope_mod._debug_autograd_reads:
+                _scope_mod._check_not_in_backward()  # a read in backward/recompute is a bug even when unbound
+            return self._build_scope
+        return capture_scope()  # same value as ``bound``; goes through the debug-mode check
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any] = None,
+        max_seqlen: Optional[int] = None,
+    ) -> torch.Tensor:
+        from . import attention_with_scope
+
+        scope = self.active_scope()
+        return attention_with_scope(
+            q, k, v, scope, qkv_format=self.qkv_format, causal=self.causal, cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen, softmax_scale=self.softmax_scale,
+        )
+
+    def extra_repr(self) -> str:
+        return f"qkv_format={self.qkv_format!r}, causal={self.causal}, build_scope={self._build_scope!r}"

@@ -1,0 +1,43 @@
+"""Independent references for the attention tests: plain float64 softmax(QK^T)V and zigzag index math.
+
+Nothing here imports cpscope: the references must not share code with what they check.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+
+def zigzag_index(cu: Sequence[int], cp: int, rank: int) -> torch.Tensor:
+    """Full-tensor indices of rank ``rank``'s tokens: per document, chunk ``rank`` then chunk ``2cp-1-rank``."""
+    parts = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        c = (b - a) // (2 * cp)
+        for chunk in (rank, 2 * cp - 1 - rank):
+            parts.append(torch.arange(a + chunk * c, a + (chunk + 1) * c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu: Optional[Sequence[int]] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Float64 attention on ``[t, h, d]`` (one sequence, or documents ``cu``), k/v heads repeated for GQA."""
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    cu = [0, t] if cu is None else list(cu)
+    doc = torch.zeros(t, dtype=torch.long)
+    pos = torch.zeros(t, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        doc[a:b] = i
+        pos[a:b] = torch.arange(b - a)
+    allowed = doc[:, None] == doc[None, :]
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v.double())
