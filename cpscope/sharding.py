@@ -110,6 +110,7 @@ def _device(device: Any) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
+@torch.compiler.disable  # host-side index math, cached: opaque to torch.compile (no per-cp recompiles)
 def zigzag_indices(
     seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
 ) -> torch.Tensor:
@@ -134,6 +135,7 @@ def zigzag_indices(
     return _indices_and_starts(cu, cp, rank, _device(device))[0]
 
 
+@torch.compiler.disable
 def zigzag_positions(
     seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
 ) -> torch.Tensor:

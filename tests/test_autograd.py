@@ -450,3 +450,20 @@ def test_cuda_recompute_on_device_thread_sees_captured_scope(debug_reads, use_re
     assert inherited == [None]  # the device thread does not see S2
     assert seen == [S2, S2] and threads[1] != threading.get_ident()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+def test_module_read_in_plain_checkpoint_recompute_is_caught_in_debug_mode():
+    """ContextParallelAttention with nothing bound: a recompute in backward must still trip the debug check."""
+    import torch.utils.checkpoint as tuc
+
+    from cpscope.attention import ContextParallelAttention
+
+    attn = ContextParallelAttention(qkv_format="bshd", causal=True)
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cpscope.set_debug_autograd_reads(True)
+    try:
+        out = tuc.checkpoint(lambda a, b, c: attn(a, b, c), q, k, v, use_reentrant=False)
+        with pytest.raises(cpscope.ScopeReadInBackwardError):
+            out.sum().backward()
+    finally:
+        cpscope.set_debug_autograd_reads(False)
