@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cpscope  # noqa: E402
 from cpscope.attention import context_parallel_attention  # noqa: E402
@@ -92,8 +93,9 @@ def _plot(rows, path):
     labels = [r["case"] for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([i - 0.2 for i in x], [r.get("torch_cp_speedup") or 0 for r in rows], 0.4, label="torch context_parallel")
-    ax.bar([i + 0.2 for i in x], [r["cpscope_speedup"] for r in rows], 0.4, label="cpscope ring")
+    ax.bar([i - 0.27 for i in x], [r.get("torch_cp_speedup") or 0 for r in rows], 0.27, label="torch context_parallel")
+    ax.bar([i for i in x], [r.get("te_speedup") or 0 for r in rows], 0.27, label="TransformerEngine p2p")
+    ax.bar([i + 0.27 for i in x], [r["cpscope_speedup"] for r in rows], 0.27, label="cpscope ring")
     ax.axhline(rows[0]["gpus"], ls="--", c="k", lw=1, label="ideal")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("speedup vs 1 GPU")
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="run GPU parity checks first")
     ap.add_argument("--no-thd", action="store_true")
     ap.add_argument("--no-torch-cp", action="store_true")
+    ap.add_argument("--no-te", action="store_true", help="skip TransformerEngine even where it is installed")
     ap.add_argument("--out", default=".")
     ap.add_argument("--compare-routes", type=int, default=0, metavar="S",
                     help="also time bshd at length S with the flash vs the cuDNN dense kernels (CP1 and CP)")
@@ -145,6 +148,12 @@ def main() -> None:
             out["cudnn_fallback"] = True
             if rank == 0:
                 print("cuDNN path failed parity; timing with flash kernels", flush=True)
+    from _te_baseline import measure_te_bshd, measure_te_thd, te_available  # benchmarks/ is on sys.path
+
+    use_te = te_available() and not args.no_te
+    out["te"] = use_te
+    if rank == 0:
+        print("TransformerEngine baseline:", "on" if use_te else "off (not installed)", flush=True)
     rows = []
     cases = [(f"{S // 1024}k", S) for S in args.seqlens] + ([] if args.no_thd else [("thd-128k", None)])
     for name, S in cases:
@@ -157,6 +166,14 @@ def main() -> None:
             single, mem_single = _peak(lambda: measure_thd(base, None, dev))
             torch_cp = mem_tcp = None
             mine, mem_mine = _peak(lambda: measure_thd(base, group, dev))
+        te_single = te_cp = mem_te = None
+        if use_te:
+            if S is not None:
+                te_single = measure_te_bshd(S, None)
+                te_cp, mem_te = _peak(lambda: measure_te_bshd(S, group))
+            else:
+                te_single = measure_te_thd(THD_LENS, None)
+                te_cp, mem_te = _peak(lambda: measure_te_thd(THD_LENS, group))
         row = {
             "case": name, "gpus": world, "single_ms": round(single, 3), "torch_cp_ms": torch_cp and round(torch_cp, 3),
             "cpscope_ms": round(mine, 3), "cpscope_speedup": round(single / mine, 3),
@@ -164,6 +181,9 @@ def main() -> None:
             "cpscope_pct_ideal": round(100 * single / mine / world, 1),
             "peak_gib_single": round(mem_single, 2), "peak_gib_torch_cp": mem_tcp and round(mem_tcp, 2),
             "peak_gib_cpscope": round(mem_mine, 2), "mem_ratio": round(mem_mine / mem_single, 3),
+            "te_single_ms": te_single and round(te_single, 3), "te_cp_ms": te_cp and round(te_cp, 3),
+            "te_speedup": te_cp and round(te_single / te_cp, 3), "peak_gib_te_cp": mem_te and round(mem_te, 2),
+            "cpscope_vs_te_time": te_cp and round(te_cp / mine, 3),
             "wall_s": round(time.time() - t0, 1),
         }
         rows.append(row)
@@ -189,13 +209,16 @@ def main() -> None:
         out["kernels"] = {"seqlen": S, **routes}
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        print("\n| case | 1 GPU ms | torch CP ms (x) | cpscope ms (x) | % ideal | peak GiB 1/torch/cpscope |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("\n| case | 1 GPU ms | torch CP ms (x) | TE 1 GPU ms | TE CP ms (x) | cpscope ms (x) | % ideal | "
+              "TE/cpscope time | peak GiB 1/torch/TE/cpscope |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             tcp = f"{r['torch_cp_ms']} ({r['torch_cp_speedup']}x)" if r["torch_cp_ms"] else "-"
-            print(f"| {r['case']} | {r['single_ms']} | {tcp} | {r['cpscope_ms']} ({r['cpscope_speedup']}x) | "
-                  f"{r['cpscope_pct_ideal']} | {r['peak_gib_single']}/{r['peak_gib_torch_cp'] or '-'}/"
-                  f"{r['peak_gib_cpscope']} |")
+            te = f"{r['te_cp_ms']} ({r['te_speedup']}x)" if r["te_cp_ms"] else "-"
+            print(f"| {r['case']} | {r['single_ms']} | {tcp} | {r['te_single_ms'] or '-'} | {te} | "
+                  f"{r['cpscope_ms']} ({r['cpscope_speedup']}x) | {r['cpscope_pct_ideal']} | "
+                  f"{r['cpscope_vs_te_time'] or '-'} | {r['peak_gib_single']}/{r['peak_gib_torch_cp'] or '-'}/"
+                  f"{r['peak_gib_te_cp'] or '-'}/{r['peak_gib_cpscope']} |")
         with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
             json.dump(out, f, indent=1)
         _plot(rows, os.path.join(args.out, "attention_bench.png"))
