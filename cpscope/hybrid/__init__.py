@@ -1,0 +1,54 @@
+"""Hybrid context parallelism: plan a CP size per sequence of a global batch and balance the work over CP groups.
+
+The main API: :func:`plan_hybrid` returns a :class:`Plan` — for every rank the ordered :class:`Microbatch` list
+(CP size, block of ranks, sequences) — under a measurable :class:`CostModel`; :func:`plan_static` and
+:func:`plan_greedy` are baselines; :func:`lower_bound` bounds any plan's makespan. Pure logic: no process group.
+
+Example::
+
+    from cpscope.hybrid import CostModel, plan_hybrid
+    plan = plan_hybrid(lengths, n_ranks=world_size, capacity=16384, cost=CostModel.fit(L, cp, seconds))
+    for mb in plan.microbatches_for_rank(rank):
+        ...  # run mb.seqs with the CP group of size mb.cp that holds this rank
+"""
+from .cost import CostModel, padded_length
+from .data import long_tail_lengths
+from .planner import Microbatch, Plan, cp_candidates, lower_bound, plan_greedy, plan_hybrid, plan_static
+
+__all__ = [
+    "CostModel",
+    "Microbatch",
+    "Plan",
+    "cp_candidates",
+    "long_tail_lengths",
+    "lower_bound",
+    "padded_length",
+    "plan_greedy",
+    "plan_hybrid",
+    "plan_static",
+]
+
+# The microbatch loop (pack, pad, shard and bind per microbatch; global loss normalisation): cpscope.hybrid.loop.
+from .loop import (  # noqa: E402
+    LocalMicrobatch,
+    allreduce_gradients,
+    allreduce_sum,
+    global_num_targets,
+    next_token_labels,
+    prepare_microbatch,
+    prepare_microbatches,
+    run_microbatches,
+    token_loss_sum,
+)
+
+__all__ += [
+    "LocalMicrobatch",
+    "allreduce_gradients",
+    "allreduce_sum",
+    "global_num_targets",
+    "next_token_labels",
+    "prepare_microbatch",
+    "prepare_microbatches",
+    "run_microbatches",
+    "token_loss_sum",
+]

@@ -1,0 +1,160 @@
+"""The cost model of the hybrid-CP planner: how long one sequence takes on each rank of its CP group.
+
+A sequence of ``L`` tokens run with context-parallel size ``cp`` (ring attention over the zigzag layout) is first
+padded to ``Lp``, the next multiple of ``2·cp`` (zigzag needs ``2·cp`` equal chunks). Each of the ``cp`` ranks then
+spends, in seconds::
+
+    seq_cost(L, cp) = attn · Lp² / cp            # causal attention: total work ∝ Lp², split cp ways
+                    + linear · Lp / cp           # per-token work (projections, MLP, norms) of the local tokens
+                    + comm · (cp − 1) · Lp / cp  # ring K/V traffic: cp − 1 steps of Lp / cp tokens each
+
+and a *microbatch* (several sequences packed in ``thd``, all at the same ``cp``, run by one CP group) takes::
+
+    microbatch_cost = Σ seq_cost(L_i, cp) + latency · (cp − 1)   # one fixed latency per ring step
+
+``comm`` is the *exposed* (not overlapped) cost per token of K/V received; ``latency`` the fixed cost of one ring
+step (kernel launches, handshakes) summed over layers and passes. All four coefficients are settable, and
+:meth:`CostModel.fit` measures them from timed runs by non-negative least squares.
+
+Example::
+
+    >>> cm = CostModel(attn=2.5e-9, linear=1e-4, comm=2e-6, latency=1e-3)
+    >>> round(float(cm.cost(32768, 4)), 4)        # one 32k sequence alone at CP4
+    1.5424
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Union
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CostModel", "padded_length"]
+
+logger = logging.getLogger(__name__)
+
+ArrayLike = Union[int, float, npt.ArrayLike]
+
+
+def padded_length(lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
+    """``lengths`` rounded up to a multiple of ``2·cp`` (the zigzag layout's granularity); broadcasts.
+
+    Example::
+
+        >>> padded_length([100, 128], 4).tolist()
+        [104, 128]
+    """
+    length = np.asarray(lengths, dtype=np.int64)
+    step = 2 * np.asarray(cp, dtype=np.int64)
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-rank time of a sequence / microbatch under CP; see the module docstring for the formula.
+
+    The defaults are illustrative only (roughly a 7B-parameter model, forward + backward, on one H100-class GPU
+    per rank); fit your own with :meth:`fit`. All coefficients must be finite and ≥ 0, which makes the total work
+    ``cp · seq_cost`` non-decreasing in ``cp`` (the planner and its lower bound rely on this).
+
+    Attributes:
+        attn: seconds per token² of causal attention (the whole sequence's attention is ``attn·Lp²``).
+        linear: seconds per token of per-token work.
+        comm: exposed seconds per token of K/V received around the ring.
+        latency: fixed seconds per ring step of a microbatch (``cp − 1`` steps).
+    """
+
+    attn: float = 2.5e-9
+    linear: float = 1.0e-4
+    comm: float = 2.0e-6
+    latency: float = 1.0e-3
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{f.name} must be a finite number ≥ 0, got {value!r}")
+
+    # -- evaluation (all vectorised; numpy broadcasting between lengths and cp) --------------------------
+    def seq_cost(self, lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
+        """Per-rank seconds of each sequence at ``cp``, without the per-microbatch latency (lengths padded)."""
+        return self.padded_seq_cost(padded_length(lengths, cp), cp)
+
+    def padded_seq_cost(self, padded: ArrayLike, cp: ArrayLike) -> np.ndarray:
+        """:meth:`seq_cost` of lengths already padded to a multiple of ``2·cp``."""
+        cp_arr = np.asarray(cp, dtype=np.float64)
+        lp = np.asarray(padded, dtype=np.float64)
+        return lp * (self.attn * lp + (self.linear - self.comm) + self.comm * cp_arr) / cp_arr
+
+    def cost(self, lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
+        """Per-rank seconds of each sequence run **alone** in a microbatch at ``cp`` (latency included)."""
+        return self.seq_cost(lengths, cp) + self.latency * (np.asarray(cp, dtype=np.float64) - 1.0)
+
+    def work(self, lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
+        """Rank-seconds a sequence occupies at ``cp``: ``cp · seq_cost`` (latency excluded); non-decreasing in cp."""
+        return np.asarray(cp, dtype=np.float64) * self.seq_cost(lengths, cp)
+
+    def microbatch_cost(self, lengths: ArrayLike, cp: int) -> float:
+        """Per-rank seconds of one microbatch packing ``lengths`` (each padded on its own) at ``cp``."""
+        return float(np.sum(self.seq_cost(lengths, cp))) + self.latency * (cp - 1)
+
+    # -- measurement ---------------------------------------------------------------------------------------
+    @staticmethod
+    def features(lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
+        """Design matrix ``[n, 4]`` whose dot with ``(attn, linear, comm, latency)`` is :meth:`cost`."""
+        length, cp_arr = np.broadcast_arrays(np.asarray(lengths), np.asarray(cp))
+        cp_f = cp_arr.astype(np.float64).ravel()
+        lp = padded_length(length.ravel(), cp_arr.ravel()).astype(np.float64)
+        return np.stack([lp * lp / cp_f, lp / cp_f, (cp_f - 1.0) * lp / cp_f, cp_f - 1.0], axis=1)
+
+    @classmethod
+    def fit(
+        cls, lengths: ArrayLike, cp: ArrayLike, seconds: ArrayLike, *, relative: bool = True
+    ) -> "CostModel":
+        """Fit the four coefficients to measured ``(L, cp, seconds)`` samples by non-negative least squares.
+
+        Each sample is the measured per-rank time of one sequence of ``L`` tokens run alone at ``cp``. The
+        solution is the best fit over every subset of coefficients that are allowed to be non-zero (exact NNLS for
+        four unknowns). With ``relative=True`` (default) residuals are relative (rows weighted by ``1/seconds``),
+        so short and long sequences count alike. Coefficients the samples cannot identify (e.g. ``comm`` with
+        only ``cp = 1`` samples) come out as 0.
+
+        Example::
+
+            >>> true = CostModel(attn=3e-9, linear=2e-4, comm=1e-5, latency=2e-3)
+            >>> L = np.array([1024, 4096, 16384, 4096, 32768, 65536]); c = np.array([1, 1, 2, 4, 8, 8])
+            >>> est = CostModel.fit(L, c, true.cost(L, c))
+            >>> bool(np.allclose([est.attn, est.linear, est.comm, est.latency], [3e-9, 2e-4, 1e-5, 2e-3]))
+            True
+        """
+        x = cls.features(lengths, cp)
+        y = np.asarray(seconds, dtype=np.float64).ravel()
+        if y.shape[0] != x.shape[0] or y.shape[0] == 0:
+            raise ValueError(f"CostModel.fit: need the same non-zero number of lengths, cp and seconds, "
+                             f"got {x.shape[0]} (lengths × cp) and {y.shape[0]} seconds")
+        if not np.all(np.isfinite(y)) or np.any(y <= 0):
+            raise ValueError("CostModel.fit: every measured time must be finite and > 0")
+        if relative:
+            x, y = x / y[:, None], np.ones_like(y)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-300)  # column scaling: coefficients span ~10 decades
+        xs = x / scale
+        best: tuple[float, np.ndarray] | None = None
+        for k in range(1, 5):
+            for subset in itertools.combinations(range(4), k):
+                cols = list(subset)
+                sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+                if np.any(sol < 0):
+                    continue
+                coef = np.zeros(4)
+                coef[cols] = sol
+                resid = float(np.sum((xs @ coef - y) ** 2))
+                if best is None or resid < best[0] * (1 - 1e-12):
+                    best = (resid, coef)
+        coef = np.zeros(4) if best is None else best[1] / scale
+        model = cls(*(float(c) for c in coef))
+        logger.debug("CostModel.fit on %d samples -> %s", y.shape[0], model)
+        return model
