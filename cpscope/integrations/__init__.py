@@ -1,0 +1,20 @@
+"""Optional adapters that drop cpscope into models written for other libraries.
+
+Each submodule imports its library only when it is itself imported (or, for TransformerEngine, when first used);
+``import cpscope`` and ``import cpscope.integrations`` import none of them.
+
+* :mod:`cpscope.integrations.hf` — ``import cpscope.integrations.hf`` registers the attention function
+  ``"cpscope"`` with Hugging Face transformers; :func:`cpscope.integrations.hf.shard_batch` shards a batch
+  (``input_ids``, ``labels`` shifted before sharding, ``position_ids``, packed ``cu_seq_lens``) for the active scope.
+* :mod:`cpscope.integrations.te` — :class:`~cpscope.integrations.te.ScopedDotProductAttention` binds the active
+  group to a TransformerEngine ``DotProductAttention`` for each forward and restores its build-time settings;
+  :func:`~cpscope.integrations.te.te_apply_rotary_pos_emb` calls TE's (fused) RoPE with the active CP size / rank.
+* :mod:`cpscope.integrations.megatron` — :func:`~cpscope.integrations.megatron.packed_seq_scope` turns a
+  Megatron-style ``PackedSeqParams`` (``cp_group``, ``local_cp_size``) into a cpscope scope, as a decorator on a
+  ``forward(..., packed_seq_params=...)`` or as a context manager.
+
+Example::
+
+    import cpscope.integrations.hf  # registers "cpscope" with transformers
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpscope")
+"""

@@ -1,0 +1,315 @@
+"""Hugging Face transformers adapter: ``attn_implementation="cpscope"`` runs a decoder under the active CP scope.
+
+Importing this module registers, under the name ``"cpscope"``:
+
+* an attention function with transformers' ``AttentionInterface`` — :func:`cpscope_attention_forward`, which calls
+  :func:`cpscope.context_parallel_attention` (ring attention over the active group; plain attention under CP1);
+* a mask function with ``AttentionMaskInterface`` — :func:`cpscope_attention_mask`, so transformers builds no
+  ``[b, 1, s, s]`` mask (causality and documents are handled by the ring), and a padding mask it cannot honour is
+  refused with a ``ValueError`` instead of being dropped silently.
+
+Inputs are sharded with :func:`shard_batch` (zigzag layout, for the active group): every rank feeds the model its
+local tokens and their **global** ``position_ids``, so the model's own RoPE is right without changes. Packed batches
+(several documents in one row, ``position_ids`` restarting) get global ``cu_seq_lens_q/k`` and ``max_length_q/k``
+computed from the full ``position_ids``; transformers forwards these keyword arguments to the attention function.
+
+Labels: transformers' causal-LM loss shifts labels by one inside the loss. After sharding, a rank's tokens are not
+contiguous, so the shift must happen on the full sequence, **before** sharding. :func:`shard_batch` returns
+``shift_labels`` (already shifted, ``ignore_index`` at the end of every sequence / document, then sharded) and
+``num_items_in_batch`` (the number of target tokens in the full batch): passed to the model, transformers' loss
+then skips its own shift and each rank's loss is its share of the full-batch mean — sum it over the CP group for the
+full loss; summing the gradients over the CP group (as data parallelism over the CP ranks does) gives the gradient
+of the full-batch mean loss.
+
+Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
+(query and key lengths differ), sliding windows shorter than the sequence, logit soft-capping, attention sinks,
+attention dropout.
+Activation checkpointing: the attention function reads the active scope when it runs, so a recompute in backward
+must re-enter the forward's scope — ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+{"use_reentrant": False, "context_fn": cpscope.checkpoint.scope_context_fn()})`` (``activation_checkpointing_enable``
+with ``activation_checkpointing_kwargs`` in recent transformers).
+
+Example::
+
+    import cpscope, cpscope.integrations.hf as cphf
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpscope")
+    with cpscope.runtime_cp(groups[2]):
+        batch = cphf.shard_batch({"input_ids": ids, "labels": ids})
+        loss = model(**batch).loss            # this rank's share of the full-batch mean loss
+    loss.backward()                           # then all-reduce (sum) gradients over the CP group
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from transformers import AttentionInterface
+
+from .._checks import check_cu_seqlens, check_divisible_seq
+from ..attention import context_parallel_attention
+from ..scope import _UNSET, CPScope, resolve_scope
+from ..sharding import zigzag_positions, zigzag_shard
+
+try:  # transformers builds (or, for "cpscope", skips) the attention mask through this registry
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - older transformers
+    raise ImportError(
+        "cpscope.integrations.hf needs a transformers version with transformers.masking_utils.AttentionMaskInterface "
+        f"(tested with 5.24); found transformers {getattr(__import__('transformers'), '__version__', '?')}"
+    ) from e
+
+__all__ = ["ATTN_IMPLEMENTATION", "cpscope_attention_forward", "cpscope_attention_mask", "shard_batch"]
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "cpscope"
+
+# Keys shard_batch knows how to cut along the sequence (dim 1).
+_SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "position_ids", "token_type_ids")
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f'attn_implementation="cpscope" cannot honour {what}')
+
+
+def _check_mask(attention_mask: Any) -> None:
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise _unsupported(f"an attention_mask of type {type(attention_mask).__name__}")
+    if attention_mask.dim() != 2:
+        raise _unsupported(
+            f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)} (only causal / "
+            "document masking is supported: pass no mask, or pack documents via position_ids)"
+        )
+    zeros = int((attention_mask == 0).sum())
+    if zeros:
+        raise _unsupported(
+            f"a 2-D attention_mask with {zeros} zeros (padding) of shape {tuple(attention_mask.shape)}: remove the "
+            "padding or pack the sequences into one row with position_ids restarting at 0 (shard_batch computes "
+            "the document offsets)"
+        )
+
+
+def cpscope_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> None:
+    """transformers mask function for ``"cpscope"``: builds no mask (``None``); refuses a padding mask.
+
+    Raises:
+        ValueError: ``attention_mask`` is given and has zeros (padding cannot be honoured by the ring).
+    """
+    _check_mask(attention_mask)
+    return None
+
+
+def _check_position_ids(position_ids: torch.Tensor, scope: CPScope, local_len: int) -> None:
+    """Without document offsets, every row must be one sequence: its local zigzag positions (CP1: plus an offset)."""
+    expected = zigzag_positions(local_len * scope.size, scope.size, scope.rank, device=position_ids.device)
+    pid = position_ids.reshape(-1, position_ids.shape[-1])
+    if pid.shape[-1] != local_len:
+        raise ValueError(
+            f"position_ids have {pid.shape[-1]} positions per row but the query holds {local_len} local tokens"
+        )
+    delta = pid - expected
+    # Under CP > 1 the positions must match exactly: a check that passed on some ranks only (an offset that happens
+    # to fit one rank's chunks) would leave the others waiting in the ring. Under CP1 an offset per row is fine.
+    bad = delta != (delta[:, :1] if scope.size == 1 else 0)
+    if bool(bad.any()):
+        row, col = (int(i) for i in torch.nonzero(bad)[0])
+        offset = int(delta[row, 0]) if scope.size == 1 else 0
+        raise ValueError(
+            f"position_ids are not one sequence per row in cpscope's zigzag layout (CP size {scope.size}, rank "
+            f"{scope.rank}): row {row}, local token {col} has position {int(pid[row, col])}, expected "
+            f"{int(expected[col]) + offset}. Packed documents need global cu_seq_lens_q/cu_seq_lens_k, and inputs "
+            "must be sharded: use cpscope.integrations.hf.shard_batch"
+        )
+
+
+def cpscope_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: cpscope ring attention over the active scope.
+
+    ``query`` is ``[b, h, s_local, d]``, ``key`` / ``value`` ``[b, h_kv, s_local, d]`` (local zigzag tokens); the
+    result is ``([b, s_local, h, d], None)``. With ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (global document offsets,
+    from :func:`shard_batch`) the batch is packed: ``b`` must be 1 and attention is masked per document.
+
+    Raises:
+        ValueError: see the module docstring (padding / 4-D masks, KV cache, sliding window, softcap, sinks,
+            dropout, mismatched packed offsets, unsharded or packed ``position_ids`` without offsets).
+    """
+    scope = resolve_scope()  # read once, here in forward
+    if attention_mask is not None:
+        _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
+    if dropout:
+        raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(f"{name}={kwargs[name]!r}")
+    if query.shape[2] != key.shape[2]:
+        raise _unsupported(
+            f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
+            "attn_implementation for generation"
+        )
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu = cu_q if cu_q is not None else cu_k
+    if cu_q is not None and cu_k is not None and cu_q is not cu_k and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+        raise _unsupported(f"different cu_seq_lens_q {cu_q.tolist()} and cu_seq_lens_k {cu_k.tolist()}")
+
+    window = kwargs.get("sliding_window")
+    if window is not None:  # harmless only when it covers the whole (global) sequence / longest document
+        if cu is not None:
+            cu_list = cu.tolist()
+            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+        else:
+            longest = query.shape[2] * scope.size
+        if window < longest:
+            raise _unsupported(f"sliding_window={window} shorter than the global sequence length {longest}")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d]
+    if cu is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and getattr(module, "layer_idx", 0) == 0:  # same ids in every layer
+            _check_position_ids(position_ids, scope, q.shape[1])
+        out = context_parallel_attention(
+            q, k, v, qkv_format="bshd", causal=causal, softmax_scale=scaling, group=scope.group
+        )
+        return out, None
+    if q.shape[0] != 1:
+        raise _unsupported(f"packed documents (cu_seq_lens) with batch size {q.shape[0]}; pack into one row")
+    max_len = kwargs.get("max_length_q") or kwargs.get("max_length_k")
+    out = context_parallel_attention(
+        q[0], k[0], v[0], qkv_format="thd", causal=causal, cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(max_len) if max_len is not None else None, softmax_scale=scaling, group=scope.group,
+    )  # [t, h, d]
+    return out.unsqueeze(0), None
+
+
+def _packed_cu_seqlens(position_ids: torch.Tensor) -> Optional[list[int]]:
+    """Document offsets from one row of position ids (a new document wherever the step is not +1), or ``None``."""
+    pid = position_ids.reshape(-1)
+    starts = torch.nonzero(pid[1:] - pid[:-1] != 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    return [0] + starts.tolist() + [pid.numel()]
+
+
+def shard_batch(
+    batch: dict[str, Any], group: Any = _UNSET, *, ignore_index: int = -100
+) -> dict[str, Any]:
+    """Shard a transformers batch for the active CP group (or ``group=``); returns a new dict for ``model(**out)``.
+
+    * ``input_ids`` / ``inputs_embeds`` / ``token_type_ids`` / ``position_ids`` ``[b, S, …]`` are cut to this rank's
+      zigzag tokens (``S`` must divide by 2·cp). ``position_ids`` are created (``arange(S)``) when absent; they stay
+      **global**, so the model's RoPE needs no change.
+    * ``labels`` are shifted on the full sequence first: ``shift_labels[i] = labels[i + 1]`` and ``ignore_index`` at
+      the last token of every row (and of every packed document), then sharded. The result holds ``shift_labels``
+      (for transformers' loss, which then does not shift again), the sharded unshifted ``labels`` (transformers
+      computes a loss only when ``labels`` is given) and ``num_items_in_batch`` (target tokens in the full batch,
+      unless the batch already has one), making each rank's loss its share of the full-batch mean.
+    * Packed rows (``position_ids`` restarting, ``b == 1``): each document is zigzag-sharded on its own and the
+      result holds global ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32) and ``max_length_q`` / ``max_length_k``;
+      every document length must divide by 2·cp (pad with ``cpscope.pad_packed_batch``).
+    * ``use_cache=False`` is added unless the batch sets it (a KV cache of sharded tokens is meaningless).
+    * An ``attention_mask`` of all ones is dropped; one with zeros raises. Other entries pass through unchanged,
+      except unknown tensors shaped ``[b, S, …]``, which raise (cpscope would not know how to cut them).
+
+    Raises:
+        ValueError: padding in ``attention_mask``; ``S`` or a document not divisible by 2·cp; packed rows with
+            ``b > 1``; an unknown per-token tensor; no ``input_ids`` / ``inputs_embeds``.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[4]):
+            out = model(**shard_batch({"input_ids": ids, "labels": ids}))
+    """
+    scope = resolve_scope(group)
+    cp = scope.size
+    tokens = batch.get("input_ids")
+    if tokens is None:
+        tokens = batch.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError(f"shard_batch needs input_ids or inputs_embeds, got keys {sorted(batch)}")
+    b, seqlen = tokens.shape[0], tokens.shape[1]
+    _check_mask(batch.get("attention_mask"))
+    for name, value in batch.items():
+        if (
+            name not in _SEQ_KEYS and name != "attention_mask" and isinstance(value, torch.Tensor)
+            and value.dim() >= 2 and tuple(value.shape[:2]) == (b, seqlen)
+        ):
+            raise ValueError(
+                f"shard_batch does not know how to shard {name!r} of shape {tuple(value.shape)}; it shards "
+                f"{_SEQ_KEYS} along dim 1"
+            )
+
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(seqlen, device=tokens.device).unsqueeze(0).expand(b, seqlen)
+    if position_ids.shape[-1] != seqlen:
+        raise ValueError(f"position_ids have {position_ids.shape[-1]} positions, the batch has {seqlen} tokens")
+    position_ids = position_ids.reshape(-1, seqlen)
+    cu: Optional[list[int]] = None
+    if position_ids.shape[0] == 1 or bool((position_ids == position_ids[:1]).all()):
+        cu = _packed_cu_seqlens(position_ids[0])
+    else:
+        bad = [i for i in range(position_ids.shape[0]) if _packed_cu_seqlens(position_ids[i]) is not None]
+        if bad:
+            raise ValueError(
+                f"rows {bad} of position_ids restart (packed documents) in a batch of {b} rows; pack documents "
+                "into a single row (batch size 1)"
+            )
+    if cu is not None and b != 1:
+        raise ValueError(f"packed documents (position_ids restart) need batch size 1, got {b}; pack into one row")
+    if cu is None:
+        check_divisible_seq(seqlen, cp)
+    else:
+        check_cu_seqlens(cu, cp)
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return zigzag_shard(x, seq_dim=1, cu_seqlens=cu, group=scope.group)
+
+    out = {k: v for k, v in batch.items() if k not in _SEQ_KEYS and k != "attention_mask"}
+    for name in ("input_ids", "inputs_embeds", "token_type_ids"):
+        if batch.get(name) is not None:
+            out[name] = cut(batch[name])
+    out["position_ids"] = cut(position_ids.expand(b, seqlen) if position_ids.shape[0] == 1 else position_ids)
+
+    labels = batch.get("labels")
+    if labels is not None:
+        shifted = torch.full_like(labels, ignore_index)
+        shifted[:, :-1] = labels[:, 1:]
+        if cu is not None:
+            ends = torch.tensor(cu[1:], device=labels.device) - 1
+            shifted[:, ends] = ignore_index  # the last token of a document predicts nothing
+        out["labels"] = cut(labels)
+        out["shift_labels"] = cut(shifted)
+        if "num_items_in_batch" not in batch:
+            out["num_items_in_batch"] = (shifted != ignore_index).sum()
+    out.setdefault("use_cache", False)  # a KV cache has no meaning for sharded training sequences
+    if cu is not None:
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=tokens.device)
+        max_len = max(e - s for s, e in zip(cu[:-1], cu[1:]))
+        out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max_len, max_length_k=max_len)
+    return out
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)

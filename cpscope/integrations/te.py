@@ -1,0 +1,423 @@
+"""TransformerEngine adapter: TE attention and fused RoPE under the active cpscope scope.
+
+TE's ``DotProductAttention`` keeps its CP settings (``cp_group``, ``cp_global_ranks``, ``cp_stream``,
+``cp_comm_type``, ``load_balancing_strategy``) as module attributes, set at construction or by
+``set_context_parallel_group``. With runtime CP the group changes per microbatch, and a module attribute set for one
+microbatch would leak into the next. :class:`ScopedDotProductAttention` therefore binds the active group **for the
+duration of each forward only** and restores the module's own (build-time) settings afterwards, also when the forward
+raises. TE keeps what backward needs (group, stream) on its autograd ``ctx``, so restoring after forward is safe.
+
+For CP1 (``None`` or a size-1 group) the module is given ``cp_group=None, cp_global_ranks=None, cp_stream=None``.
+For CP > 1 it gets the group, its global ranks (:func:`cpscope.group_ranks`) and the auxiliary stream from
+``stream_provider(device)`` (default :func:`cpscope.cp_stream`: a real ``torch.cuda.Stream``); a provider that
+returns ``None`` (no CUDA) raises ``ValueError`` instead of TE's ``'NoneType' object has no attribute 'wait_event'``.
+The token layout is cpscope's zigzag (TE's ``DUAL_CHUNK_SWAP``), per document in ``thd`` with **global**
+``cu_seqlens`` (as TE expects).
+
+TransformerEngine is imported lazily: the wrapper works with any module that has TE's
+``set_context_parallel_group`` method and attributes, and :func:`te_apply_rotary_pos_emb` imports TE on first call.
+
+Example::
+
+    import transformer_engine.pytorch as te
+    from cpscope.integrations.te import ScopedDotProductAttention, te_apply_rotary_pos_emb
+
+    attn = ScopedDotProductAttention(te.DotProductAttention(16, 128, qkv_format="bshd", attn_mask_type="causal"))
+    with cpscope.runtime_cp(groups[2]):                      # this microbatch runs with CP2
+        q = te_apply_rotary_pos_emb(q, freqs, qkv_format="bshd")
+        k = te_apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
+        out = attn(q, k, v)                                   # local zigzag q/k/v
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .._checks import (
+    check_cu_seqlens,
+    check_divisible_seq,
+    check_local_thd_len,
+    check_qkv_format,
+    cu_seqlens_list,
+)
+from ..groups import group_ranks
+from ..scope import _UNSET, CPScope, resolve_scope
+from ..streams import cp_stream
+
+__all__ = [
+    "CP_SETTINGS",
+    "te_cp_settings",
+    "bind_te_cp",
+    "ScopedDotProductAttention",
+    "enable_runtime_cp",
+    "disable_runtime_cp",
+    "te_apply_rotary_pos_emb",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The attributes ``DotProductAttention.set_context_parallel_group`` sets (TE 2.x); ``load_balancing_strategy``
+#: only exists in recent TE versions and is saved / restored when present.
+CP_SETTINGS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
+_LBS = "load_balancing_strategy"
+
+StreamProvider = Callable[[Optional[torch.device]], Any]
+
+
+def te_cp_settings(module: nn.Module) -> dict[str, Any]:
+    """The CP settings a TE attention module holds now (``CP_SETTINGS`` plus ``load_balancing_strategy`` if any)."""
+    missing = [name for name in CP_SETTINGS if not hasattr(module, name)]
+    if missing or not callable(getattr(module, "set_context_parallel_group", None)):
+        raise ValueError(
+            f"{type(module).__name__} is not a TransformerEngine DotProductAttention-like module: it needs "
+            f"set_context_parallel_group() and the attributes {CP_SETTINGS} (missing: {missing})"
+        )
+    settings = {name: getattr(module, name) for name in CP_SETTINGS}
+    if hasattr(module, _LBS):
+        settings[_LBS] = getattr(module, _LBS)
+    return settings
+
+
+def _apply(module: nn.Module, settings: dict[str, Any]) -> None:
+    extra = {_LBS: settings[_LBS]} if _LBS in settings else {}
+    module.set_context_parallel_group(
+        settings["cp_group"], settings["cp_global_ranks"], settings["cp_stream"], settings["cp_comm_type"], **extra
+    )
+
+
+@contextlib.contextmanager
+def bind_te_cp(
+    module: nn.Module,
+    scope: CPScope,
+    *,
+    cp_comm_type: Optional[str] = None,
+    stream_provider: StreamProvider = cp_stream,
+    device: Optional[torch.device] = None,
+) -> Iterator[None]:
+    """Give a TE attention module the CP settings of ``scope`` inside the block; restore its own ones on exit.
+
+    Scope: the module's attributes are process-wide, so do not run the same module concurrently in two threads
+    with different scopes. Restoration happens in ``finally`` (also after an exception).
+
+    Args:
+        module: a TE ``DotProductAttention`` (or anything with its ``set_context_parallel_group`` and attributes).
+        scope: the scope to bind (``resolve_scope(group)``); CP1 binds ``cp_group=None``.
+        cp_comm_type: TE's CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``); default the module's own.
+        stream_provider: ``provider(device)`` → the CUDA stream for CP communication; default
+            :func:`cpscope.cp_stream`.
+        device: passed to ``stream_provider``.
+
+    Raises:
+        ValueError: CP > 1 and the provider returned ``None`` (no CUDA stream for ``device``), or ``cp_comm_type`` is
+            ``"a2a+p2p"`` (that needs a pair of groups; cpscope binds one).
+
+    Example::
+
+        with bind_te_cp(te_attn, cpscope.capture_scope()):
+            out = te_attn(q, k, v)
+    """
+    saved = te_cp_settings(module)
+    comm = saved["cp_comm_type"] if cp_comm_type is None else cp_comm_type
+    if scope.size == 1:
+        bound: dict[str, Any] = {"cp_group": None, "cp_global_ranks": None, "cp_stream": None, "cp_comm_type": comm}
+    else:
+        if comm == "a2a+p2p":
+            raise ValueError(
+                f"cp_comm_type='a2a+p2p' needs a pair of groups [a2a, p2p]; cpscope binds one group of size "
+                f"{scope.size}: pass cp_comm_type='p2p', 'all_gather' or 'a2a'"
+            )
+        stream = stream_provider(device)
+        if stream is None:
+            raise ValueError(
+                f"no CUDA stream for CP communication on device {device} (stream_provider {stream_provider!r} returned "
+                f"None) while binding a CP group of size {scope.size}; TransformerEngine context parallelism needs "
+                "CUDA tensors and a stream (cpscope.cp_stream() returns one on a CUDA device)"
+            )
+        bound = {"cp_group": scope.group, "cp_global_ranks": group_ranks(scope.group), "cp_stream": stream,
+                 "cp_comm_type": comm}
+    # cpscope's layout is TE's default DUAL_CHUNK_SWAP, which set_context_parallel_group applies when not given.
+    _apply(module, bound)
+    try:
+        yield
+    finally:
+        _apply(module, saved)
+
+
+def _check_thd(cu: Any, local_tokens: int, cp: int, name: str) -> None:
+    cu_list = cu_seqlens_list(cu, name)
+    check_cu_seqlens(cu_list, cp, name)
+    check_local_thd_len(local_tokens, cu_list, cp, "query_layer")
+
+
+class _Options(NamedTuple):
+    cp_comm_type: Optional[str]
+    stream_provider: StreamProvider
+    group: Any  # _UNSET (active scope), None or a ProcessGroup
+    validate: bool
+
+    def __deepcopy__(self, memo: dict) -> "_Options":
+        return self  # immutable; a copied _UNSET sentinel or process group would no longer mean the same
+
+
+def _prepare(module: nn.Module, call: dict[str, Any], query: Any, cp: int, validate: bool) -> None:
+    """CP > 1: fill TE's ``cu_seqlens_*_padded`` for ``thd`` and check the local shapes against ``cp``."""
+    fmt = call.get("qkv_format") or getattr(module, "qkv_format", None)
+    if fmt is None:
+        return
+    check_qkv_format(fmt)
+    if fmt == "thd":
+        for side in ("q", "kv"):
+            cu, padded = f"cu_seqlens_{side}", f"cu_seqlens_{side}_padded"
+            if call.get(padded) is None and call.get(cu) is not None:
+                call[padded] = call[cu]  # the same object: TE then infers pad_between_seqs=False
+        if validate and isinstance(query, torch.Tensor):
+            cu = call.get("cu_seqlens_q_padded")
+            if cu is None:
+                raise ValueError(f"qkv_format='thd' with CP size {cp} needs the global cu_seqlens_q (and cu_seqlens_kv)")
+            _check_thd(cu, query.shape[0], cp, "cu_seqlens_q_padded")
+    elif validate and isinstance(query, torch.Tensor) and query.dim() >= 2:
+        local = query.shape[1] if fmt == "bshd" else query.shape[0]
+        check_divisible_seq(local * cp, cp, f"sequence length (local {local} x cp {cp})")
+
+
+def _scoped_dpa_call(
+    module: nn.Module, forward: Callable[..., Any], signature: inspect.Signature, opts: _Options,
+    args: tuple, kwargs: dict,
+) -> Any:
+    """Resolve the scope once, bind it to ``module`` around ``forward(*args, **kwargs)``, restore afterwards."""
+    scope = resolve_scope(opts.group)  # read once; TE keeps what backward needs on its ctx
+    bound = signature.bind(*args, **kwargs)
+    call = bound.arguments
+    query = call.get("query_layer")
+    if query is None:
+        query = call.get("qkv_layer")
+    device = query.device if isinstance(query, torch.Tensor) else None
+    if scope.size > 1:
+        _prepare(module, call, query, scope.size, opts.validate)
+    with bind_te_cp(
+        module, scope, cp_comm_type=opts.cp_comm_type, stream_provider=opts.stream_provider, device=device
+    ):
+        return forward(*bound.args, **bound.kwargs)
+
+
+class ScopedDotProductAttention(nn.Module):
+    """Run a TE ``DotProductAttention`` under the active cpscope scope, per forward (a wrapping module).
+
+    Every forward resolves the scope once (``group=`` given at construction, else the active scope), binds it to the
+    wrapped module with :func:`bind_te_cp`, calls it with the same arguments, and restores the module's build-time
+    CP settings afterwards — also when the forward raises. Build TE's module *without* CP; the group comes from the
+    scope. Arguments are TE's own (``qkv_format``, ``cu_seqlens_q/kv``, ``cu_seqlens_*_padded``, …) and pass through;
+    under CP > 1 with ``thd``, missing ``cu_seqlens_*_padded`` are set to ``cu_seqlens_*`` (cpscope never pads inside
+    documents; TE requires them for ``thd`` + CP).
+
+    Inputs are checked before TE runs (``validate=True``): with CP > 1 the local sequence length must be even
+    (global length divisible by 2·cp), and in ``thd`` every document of the global ``cu_seqlens`` must be divisible by
+    2·cp and the local token count must be ``cu_seqlens[-1] / cp``. (The ``thd`` check copies ``cu_seqlens`` to the
+    host once per call.) To convert a whole model in place instead, see :func:`enable_runtime_cp`.
+
+    Args:
+        attention: a ``transformer_engine.pytorch.DotProductAttention``.
+        cp_comm_type: TE's CP communication type; default the module's own.
+        stream_provider: ``provider(device)`` → CUDA stream; default :func:`cpscope.cp_stream`.
+        group: a fixed group (``None`` = CP1) instead of the active scope.
+        validate: check shapes against the scope before calling TE.
+
+    Example::
+
+        attn = ScopedDotProductAttention(te.DotProductAttention(h, d, qkv_format="thd",
+                                                                attn_mask_type="padding_causal"))
+        with cpscope.runtime_cp(groups[2]):
+            out = attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)   # cu: global, int32, on the GPU
+    """
+
+    def __init__(
+        self,
+        attention: nn.Module,
+        *,
+        cp_comm_type: Optional[str] = None,
+        stream_provider: StreamProvider = cp_stream,
+        group: Any = _UNSET,
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        te_cp_settings(attention)  # fail early on a module of the wrong kind
+        self.attention = attention
+        self._opts = _Options(cp_comm_type, stream_provider, group, validate)
+        self._signature = inspect.signature(attention.forward)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _scoped_dpa_call(self.attention, self.attention, self._signature, self._opts, args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In place: swap the class of every TE attention module of a model (as FSDP2's fully_shard does), so a model
+# written for TE needs no change and its state_dict keys stay the same.
+
+
+class _ScopedDPAMixin:
+    """Forward of a DotProductAttention bound to the active scope for the call (see :func:`enable_runtime_cp`)."""
+
+    _cpscope_signature: inspect.Signature
+    _cpscope_opts: _Options
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _scoped_dpa_call(
+            self, super().forward, self._cpscope_signature, self._cpscope_opts, args, kwargs  # type: ignore[misc]
+        )
+
+
+class _ScopedMHAMixin:
+    """Forward of a MultiheadAttention whose RoPE uses the active scope's ``cp_size`` / ``cp_rank`` for the call."""
+
+    _cpscope_opts: _Options
+    cp_size: int
+    cp_rank: int
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        scope = resolve_scope(self._cpscope_opts.group)
+        saved = (self.cp_size, self.cp_rank)
+        self.cp_size, self.cp_rank = scope.size, scope.rank
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.cp_size, self.cp_rank = saved
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _scoped_class(base: type, mixin: type) -> type:
+    cls = _CLASSES.get((base, mixin))
+    if cls is None:
+        attrs: dict[str, Any] = {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                                 "_cpscope_base": base}
+        if mixin is _ScopedDPAMixin:
+            sig = inspect.signature(base.forward)  # type: ignore[attr-defined]
+            attrs["_cpscope_signature"] = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
+        cls = _CLASSES.setdefault((base, mixin), type(base.__name__, (mixin, base), attrs))
+    return cls
+
+
+def _kind(module: nn.Module) -> Optional[type]:
+    if not callable(getattr(module, "set_context_parallel_group", None)):
+        return None
+    if all(hasattr(module, name) for name in CP_SETTINGS):
+        return _ScopedDPAMixin
+    if hasattr(module, "cp_size") and hasattr(module, "cp_rank"):
+        return _ScopedMHAMixin
+    return None
+
+
+def enable_runtime_cp(
+    model: nn.Module,
+    *,
+    cp_comm_type: Optional[str] = None,
+    stream_provider: StreamProvider = cp_stream,
+    group: Any = _UNSET,
+    validate: bool = True,
+) -> list[str]:
+    """Make every TransformerEngine attention module inside ``model`` follow the active cpscope scope, in place.
+
+    Each ``DotProductAttention`` (anything with ``set_context_parallel_group`` and the ``cp_group`` … attributes)
+    then binds the active group per forward exactly as :class:`ScopedDotProductAttention` does; each
+    ``MultiheadAttention`` (``cp_size`` / ``cp_rank`` attributes, used by its fused RoPE) gets the active size and
+    rank for the call. Build-time settings are restored after every call, also on exceptions. The modules keep their
+    parameters and ``state_dict`` keys (only their class is swapped for a subclass, as FSDP2 does); ``copy.deepcopy``
+    keeps the behaviour, pickling the whole module object does not work (save ``state_dict`` instead). Calling it
+    again updates the options; :func:`disable_runtime_cp` undoes it.
+
+    Args: as :class:`ScopedDotProductAttention`.
+
+    Returns:
+        The qualified names of the modules converted.
+
+    Example::
+
+        layer = te.TransformerLayer(1024, 4096, 16, attn_input_format="bshd", self_attn_mask_type="causal")
+        enable_runtime_cp(layer)
+        with cpscope.runtime_cp(groups[2]):
+            y = layer(x_local, rotary_pos_emb=freqs)     # attention and RoPE use the CP2 group
+    """
+    opts = _Options(cp_comm_type, stream_provider, group, validate)
+    names = []
+    for name, module in model.named_modules():
+        base = getattr(type(module), "_cpscope_base", type(module))
+        mixin = _kind(module)
+        if mixin is None:
+            continue
+        module.__class__ = _scoped_class(base, mixin)
+        module._cpscope_opts = opts
+        names.append(name)
+    return names
+
+
+def disable_runtime_cp(model: nn.Module) -> list[str]:
+    """Undo :func:`enable_runtime_cp`: restore the original classes; returns the names of the modules restored."""
+    names = []
+    for name, module in model.named_modules():
+        base = getattr(type(module), "_cpscope_base", None)
+        if base is not None:
+            module.__class__ = base
+            del module._cpscope_opts
+            names.append(name)
+    return names
+
+
+def te_apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    qkv_format: str,
+    cu_seqlens: Optional[Union[torch.Tensor, Sequence[int]]] = None,
+    interleaved: bool = False,
+    fused: bool = True,
+    group: Any = _UNSET,
+) -> torch.Tensor:
+    """TE's RoPE (fused by default) at the global positions of the local zigzag tokens of the active scope.
+
+    Calls ``transformer_engine.pytorch.attention.rope.apply_rotary_pos_emb`` with ``cp_size`` / ``cp_rank`` of the
+    active scope (or ``group=``). ``freqs`` is TE's / cpscope's table ``[max_seqlen, 1, 1, rot_dim]`` covering the
+    **global** length; in ``thd``, ``cu_seqlens`` are the global offsets (TE's ``cu_seqlens_padded``), int32.
+
+    Raises:
+        ValueError: ``freqs`` shorter than the global length, or shapes inconsistent with the scope.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            q = te_apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu)
+    """
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as _te_rope
+
+    scope = resolve_scope(group)
+    cp = scope.size
+    check_qkv_format(qkv_format)
+    if qkv_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens (global offsets, int32)")
+        cu_list = cu_seqlens_list(cu_seqlens)
+        check_cu_seqlens(cu_list, cp)
+        check_local_thd_len(t.shape[0], cu_list, cp, "t")
+        needed = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+    else:
+        local = t.shape[1] if qkv_format == "bshd" else t.shape[0]
+        needed = local * cp
+        check_divisible_seq(needed, cp)
+    if freqs.shape[0] < needed:
+        raise ValueError(
+            f"freqs covers {freqs.shape[0]} positions but the global length is {needed} (CP size {cp}); build the "
+            "table for the global (unsharded) length"
+        )
+    if qkv_format == "thd" and not (
+        isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32 and cu_seqlens.device == t.device
+    ):
+        cu_seqlens = torch.tensor(cu_list, dtype=torch.int32, device=t.device)  # TE's kernel reads int32 offsets
+    return _te_rope(  # TE reads freqs as a dense fp32 [S, rot_dim] array
+        t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=fused,
+        cu_seqlens=cu_seqlens, cp_size=cp, cp_rank=scope.rank,
+    )

@@ -1,0 +1,219 @@
+"""transformers decoder under ``attn_implementation="cpscope"`` vs. a float64 eager reference on the full sequence.
+
+Every rank builds the same random-weight Llama (GQA, RoPE) and the same batch, runs the reference itself on the full
+sequence, and checks its local logits (cut with zigzag indices) and the CP-group sum of its weight gradients.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import cpscope  # noqa: E402
+from cpscope.checkpoint import scope_context_fn  # noqa: E402
+from cpscope.integrations import hf as cphf  # noqa: E402
+from cpscope.sharding import zigzag_indices  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+
+VOCAB, SEQ = 128, 32
+DOCS = [8, 16, 8]  # packed case: every document divisible by 2*cp for cp <= 4
+
+
+def _config(family: str = "llama"):
+    common = dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, attention_dropout=0.0,
+    )
+    if family == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(**common)
+    if family == "mistral":  # sliding_window longer than the sequence: accepted, no effect
+        return transformers.MistralConfig(sliding_window=SEQ, **common)
+    return transformers.LlamaConfig(**common)
+
+
+def _models(family: str = "llama"):
+    """(cpscope model in fp32, eager reference in float64 with the same weights); separate configs."""
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[family]
+    torch.manual_seed(0)
+    model = cls._from_config(copy.deepcopy(_config(family)), attn_implementation="cpscope")
+    ref = cls._from_config(copy.deepcopy(_config(family)), attn_implementation="eager")
+    ref.load_state_dict(model.state_dict())
+    assert model.config._attn_implementation == "cpscope" and ref.config._attn_implementation == "eager"
+    return model.float(), ref.double()
+
+
+def _batch(packed: bool):
+    gen = torch.Generator().manual_seed(1)
+    b = 1 if packed else 2
+    ids = torch.randint(0, VOCAB, (b, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, 5] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0)
+    return batch
+
+
+def _reference(ref, batch, packed: bool):
+    """Full-sequence float64 logits, loss and gradients, with the target shift done here independently."""
+    ref.zero_grad()
+    # use_cache=False: with a cache, transformers does not derive the packed-document mask from position_ids
+    out = ref(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False)
+    labels = batch["labels"]
+    target = torch.full_like(labels, -100)
+    target[:, :-1] = labels[:, 1:]
+    if packed:
+        ends = torch.cumsum(torch.tensor(DOCS), 0) - 1
+        target[:, ends] = -100  # the last token of a document predicts nothing
+    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    return out.logits.detach(), loss.detach(), grads
+
+
+def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=False):
+    cpscope.set_debug_autograd_reads(True)  # backward must never read the active scope
+    groups = cpscope.new_cp_groups(sorted(set(sizes)))
+    model, ref = _models(family)
+    if checkpointing:  # recompute in backward (outside the scope) must re-enter the forward's scope
+        model.train()
+        kwargs = {"use_reentrant": False, "context_fn": scope_context_fn()}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    batch = _batch(packed)
+    ref_logits, ref_loss, ref_grads = _reference(ref, batch, packed)
+    cu = [0] + torch.cumsum(torch.tensor(DOCS), 0).tolist() if packed else SEQ
+    for size in sizes:  # mixed microbatches on the same model
+        group = groups[size]
+        model.zero_grad()
+        with cpscope.runtime_cp(group):
+            local = cphf.shard_batch(batch)
+            out = model(**local)
+        rank = cpscope.scope.scope_for(group).rank
+        idx = zigzag_indices(cu, size, rank)
+        torch.testing.assert_close(out.logits, ref_logits[:, idx].float(), atol=1e-4, rtol=1e-4)
+        out.loss.backward()  # outside the scope: the ring kept its group on ctx
+        loss = out.loss.detach().clone()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            for g in grads.values():
+                dist.all_reduce(g, group=group)
+        torch.testing.assert_close(loss, ref_loss.float(), atol=1e-5, rtol=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name].float(), atol=1e-4, rtol=1e-4, msg=f"{name}, CP{size}")
+    return True
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_llama_matches_reference_2_ranks(packed):
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], packed) == [True, True]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_llama_matches_reference_4_ranks(packed):
+    assert all(run_ranks(4, _decoder_matches_reference, [4, 2, 1], packed))
+
+
+def test_llama_with_activation_checkpointing_2_ranks():
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], True, "llama", True) == [True, True]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_decoders_match_reference_2_ranks(family):
+    assert run_ranks(2, _decoder_matches_reference, [2], False, family) == [True, True]
+
+
+def _unsharded_position_ids_are_refused():
+    groups = cpscope.new_cp_groups([2])
+    model, _ = _models()
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    with cpscope.runtime_cp(groups[2]):
+        local = cphf.shard_batch({"input_ids": ids})
+        with pytest.raises(ValueError, match="not one sequence per row in cpscope's zigzag layout"):
+            model(input_ids=local["input_ids"], position_ids=torch.arange(SEQ // 2).unsqueeze(0))
+        with pytest.raises(ValueError, match="document 1 has length 6"):  # 2*cp = 4
+            cphf.shard_batch({"input_ids": ids, "position_ids": torch.cat([torch.arange(26), torch.arange(6)])[None]})
+
+
+def test_unsharded_position_ids_are_refused_2_ranks():
+    run_ranks(2, _unsharded_position_ids_are_refused)
+
+
+# ------------------------------------------------------------------------------------------------ CP1, no dist
+
+
+def test_padding_mask_is_refused():
+    model, _ = _models()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match=r"2-D attention_mask with 3 zeros \(padding\) of shape \(2, 8\)"):
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="3 zeros"):
+        cphf.shard_batch({"input_ids": ids, "attention_mask": mask})
+    with pytest.raises(ValueError, match=r"4-D attention_mask of shape \(2, 1, 8, 8\)"):
+        model(input_ids=ids, attention_mask=torch.zeros(2, 1, 8, 8))
+    # An all-ones mask is harmless (tokenizers return one): same logits as without.
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits,
+                               model(input_ids=ids).logits)
+    assert "attention_mask" not in cphf.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def test_packed_position_ids_without_offsets_are_refused():
+    model, _ = _models()
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with pytest.raises(ValueError, match="local token 8 has position 0, expected 8"):
+        model(input_ids=ids, position_ids=torch.cat([torch.arange(8), torch.arange(8)])[None])
+
+
+def test_unsupported_options_are_refused():
+    model, _ = _models()
+    q = torch.zeros(1, 4, 8, 16)
+    kv = torch.zeros(1, 2, 8, 16)
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="dropout=0.1"):
+        cphf.cpscope_attention_forward(attn, q, kv, kv, None, dropout=0.1)
+    with pytest.raises(ValueError, match="sliding_window=4 shorter than the global sequence length 8"):
+        cphf.cpscope_attention_forward(attn, q, kv, kv, None, sliding_window=4)
+    out, weights = cphf.cpscope_attention_forward(attn, q, kv, kv, None, sliding_window=8)  # covers it: fine
+    assert out.shape == (1, 8, 4, 16) and weights is None
+    with pytest.raises(ValueError, match="query length 1 != key length 8"):
+        cphf.cpscope_attention_forward(attn, q[:, :, :1], kv, kv, None)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="different cu_seq_lens_q"):
+        cphf.cpscope_attention_forward(attn, q, kv, kv, None, cu_seq_lens_q=cu,
+                                       cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="batch size 2"):
+        cphf.cpscope_attention_forward(attn, q.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1),
+                                       kv.expand(2, -1, -1, -1), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_shard_batch_cp1_shifts_labels_and_counts_targets():
+    ids = torch.arange(16).reshape(2, 8)
+    out = cphf.shard_batch({"input_ids": ids, "labels": ids, "num_items_in_batch": 99, "use_cache": False})
+    assert torch.equal(out["input_ids"], ids) and torch.equal(out["labels"], ids)
+    assert torch.equal(out["position_ids"], torch.arange(8).expand(2, 8))
+    expected = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    assert torch.equal(out["shift_labels"], expected)
+    assert out["num_items_in_batch"] == 99 and out["use_cache"] is False  # given ones pass through
+    assert int(cphf.shard_batch({"input_ids": ids, "labels": ids})["num_items_in_batch"]) == 14
+    packed = cphf.shard_batch({"input_ids": ids[:1], "labels": ids[:1],
+                               "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])})
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 8] and packed["cu_seq_lens_q"].dtype == torch.int32
+    assert packed["max_length_q"] == 5
+    assert packed["shift_labels"].tolist() == [[1, 2, -100, 4, 5, 6, 7, -100]]
+    with pytest.raises(ValueError, match="need batch size 1"):
+        cphf.shard_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])})
+    with pytest.raises(ValueError, match="does not know how to shard 'pixel_mask'"):
+        cphf.shard_batch({"input_ids": ids, "pixel_mask": torch.ones(2, 8)})
+    with pytest.raises(ValueError, match="needs input_ids or inputs_embeds"):
+        cphf.shard_batch({"labels": ids})
