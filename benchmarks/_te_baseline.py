@@ -16,7 +16,8 @@ import torch.distributed as dist
 def te_available() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:
+    except Exception as e:  # report why: a silent "off" hides a broken install
+        print(f"TransformerEngine unavailable: {type(e).__name__}: {e}", flush=True)
         return False
     return torch.cuda.is_available()
 

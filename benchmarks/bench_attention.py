@@ -118,6 +118,10 @@ def main() -> None:
     ap.add_argument("--compare-routes", type=int, default=0, metavar="S",
                     help="also time bshd at length S with the flash vs the cuDNN dense kernels (CP1 and CP)")
     args = ap.parse_args()
+    # TE must load its cuDNN before torch's cuDNN attention runs once (else a libcudnn symbol clash on import).
+    from _te_baseline import te_available
+
+    te_ok = te_available() and not args.no_te
     base = _load_baseline(args.baseline)
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
@@ -148,9 +152,9 @@ def main() -> None:
             out["cudnn_fallback"] = True
             if rank == 0:
                 print("cuDNN path failed parity; timing with flash kernels", flush=True)
-    from _te_baseline import measure_te_bshd, measure_te_thd, te_available  # benchmarks/ is on sys.path
+    from _te_baseline import measure_te_bshd, measure_te_thd  # benchmarks/ is on sys.path
 
-    use_te = te_available() and not args.no_te
+    use_te = te_ok
     out["te"] = use_te
     if rank == 0:
         print("TransformerEngine baseline:", "on" if use_te else "off (not installed)", flush=True)
