@@ -14,8 +14,10 @@ Usage::
     python benchmarks/bench_hybrid.py                       # = --simulate; JSON to docs/hybrid_planner_sim.json
     python benchmarks/bench_hybrid.py --simulate --ranks 64 512 --seeds 0 --out /tmp/sim.json
 
-A GPU mode (part (b), real training steps) is not written yet; add it as another entry of ``MODES`` with its
-own flag (see ``main``).
+* ``--gpu`` — part (b), real GPT training steps on 2 GPUs (NCCL), hybrid vs static CP2 vs CP1-only DP
+  (``benchmarks/_hybrid_gpu.py``)::
+
+    torchrun --nproc_per_node=2 benchmarks/bench_hybrid.py --gpu --out docs/hybrid_gpu.json
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ import statistics
 import sys
 import time
 from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _hybrid_gpu import add_gpu_arguments, run_gpu  # noqa: E402  (imports torch.distributed only)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,6 +115,7 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
 # Each mode: (flag help, runner). A GPU mode goes here as "gpu": (help, run_gpu) with its own options.
 MODES: dict[str, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = {
     "simulate": ("planner simulation under the cost model (default)", run_simulation),
+    "gpu": ("part (b): GPT steps on 2 GPUs, hybrid vs static CP2 vs CP1 DP", run_gpu),
 }
 
 
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     defaults = CostModel()
     for name in ("attn", "linear", "comm", "latency"):
         sim.add_argument(f"--{name}", type=float, default=getattr(defaults, name), help="cost-model coefficient")
+    add_gpu_arguments(ap)
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results path")
     args = ap.parse_args(argv)
     if args.mode == "simulate":

@@ -1,0 +1,88 @@
+"""Example 1 — a wrapped microbatch loop: ``for mb in microbatches: with runtime_cp(groups[mb.cp]): ...``
+
+Four ranks, one step. The microbatches mix CP sizes: a long document at CP4 (all ranks), two at CP2 (ranks 0-1 and
+2-3), short ones at CP1 (each rank its own). Every rank runs its list in order — CP size descending, so the
+members of a group arrive at its microbatches together — binding the group around the forward only. For each
+microbatch the group's summed loss is checked against the same documents run without CP on one rank.
+
+Run::
+
+    python examples/microbatch_loop.py                     # spawns 4 gloo ranks
+    torchrun --nproc_per_node=4 examples/microbatch_loop.py
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import cpscope  # noqa: E402
+from cpscope.hybrid.loop import allreduce_sum, prepare_microbatch, token_loss_sum  # noqa: E402
+from _launch import launch  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+class Planned(NamedTuple):
+    cp: int
+    docs: tuple[int, ...]  # indices into the global batch
+
+
+# Per rank, in execution order (what cpscope.hybrid.plan_hybrid would hand out).
+SCHEDULE = {
+    0: [Planned(4, (0,)), Planned(2, (1,)), Planned(1, (3, 4))],
+    1: [Planned(4, (0,)), Planned(2, (1,)), Planned(1, (5,))],
+    2: [Planned(4, (0,)), Planned(2, (2,)), Planned(1, (6,))],
+    3: [Planned(4, (0,)), Planned(2, (2,)), Planned(1, (7, 8))],
+}
+LENGTHS = [203, 96, 77, 30, 12, 41, 25, 18, 9]
+
+
+def main() -> None:
+    rank = dist.get_rank()
+    groups = cpscope.new_cp_groups([1, 2, 4])  # collective, once: {1: None, 2: <pair>, 4: <all>}
+    torch.manual_seed(0)  # same weights and data on every rank
+    model = GPT(GPTConfig(vocab_size=128, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    docs = [torch.randint(128, (n,)) for n in LENGTHS]
+
+    lines = []
+    for mb in SCHEDULE[rank]:
+        group = groups[mb.cp]
+        local = prepare_microbatch([docs[i] for i in mb.docs], cp=mb.cp, group=group)  # pack, pad, shard
+        with cpscope.runtime_cp(group):  # RoPE and attention inside the model read this group
+            seen = (cpscope.cp_size(), cpscope.cp_rank())
+            logits = model(local.input_ids, cu_seqlens=local.cu_seqlens, max_seqlen=local.max_seqlen)
+            loss_sum = token_loss_sum(logits, local.labels)
+        loss_sum.backward()  # outside the scope: the attention kept its group from forward
+        # Check: the group's summed loss equals the same documents on one rank without CP.
+        # (group=None is CP1 for cpscope but "the world" for torch.distributed: no reduction at CP1.)
+        group_loss = loss_sum.item() if group is None else allreduce_sum(loss_sum.detach(), group=group).item()
+        ref = prepare_microbatch([docs[i] for i in mb.docs], cp=1, group=None)
+        with torch.no_grad():
+            ref_loss = token_loss_sum(model(ref.input_ids, cu_seqlens=ref.cu_seqlens, max_seqlen=ref.max_seqlen),
+                                      ref.labels).item()
+        ok = abs(group_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        lines.append(
+            f"  bound CP{seen[0]} (cp rank {seen[1]}) for docs {list(mb.docs)}: {local.input_ids.numel()} local "
+            f"tokens of {int(local.cu_seqlens[-1])}, group loss {group_loss:.4f} vs no-CP {ref_loss:.4f} "
+            f"{'OK' if ok else 'MISMATCH'}"
+        )
+        if not ok:
+            raise RuntimeError(f"rank {rank}: CP{mb.cp} loss {group_loss} != single-rank loss {ref_loss}")
+    assert cpscope.cp_size() == 1  # outside every scope: back to the build-time group (CP1)
+
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, lines)
+    if rank == 0:
+        for r, rl in enumerate(reports):
+            print(f"rank {r}:")
+            print("\n".join(rl))
+
+
+if __name__ == "__main__":
+    launch(main, 4)
