@@ -10,6 +10,11 @@ The main API:
   :func:`cp_stream` — the lazily created auxiliary CUDA stream.
 * :func:`zigzag_shard` / :func:`zigzag_unshard`, :func:`apply_rotary_pos_emb`, :func:`context_parallel_attention`
   — sharding, RoPE and ring attention that read the active group (or take ``group=``).
+* :func:`checkpoint` — activation checkpointing whose recompute re-enters the scope captured in forward;
+  :func:`scoped` / :func:`scope_context_fn` plug the same into other checkpointing schemes; :class:`Microbatch`
+  carries a microbatch's scope through 1F1B / interleaved schedules.
+* :mod:`cpscope.hybrid` — the hybrid-CP planner and microbatch loop; :mod:`cpscope.integrations` — HF transformers,
+  TransformerEngine and Megatron adapters (optional dependencies, imported only when used).
 
 Example::
 
@@ -49,10 +54,16 @@ from .sharding import (
 )
 from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
 from .attention import ContextParallelAttention, context_parallel_attention
+from .checkpoint import checkpoint, scope_context_fn, scoped
+from .microbatch import Microbatch
 
 __all__ = [
     "CPScope",
     "ContextParallelAttention",
+    "Microbatch",
+    "checkpoint",
+    "scope_context_fn",
+    "scoped",
     "PaddedPackedBatch",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",

@@ -281,7 +281,7 @@ def _step_bound(gen: Any, scope: CPScope) -> Any:
 
 _debug_autograd_reads = False
 # Debug mode only. The autograd graph task in which this context deliberately re-entered a captured scope
-# (activation-checkpoint recompute, a hook wrapped with ``cpscope.checkpoint.scoped``): reads made there see the
+# (activation-checkpoint recompute, a hook wrapped with ``cpscope.scoped``): reads made there see the
 # scope that was captured in forward, so they are allowed. -1: none. Set and reset by ``cpscope.checkpoint``.
 _REENTERED_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_reentered_in_graph_task", default=-1)
 
@@ -299,7 +299,7 @@ def set_debug_autograd_reads(enabled: bool = True) -> None:
     "Inside backward" means: on any thread, while the autograd engine runs a graph task — a node's ``backward``,
     tensor / node / post-accumulate-grad hooks, saved-tensor unpack hooks (non-reentrant checkpoint recompute) and
     ``queue_callback`` callbacks. Reads inside a scope that was deliberately re-entered during that graph task
-    (``cpscope.checkpoint`` recompute, ``cpscope.checkpoint.scoped`` hooks) are allowed. Not detectable: a thread
+    (``cpscope.checkpoint`` recompute, ``cpscope.scoped`` hooks) are allowed. Not detectable: a thread
     that a hook starts itself (it is outside every graph task). Off by default; when off, a read costs one
     global-bool check.
 
@@ -323,7 +323,7 @@ def _check_not_in_backward() -> None:
     where = f"node {node.name()}" if node is not None else "a callback of the backward pass"
     raise ScopeReadInBackwardError(
         f"the active CP scope was read inside autograd backward ({where}, graph task {task}); use the scope "
-        "captured in forward (ctx) instead, or re-enter it explicitly (cpscope.checkpoint.scoped / reentered)"
+        "captured in forward (ctx) instead, or re-enter it explicitly (cpscope.scoped / reentered)"
     )
 
 

@@ -26,7 +26,7 @@ Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks,
 attention dropout.
 Activation checkpointing: the attention function reads the active scope when it runs, so a recompute in backward
 must re-enter the forward's scope — ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-{"use_reentrant": False, "context_fn": cpscope.checkpoint.scope_context_fn()})`` (``activation_checkpointing_enable``
+{"use_reentrant": False, "context_fn": cpscope.scope_context_fn()})`` (``activation_checkpointing_enable``
 with ``activation_checkpointing_kwargs`` in recent transformers).
 
 Example::
