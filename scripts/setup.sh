@@ -9,9 +9,12 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.cpscope-setup
+# pip warns about every local index folder a package is missing from; keep real errors, drop that noise.
+quiet_pip() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 if [[ ! -f $stamp || setup.cfg -nt $stamp ]]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e ".[test,hf,examples]"
+  set -o pipefail
+  echo "cpscope: setting up $VENV (torch 2.13.0 CPU build, cpscope editable, test + HF extras)..."
+  quiet_pip "torch==2.13.0"
+  quiet_pip -e ".[test,hf,examples]"
   touch "$stamp"
 fi
