@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import weakref
+
 import torch
 
 __all__ = [
@@ -31,18 +33,48 @@ def check_qkv_format(qkv_format: str) -> str:
 def cu_seqlens_list(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> list[int]:
     """``cu_seqlens`` as a Python list of ints, after checking dtype, rank, start at 0 and monotonicity.
 
-    One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it).
+    One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it). A
+    device tensor is copied to the host once, not once per layer: the validated list is remembered per tensor
+    object and its in-place version counter, so RoPE and attention in every layer of a forward share one sync.
     """
     if isinstance(cu_seqlens, torch.Tensor):
+        version = _version(cu_seqlens)
+        hit = _CU_LISTS.get(id(cu_seqlens)) if version is not None else None
+        if hit is not None and hit[0]() is cu_seqlens and hit[1] == version:
+            return list(hit[2])
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be an int32 (or int64) tensor, got dtype {cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-        values = cu_seqlens.tolist()
-    else:
-        values = list(cu_seqlens)
-        if not all(isinstance(v, int) for v in values):
-            raise ValueError(f"{name} must hold integers, got {values}")
+        values = _validated(cu_seqlens.tolist(), name)
+        if version is not None:
+            key = id(cu_seqlens)
+            try:
+                ref = weakref.ref(cu_seqlens, lambda _, key=key: _CU_LISTS.pop(key, None))
+            except TypeError:  # pragma: no cover - tensors that refuse weak references (e.g. some subclasses)
+                return values
+            _CU_LISTS[key] = (ref, version, tuple(values))
+        return values
+    values = list(cu_seqlens)
+    if not all(isinstance(v, int) for v in values):
+        raise ValueError(f"{name} must hold integers, got {values}")
+    return _validated(values, name)
+
+
+# Validated host copies of cu_seqlens tensors: id(tensor) -> (weak ref to it, its _version when copied, values).
+# Keyed by id with an identity check (a WeakKeyDictionary would compare tensors with ==); an entry is dropped by
+# the weak reference's callback when its tensor dies.
+_CU_LISTS: "dict[int, tuple[weakref.ref, int, tuple[int, ...]]]" = {}
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter: never cache them
+        return None
+
+
+def _validated(values: list, name: str) -> list[int]:
     if len(values) < 2:
         raise ValueError(f"{name} must have at least 2 entries (0 and the total), got {values}")
     if values[0] != 0:

@@ -282,3 +282,32 @@ def test_bad_seq_dim_and_rank():
         zigzag_indices(8, 2, 2)
     with pytest.raises(ValueError, match=r"cp must be a positive int, got 0"):
         zigzag_indices(8, 0, 0)
+
+
+def test_cu_seqlens_host_copy_is_cached_per_tensor_and_version():
+    """Every layer validating the same cu_seqlens tensor shares one host copy; an in-place change is seen."""
+    from cpscope._checks import cu_seqlens_list
+
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert cu_seqlens_list(cu) == [0, 4, 12]
+    calls = []
+    real = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda self: calls.append(1) or real(self)
+        assert cu_seqlens_list(cu) == [0, 4, 12] and not calls  # cached: no new host copy
+        cu[2] = 16  # in place: bumps the version counter
+        assert cu_seqlens_list(cu) == [0, 4, 16] and calls == [1]
+        cu[1] = 20  # now non-monotonic: re-validated, not served stale
+        with pytest.raises(ValueError, match="non-decreasing"):
+            cu_seqlens_list(cu)
+    finally:
+        torch.Tensor.tolist = real
+    with torch.inference_mode():
+        inf = torch.tensor([0, 8], dtype=torch.int32)
+    assert cu_seqlens_list(inf) == [0, 8]  # no version counter: validated every time, never cached
+    from cpscope import _checks
+
+    key = id(cu)
+    assert key in _checks._CU_LISTS and id(inf) not in _checks._CU_LISTS
+    del cu
+    assert key not in _checks._CU_LISTS  # the entry dies with its tensor
