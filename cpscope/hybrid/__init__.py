@@ -11,9 +11,13 @@ Example::
     for mb in plan.microbatches_for_rank(rank):
         ...  # run mb.seqs with the CP group of size mb.cp that holds this rank
 """
+from .baselines import plan_greedy, plan_static
+from .bound import lower_bound
 from .cost import CostModel, padded_length
 from .data import long_tail_lengths
-from .planner import Microbatch, Plan, cp_candidates, lower_bound, plan_greedy, plan_hybrid, plan_static
+from .plan import Microbatch, Plan
+from .planner import plan_hybrid
+from .problem import cp_candidates
 
 __all__ = [
     "CostModel",

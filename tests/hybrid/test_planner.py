@@ -287,11 +287,9 @@ def test_large_groups_split_into_several_microbatches() -> None:
 
 def test_docstring_examples() -> None:
     import doctest
+    import importlib
 
-    import cpscope.hybrid.cost
-    import cpscope.hybrid.data
-    import cpscope.hybrid.planner
-
-    for module in (cpscope.hybrid.cost, cpscope.hybrid.data, cpscope.hybrid.planner):
+    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner")
+    for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -1,0 +1,102 @@
+"""From a placement to a :class:`Plan`: each block's sequences packed into microbatches, with exact rank loads.
+
+A planner decides a CP size (row of the problem's tables) and a block for every sequence; :func:`_build_plan`
+packs the sequences of each (CP size, block) into microbatches of at most ``capacity`` tokens per rank by first
+fit (:func:`_first_fit`), orders them for execution and sums the rank loads under the cost model.
+
+Example::
+
+    >>> _first_fit([6, 5, 4, 3], capacity=10)   # bins [6, 4] and [5, 3]
+    [0, 1, 0, 1]
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Optional
+
+import numpy as np
+
+from .bound import _lower_bound
+from .plan import Microbatch, Plan
+from .problem import _Problem
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def _first_fit(tokens: list[int], capacity: int) -> list[int]:
+    """First fit of ``tokens`` (in the given order) into bins of ``capacity``; returns each item's bin."""
+    if sum(tokens) <= capacity:
+        return [0] * len(tokens)
+    if len(tokens) <= 32:  # small: scan the open bins
+        room: list[int] = []
+        out = []
+        for t in tokens:
+            j = next((j for j, r in enumerate(room) if r >= t), len(room))
+            if j == len(room):
+                room.append(capacity)
+            room[j] -= t
+            out.append(j)
+        return out
+    size = 1
+    while size < len(tokens):
+        size *= 2
+    tree = [capacity] * (2 * size)  # max remaining capacity per subtree; unused bins are full-size
+    out = []
+    for t in tokens:
+        node = 1
+        while node < size:  # leftmost bin with room (always exists: each item ≤ capacity)
+            node = 2 * node if tree[2 * node] >= t else 2 * node + 1
+        out.append(node - size)
+        tree[node] -= t
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return out
+
+
+def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decreasing: bool = True,
+                lb: Optional[float] = None, microbatch_of: Optional[np.ndarray] = None) -> Plan:
+    """Pack each (cp, block)'s sequences into microbatches by first fit (longest first if ``decreasing``, else
+    in the given order) unless ``microbatch_of`` already says which sequences share one; exact rank loads."""
+    cp_seq = p.cps[k]
+    lp = p.lp[k, p.rows]
+    tokens = lp // cp_seq
+    seq_cost = p.seq[k, p.rows]
+    inner = -tokens if decreasing else np.zeros_like(tokens)
+    given = np.zeros(p.n, dtype=np.int64) if microbatch_of is None else microbatch_of
+    order = np.lexsort((p.rows, inner, given, block, -cp_seq))
+    o_cp, o_block, o_tok = cp_seq[order], block[order], tokens[order]
+    sub = given[order]  # microbatch index inside its (cp, block) group
+    g_start = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0)])
+    g_end = np.r_[g_start[1:], p.n]
+    if microbatch_of is None:
+        too_big = np.flatnonzero(np.add.reduceat(o_tok, g_start) > p.capacity)  # groups needing several
+        for a, z in zip(g_start[too_big].tolist(), g_end[too_big].tolist()):
+            sub[a:z] = _first_fit(o_tok[a:z].tolist(), p.capacity)
+        if too_big.size:  # bring each microbatch's sequences together, keeping their order
+            group_id = np.repeat(np.arange(g_start.size), g_end - g_start)
+            regroup = np.lexsort((np.arange(p.n), sub, group_id))
+            order, o_cp, o_block, o_tok, sub = (x[regroup] for x in (order, o_cp, o_block, o_tok, sub))
+    starts = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(sub) != 0)])
+    latency = p.cost.latency
+    mb_cp, mb_block = o_cp[starts], o_block[starts]
+    mb_tok = np.add.reduceat(o_tok, starts)
+    mb_cost = np.add.reduceat(seq_cost[order], starts) + latency * (mb_cp - 1)
+    order_l = order.tolist()
+    seqs = [tuple(order_l[a:z]) for a, z in zip(starts.tolist(), starts[1:].tolist() + [p.n])]
+    make = partial(tuple.__new__, Microbatch)  # Microbatch._make without its Python-level wrapper
+    mbs = list(map(make, zip(mb_cp.tolist(), mb_block.tolist(), seqs, mb_tok.tolist(), mb_cost.tolist())))
+    loads = np.zeros(p.n_ranks)
+    for s in np.unique(mb_cp).tolist():
+        sel = mb_cp == s
+        loads += np.repeat(np.bincount(mb_block[sel], weights=mb_cost[sel], minlength=p.n_ranks // s), s)
+    plan = Plan(method=method, n_ranks=p.n_ranks, capacity=p.capacity, lengths=tuple(p.lengths.tolist()),
+                cp_sizes=tuple(cp_seq.tolist()), microbatches=tuple(mbs), rank_loads=tuple(loads.tolist()),
+                lower_bound=_lower_bound(p) if lb is None else lb, padding_tokens=int((lp - p.lengths).sum()))
+    logger.debug("%s plan: %d seqs on %d ranks, %d microbatches, makespan %.4g (lower bound %.4g)", method, p.n,
+                 p.n_ranks, len(mbs), plan.makespan, plan.lower_bound)
+    return plan

@@ -1,0 +1,83 @@
+"""What a planner returns: the :class:`Plan` and its :class:`Microbatch` es, in a deadlock-free execution order.
+
+A microbatch is a set of sequences packed in ``thd`` and run together by one aligned *block* of ``cp`` ranks
+(positions ``block·cp … (block+1)·cp − 1``); a rank runs its microbatches by CP size descending (see
+:mod:`cpscope.hybrid.planner` for why that order cannot deadlock). Plain data: no numpy, no process group.
+
+Example::
+
+    >>> mb = Microbatch(cp=2, block=1, seqs=(0, 3), tokens_per_rank=4096, cost=0.5)
+    >>> list(mb.ranks)
+    [2, 3]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+__all__ = ["Microbatch", "Plan"]
+
+
+class Microbatch(NamedTuple):
+    """Sequences run together by ranks ``block·cp … (block+1)·cp − 1`` (positions in the planned rank list)."""
+
+    cp: int
+    block: int
+    seqs: tuple[int, ...]  # indices into the planned ``lengths``, in packing order
+    tokens_per_rank: int  # Σ padded length / cp  (≤ capacity)
+    cost: float  # per-rank seconds under the cost model
+
+    @property
+    def ranks(self) -> range:
+        """Positions of the member ranks (``ranks[i]`` if groups were built over a ``ranks`` list)."""
+        return range(self.block * self.cp, (self.block + 1) * self.cp)
+
+
+@dataclass(frozen=True, repr=False)
+class Plan:
+    """The result of a planner: microbatches in global execution order (CP size descending, block, packing).
+
+    ``rank_loads[r]`` is rank ``r``'s total time; ``makespan`` its maximum; ``lower_bound`` the value of
+    :func:`lower_bound` for the same inputs; ``padding_tokens`` the zigzag padding added over the batch.
+    """
+
+    method: str
+    n_ranks: int
+    capacity: int
+    lengths: tuple[int, ...]
+    cp_sizes: tuple[int, ...]
+    microbatches: tuple[Microbatch, ...]
+    rank_loads: tuple[float, ...]
+    lower_bound: float
+    padding_tokens: int
+
+    def __repr__(self) -> str:
+        return (f"Plan(method={self.method!r}, n_ranks={self.n_ranks}, sequences={len(self.lengths)}, "
+                f"microbatches={len(self.microbatches)}, makespan={self.makespan:.6g}, "
+                f"lower_bound={self.lower_bound:.6g})")
+
+    @property
+    def makespan(self) -> float:
+        """Time at which the last rank finishes (exact under the cost model thanks to the phase order)."""
+        return max(self.rank_loads)
+
+    @cached_property
+    def _by_group(self) -> dict[tuple[int, int], list[Microbatch]]:
+        groups: dict[tuple[int, int], list[Microbatch]] = {}
+        for mb in self.microbatches:
+            groups.setdefault((mb.cp, mb.block), []).append(mb)
+        return groups
+
+    @cached_property
+    def _sizes(self) -> list[int]:
+        return sorted({mb.cp for mb in self.microbatches}, reverse=True)
+
+    def microbatches_for_rank(self, rank: int) -> list[Microbatch]:
+        """The ordered microbatches rank ``rank`` (a position in ``range(n_ranks)``) must run."""
+        if not 0 <= rank < self.n_ranks:
+            raise ValueError(f"rank {rank} is outside the planned ranks [0, {self.n_ranks})")
+        out: list[Microbatch] = []
+        for s in self._sizes:
+            out.extend(self._by_group.get((s, rank // s), ()))
+        return out
