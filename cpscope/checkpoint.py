@@ -107,11 +107,11 @@ def scoped(fn: F, scope: Optional[CPScope] = None) -> F:
             y.register_hook(scoped(lambda g: g / cpscope.cp_size()))
     """
     bound = capture_scope() if scope is None else scope
-    binder = reentered(bound)  # validates ``scope``
+    reentered(bound)  # validate ``scope`` now, not at the first call
 
     @functools.wraps(fn)
     def run_scoped(*args: Any, **kwargs: Any) -> Any:
-        with binder:
+        with reentered(bound):  # a fresh binder per call: concurrent calls on several threads keep their own tokens
             return fn(*args, **kwargs)
 
     run_scoped.cp_scope = bound  # type: ignore[attr-defined]

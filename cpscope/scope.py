@@ -174,6 +174,10 @@ class runtime_cp:
     As a decorator each call binds afresh, so recursion, concurrent calls and generators are safe (a generator
     is bound around each step, never across a ``yield``).
 
+    One ``runtime_cp`` *object* may be re-entered (nested) within one thread or task, but not entered concurrently
+    from several threads or tasks (its tokens would interleave): write ``with runtime_cp(g):`` per use —
+    construction is cheap — or use it as a decorator, which binds afresh on every call.
+
     Args:
         group: the CP group for this microbatch; ``None`` or a size-1 group means CP1.
         local_cp_size: optional cross-check (Megatron's convention). ``1`` requires CP1; ``n > 1`` requires a group

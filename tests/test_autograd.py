@@ -467,3 +467,47 @@ def test_module_read_in_plain_checkpoint_recompute_is_caught_in_debug_mode():
             out.sum().backward()
     finally:
         cpscope.set_debug_autograd_reads(False)
+
+
+def test_scoped_wrapper_called_concurrently_from_threads_keeps_each_binding():
+    """Interleaved calls of one scoped() wrapper: A enters, B enters, A leaves first, then B."""
+    import threading
+
+    from cpscope.scope import CPScope
+
+    fake = CPScope(object(), 2, 1)  # a stand-in group object: nothing here talks to it
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def body(name):
+        seen[name] = cpscope.capture_scope()
+        if name == "a":
+            a_in.set()
+            b_in.wait(5)
+        else:
+            b_in.set()
+            a_out.wait(5)  # leave only after A has left
+        return name
+
+    f = cpscope.scoped(body, fake)
+
+    def run(name):
+        try:
+            f(name)
+            seen[name + "_after"] = cpscope.capture_scope()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            if name == "a":
+                a_out.set()
+
+    ta = threading.Thread(target=run, args=("a",))
+    tb = threading.Thread(target=run, args=("b",))
+    ta.start()
+    a_in.wait(5)
+    tb.start()
+    ta.join(10)
+    tb.join(10)
+    assert not errors, errors
+    assert seen["a"] is fake and seen["b"] is fake
+    assert seen["a_after"].is_cp1 and seen["b_after"].is_cp1
