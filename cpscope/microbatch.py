@@ -76,10 +76,13 @@ class Microbatch:
             return fn(*args, **kwargs)
 
     def backward(self, tensors: Tensors, grad_tensors: Optional[Tensors] = None, **kwargs: Any) -> None:
-        """``torch.autograd.backward(tensors, grad_tensors, **kwargs)``, with no scope bound on purpose.
+        """``torch.autograd.backward(tensors, grad_tensors, **kwargs)``; it binds **no** scope on purpose.
 
-        cpscope's autograd functions and checkpoints use the scope captured in this microbatch's forward; hooks
-        that need it ask for it with :meth:`hook`.
+        Whatever the caller has bound stays bound (this method neither binds this microbatch's scope nor unbinds
+        the caller's): backward must not depend on it. cpscope's autograd functions and checkpoints use the scope
+        captured in this microbatch's forward; hooks that need it ask for it with :meth:`hook`. To prove that
+        nothing in backward reads the ContextVar (which CUDA's autograd threads would not see), run with
+        :func:`cpscope.set_debug_autograd_reads`.
         """
         torch.autograd.backward(tensors, grad_tensors, **kwargs)
 
