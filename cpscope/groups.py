@@ -5,6 +5,7 @@ microbatch. So every group is created once, up front, by every rank with the sam
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Iterable, Optional, Sequence
 
@@ -47,8 +48,8 @@ def new_cp_groups(
     if not dist.is_initialized():
         raise RuntimeError("new_cp_groups needs torch.distributed to be initialised (dist.init_process_group)")
     world = dist.get_world_size()
-    domain = list(range(world)) if ranks is None else [int(r) for r in ranks]
-    sizes = [int(s) for s in sizes]
+    domain = list(range(world)) if ranks is None else [_as_int(r, "rank") for r in ranks]
+    sizes = [_as_int(s, "CP size") for s in sizes]
     if not domain:
         raise ValueError("new_cp_groups: ranks is empty")
     if len(set(domain)) != len(domain) or min(domain) < 0 or max(domain) >= world:
@@ -79,6 +80,13 @@ def new_cp_groups(
             if me in block:
                 out[s] = handle  # type: ignore[assignment]
     return out
+
+
+def _as_int(value: object, what: str) -> int:
+    """``value`` as an int; bools, floats and strings are refused rather than silently truncated."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"new_cp_groups: every {what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:

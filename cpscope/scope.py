@@ -122,7 +122,7 @@ def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] =
         scope = _SCOPES.get(group)
         if scope is None:
             scope = _make_scope(group)
-    if local_cp_size is not None and local_cp_size != scope.size:
+    if local_cp_size is not None and (type(local_cp_size) is not int or local_cp_size != scope.size):
         _raise_local_cp_size(group, scope, local_cp_size)
     return scope
 
@@ -153,7 +153,13 @@ def _make_scope(group: Any) -> CPScope:
         return _SCOPES.setdefault(group, scope)
 
 
-def _raise_local_cp_size(group: Any, scope: CPScope, local_cp_size: int) -> None:
+def _raise_local_cp_size(group: Any, scope: CPScope, local_cp_size: Any) -> None:
+    import numbers
+
+    if isinstance(local_cp_size, bool) or not isinstance(local_cp_size, numbers.Integral):
+        raise ValueError(f"local_cp_size must be an int (or None), got {type(local_cp_size).__name__} {local_cp_size!r}")
+    if local_cp_size == scope.size:  # another integral type (numpy int, an int enum) that equals the size
+        return
     what = "None (CP1)" if group is None else f"a group of size {scope.size}"
     raise ValueError(
         f"local_cp_size={local_cp_size} contradicts the CP group: got {what}. local_cp_size == 1 requires None or a "

@@ -316,3 +316,20 @@ def test_registry_size_one_is_none():
 def test_scope_module_imports_nothing_of_cpscope():
     src = open(scope_mod.__file__).read()
     assert "from ." not in src and "import cpscope" not in src
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1"])
+def test_local_cp_size_must_be_an_int(bad):
+    with pytest.raises(ValueError, match=r"local_cp_size must be an int.*" + type(bad).__name__):
+        cpscope.runtime_cp(None, local_cp_size=bad)
+
+
+def _w_new_cp_groups_refuses_non_int_sizes():
+    for sizes, ranks in (([2.5], None), ([True], None), ([2], [0, 1.0])):
+        with pytest.raises(ValueError, match="must be an int"):
+            cpscope.new_cp_groups(sizes, ranks)
+    return True
+
+
+def test_new_cp_groups_refuses_non_int_sizes_and_ranks():
+    assert all(run_ranks(2, _w_new_cp_groups_refuses_non_int_sizes))
