@@ -212,6 +212,8 @@ def zigzag_shard(
     scope = resolve_scope(group)
     seq_dim = check_seq_dim(x, seq_dim)
     if scope.size == 1:
+        if cu_seqlens is not None:  # CP1 moves nothing, but a wrong cu_seqlens is still an error
+            check_local_thd_len(x.shape[seq_dim], cu_seqlens_list(cu_seqlens), 1, name="zigzag_shard input")
         return x
     cp, rank = scope.size, scope.rank
     n = x.shape[seq_dim]
@@ -270,6 +272,8 @@ def zigzag_unshard(
     scope = resolve_scope(group)
     seq_dim = check_seq_dim(x, seq_dim)
     if scope.size == 1:
+        if cu_seqlens is not None:
+            check_local_thd_len(x.shape[seq_dim], cu_seqlens_list(cu_seqlens), 1, name="zigzag_unshard input")
         return x
     cp = scope.size
     n = x.shape[seq_dim]
@@ -313,6 +317,8 @@ def _resolve_cp(cp: Optional[int], group: Any) -> int:
         return resolve_scope(group).size
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
+    if group is not _UNSET and resolve_scope(group).size != cp:
+        raise ValueError(f"cp={cp} contradicts group= of CP size {resolve_scope(group).size}; pass one of them")
     return cp
 
 

@@ -311,3 +311,21 @@ def test_cu_seqlens_host_copy_is_cached_per_tensor_and_version():
     assert key in _checks._CU_LISTS and id(inf) not in _checks._CU_LISTS
     del cu
     assert key not in _checks._CU_LISTS  # the entry dies with its tensor
+
+
+def test_cp1_shard_and_unshard_still_validate_cu_seqlens():
+    """CP1 returns the tensor itself, but a cu_seqlens that does not describe it is an error, not ignored."""
+    x = torch.randn(8, 2)
+    assert zigzag_shard(x, seq_dim=0, cu_seqlens=[0, 3, 8]) is x
+    for bad, match in (([0, 5], r"8 local tokens.*cu_seqlens\[-1\]=5"), ([3, 1], "must start at 0")):
+        with pytest.raises(ValueError, match=match):
+            zigzag_shard(x, seq_dim=0, cu_seqlens=bad)
+        with pytest.raises(ValueError, match=match):
+            zigzag_unshard(x, seq_dim=0, cu_seqlens=bad)
+
+
+def test_pad_helpers_refuse_cp_contradicting_group():
+    with pytest.raises(ValueError, match=r"cp=2 contradicts group= of CP size 1"):
+        pad_packed_batch(torch.zeros(6), cu_seqlens=[0, 6], cp=2, group=None)
+    with pytest.raises(ValueError, match=r"cp=4 contradicts group= of CP size 1"):
+        pad_to_cp_multiple(torch.zeros(1, 6), seq_dim=1, cp=4, group=None)
