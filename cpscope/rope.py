@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -201,6 +202,11 @@ def apply_rotary_pos_emb(
     return _rope_math(t, angles, interleaved)
 
 
+def _check_base(base: float) -> None:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+        raise ValueError(f"RoPE base must be a finite number > 0, got {base!r}")
+
+
 def rotary_freqs(
     rot_dim: int,
     max_seqlen: int,
@@ -219,6 +225,7 @@ def rotary_freqs(
         freqs = cpscope.rotary_freqs(64, 4096)     # [4096, 1, 1, 64]
     """
     _check_rot_dim(rot_dim)
+    _check_base(base)
     if not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))
@@ -253,6 +260,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rot_dim: int, base: float = 10000.0, interleaved: bool = False) -> None:
         super().__init__()
         _check_rot_dim(rot_dim)
+        _check_base(base)
         self.rot_dim, self.base, self.interleaved = rot_dim, float(base), bool(interleaved)
         self._cache: dict[torch.device, torch.Tensor] = {}
 

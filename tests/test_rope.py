@@ -308,3 +308,11 @@ def test_gpu_paths_match_eager(impl, cp):
             for rot_dim in (HEAD_DIM, HEAD_DIM // 2):
                 for rank in range(cp):
                     _gpu_case(cp, rank, layout, interleaved, rot_dim, impl)
+
+
+@pytest.mark.parametrize("base", [0, -1.0, float("nan"), float("inf")])
+def test_rope_base_must_be_finite_positive(base):
+    with pytest.raises(ValueError, match="RoPE base must be a finite number > 0"):
+        cpscope.rotary_freqs(8, 16, base=base)
+    with pytest.raises(ValueError, match="RoPE base must be a finite number > 0"):
+        cpscope.RotaryEmbedding(8, base=base)
