@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._checks import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import runtime_cp, scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
@@ -123,7 +124,7 @@ def next_token_labels(
         >>> next_token_labels(torch.tensor([5, 6, 7, 8, 9]), [0, 3, 5]).tolist()
         [6, 7, -100, 9, -100]
     """
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    cu = torch.tensor(cu_seqlens_list(cu_seqlens), dtype=torch.long)  # validated: ints, from 0, non-decreasing
     if input_ids.dim() != 1 or int(cu[-1]) != input_ids.shape[0]:
         raise ValueError(
             f"next_token_labels: input_ids must be a full packed [T] tensor with T = cu_seqlens[-1]; got shape "
