@@ -90,7 +90,13 @@ def _as_int(value: object, what: str) -> int:
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
-    """Global ranks of ``group`` in group-rank order (TE's ``cp_global_ranks``); ``[this rank]`` for CP1."""
+    """Global ranks of ``group`` in group-rank order (TE's ``cp_global_ranks``); ``[this rank]`` for CP1.
+
+    Example::
+
+        groups = cpscope.new_cp_groups([2])            # on 4 ranks
+        cpscope.group_ranks(groups[2])                 # [0, 1] on ranks 0-1, [2, 3] on ranks 2-3
+    """
     if group is None:
         return [dist.get_rank()] if dist.is_initialized() else [0]
     ranks = _RANKS.get(group)
@@ -102,7 +108,13 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
 
 
 def clear_cp_group_cache() -> None:
-    """Forget cached groups (after ``dist.destroy_process_group``). Does not destroy them."""
+    """Forget cached groups (after ``dist.destroy_process_group``). Does not destroy them.
+
+    Example::
+
+        dist.destroy_process_group()
+        cpscope.clear_cp_group_cache()                 # a new process group will get new CP groups
+    """
     with _LOCK:
         _CACHE.clear()
         _RANKS.clear()

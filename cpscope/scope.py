@@ -297,7 +297,16 @@ _REENTERED_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_reentered_in_gra
 
 
 class ScopeReadInBackwardError(RuntimeError):
-    """Raised in debug mode when the active CP scope is read while autograd executes a backward pass."""
+    """Raised in debug mode when the active CP scope is read while autograd executes a backward pass.
+
+    Example::
+
+        cpscope.set_debug_autograd_reads(True)
+        try:
+            loss.backward()
+        except cpscope.ScopeReadInBackwardError as e:
+            print("a backward / hook / recompute read the ContextVar:", e)
+    """
 
 
 def set_debug_autograd_reads(enabled: bool = True) -> None:
@@ -341,6 +350,13 @@ def capture_scope() -> CPScope:
     """The scope in force here: the innermost :func:`runtime_cp` binding, else the build-time scope.
 
     Keep the result (e.g. on an autograd ``ctx`` or with a microbatch) and re-enter it with ``scope.bind()``.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            snap = cpscope.capture_scope()       # CPScope(size=2, rank=…)
+        with snap.bind():                         # CP2 again, anywhere in this thread / task
+            ...
     """
     if _debug_autograd_reads:
         _check_not_in_backward()
@@ -352,6 +368,12 @@ def resolve_scope(group: Any = _UNSET) -> CPScope:
     """The scope for a CP consumer: ``group`` when given explicitly (``None`` = CP1), else :func:`capture_scope`.
 
     This is how every cpscope function implements "``group=`` explicitly, the active scope by default".
+
+    Example::
+
+        def my_op(x, *, group=_UNSET):
+            scope = resolve_scope(group)          # once, in forward; keep it on ctx for backward
+            return x * scope.size
     """
     if group is _UNSET:
         return capture_scope()
@@ -359,17 +381,36 @@ def resolve_scope(group: Any = _UNSET) -> CPScope:
 
 
 def current_cp_group() -> Optional[dist.ProcessGroup]:
-    """The active CP group, or ``None`` for CP1 (a size-1 group is reported as ``None``)."""
+    """The active CP group, or ``None`` for CP1 (a size-1 group is reported as ``None``).
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            dist.all_reduce(t, group=cpscope.current_cp_group())
+    """
     return capture_scope().group
 
 
 def cp_size() -> int:
-    """Size of the active CP group (1 for CP1)."""
+    """Size of the active CP group (1 for CP1).
+
+    Example::
+
+        with cpscope.runtime_cp(groups[4]):
+            assert cpscope.cp_size() == 4
+        assert cpscope.cp_size() == 1            # outside every scope: the build-time group (default CP1)
+    """
     return capture_scope().size
 
 
 def cp_rank() -> int:
-    """This process's rank inside the active CP group (0 for CP1)."""
+    """This process's rank inside the active CP group (0 for CP1).
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            chunk = cpscope.cp_rank()             # 0 or 1: which zigzag pair of chunks this rank holds
+    """
     return capture_scope().rank
 
 
@@ -382,13 +423,25 @@ def set_build_time_cp_group(group: Optional[dist.ProcessGroup]) -> None:
 
     Call it once after creating the model's static CP group (the default is ``None``, CP1). It is process-wide
     configuration, like Megatron's ``parallel_state``; per-microbatch groups are bound with :func:`runtime_cp`.
+
+    Example::
+
+        groups = cpscope.new_cp_groups([1, 2])
+        cpscope.set_build_time_cp_group(groups[2])   # a model built with static CP2
+        assert cpscope.cp_size() == 2                # outside every runtime scope
     """
     global _build_time
     _build_time = scope_for(group)
 
 
 def build_time_cp_group() -> Optional[dist.ProcessGroup]:
-    """The build-time CP group (``None`` for CP1)."""
+    """The build-time CP group (``None`` for CP1).
+
+    Example::
+
+        with cpscope.runtime_cp(None):
+            static = cpscope.build_time_cp_group()   # unaffected by the runtime scope
+    """
     return _build_time.group
 
 
