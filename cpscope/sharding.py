@@ -303,6 +303,12 @@ class PaddedPackedBatch(NamedTuple):
         cu_seqlens: int32 global offsets of the real documents (TE's ``cu_seqlens`` next to ``cu_seqlens_padded``).
         real_mask: bool ``[cu_seqlens_padded[-1]]``, True at real tokens (for losses).
         real_index: int64 ``[cu_seqlens[-1]]``, where each real token sits in the padded batch.
+
+    Example::
+
+        b = cpscope.pad_packed_batch(ids, cu_seqlens=[0, 3, 8], cp=2)   # documents of 3 and 5 tokens
+        b.cu_seqlens_padded                  # tensor([0, 4, 12], dtype=torch.int32): padded to multiples of 2*cp
+        (ids_p,) = b.tensors                 # [12]; ids_p[b.real_index] == ids, b.real_mask marks the real tokens
     """
 
     tensors: tuple[torch.Tensor, ...]

@@ -63,6 +63,12 @@ def context_parallel_attention(
     Raises:
         ValueError: inconsistent inputs (shapes, dtypes, devices, heads, lengths vs cp and cu_seqlens), before any
             collective runs.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):       # q/k/v: local zigzag shards, [t_local, h, d]; cu: global offsets
+            out = context_parallel_attention(q, k, v, qkv_format="thd", cu_seqlens=cu)
+        out = context_parallel_attention(q, k, v, qkv_format="bshd", group=None)   # CP1: plain local attention
     """
     scope = resolve_scope(group)
     return attention_with_scope(
@@ -83,7 +89,16 @@ def attention_with_scope(
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read)."""
+    """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read).
+
+    For callers that resolved the scope once themselves (a module's forward, an adapter); arguments and result as
+    :func:`context_parallel_attention`.
+
+    Example::
+
+        scope = cpscope.resolve_scope()            # once, in forward
+        out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
+    """
     cu = check_attention_inputs(
         q, k, v, qkv_format=qkv_format, cp=scope.size, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
     )

@@ -38,6 +38,12 @@ class ContextParallelAttention(nn.Module):
         qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
         causal: causal mask.
         softmax_scale: default ``1 / sqrt(d)``.
+
+    Example::
+
+        attn = ContextParallelAttention(qkv_format="thd", causal=True)
+        with cpscope.runtime_cp(groups[2]):
+            out = attn(q, k, v, cu_seqlens=cu)     # local zigzag [t_local, h, d]; cu: global offsets
     """
 
     def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None) -> None:
@@ -64,6 +70,21 @@ class ContextParallelAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any] = None,
         max_seqlen: Optional[int] = None,
     ) -> torch.Tensor:
+        """Attention over the scope of this call (:meth:`active_scope`), resolved once here.
+
+        Args:
+            q: local zigzag shard in the module's ``qkv_format``: ``[b, s, h, d]``, ``[s, b, h, d]`` or ``[t, h, d]``.
+            k, v: same layout, ``h_kv`` heads with ``h % h_kv == 0``.
+            cu_seqlens: ``thd`` only: **global** document offsets (int32, from 0).
+            max_seqlen: optional; checked to be at least the longest global sequence / document.
+
+        Returns:
+            This rank's rows of full attention, same shape and dtype as ``q``.
+
+        Raises:
+            ValueError: inconsistent inputs, before any collective runs (see
+                :func:`cpscope.context_parallel_attention`).
+        """
         from . import attention_with_scope
 
         scope = self.active_scope()

@@ -63,6 +63,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "cpscope_attention_forward", "cpscope_attentio
 
 logger = logging.getLogger(__name__)
 
+# The name this module registers with transformers' AttentionInterface and AttentionMaskInterface, e.g.
+# ``AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION)`` (that is, "cpscope").
 ATTN_IMPLEMENTATION = "cpscope"
 
 # Keys shard_batch knows how to cut along the sequence (dim 1).
@@ -106,6 +108,11 @@ def cpscope_attention_mask(
 
     Raises:
         ValueError: ``attention_mask`` is given and has zeros (padding cannot be honoured by the ring).
+
+    Example::
+
+        cpscope_attention_mask(2, 8, 8, attention_mask=torch.ones(2, 8))    # None: the ring masks itself
+        cpscope_attention_mask(2, 8, 8, attention_mask=torch.tensor([[1] * 6 + [0] * 2] * 2))  # ValueError
     """
     _check_mask(attention_mask)
     return None
@@ -153,6 +160,12 @@ def cpscope_attention_forward(
     Raises:
         ValueError: see the module docstring (padding / 4-D masks, KV cache, sliding window, softcap, sinks,
             dropout, mismatched packed offsets, unsharded or packed ``position_ids`` without offsets).
+
+    Example::
+
+        # transformers calls it for attn_implementation="cpscope"; directly, e.g. in a custom attention layer:
+        with cpscope.runtime_cp(groups[2]):
+            out, _ = cpscope_attention_forward(self, query, key, value, None, scaling=self.scaling)  # [b, s, h, d]
     """
     scope = resolve_scope()  # read once, here in forward
     if attention_mask is not None:

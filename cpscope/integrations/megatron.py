@@ -81,6 +81,12 @@ class PackedSeqInfo(NamedTuple):
         cu_seqlens: global offsets of the physical layout — ``cu_seqlens_q_padded`` when set, else ``cu_seqlens_q``
             (cpscope's ``cu_seqlens``), or ``None``.
         max_seqlen: ``packed_seq_params.max_seqlen_q`` (or ``None``).
+
+    Example::
+
+        info = read_packed_seq_params(psp)           # a NamedTuple: (scope, qkv_format, cu_seqlens, max_seqlen)
+        scope = info.scope or cpscope.capture_scope()  # None: psp names no group, keep the current scope
+        out = cpscope.attention.attention_with_scope(q, k, v, scope, qkv_format="thd", cu_seqlens=info.cu_seqlens)
     """
 
     scope: Optional[CPScope]
@@ -101,8 +107,8 @@ def read_packed_seq_params(packed_seq_params: Any, *, validate: bool = True) -> 
 
     Example::
 
-        info = read_packed_seq_params(psp)
-        with cpscope.runtime_cp(info.scope.group):
+        info = read_packed_seq_params(psp)                   # info.scope is None when psp names no group
+        with (info.scope or cpscope.capture_scope()).bind():
             out = cpscope.context_parallel_attention(q, k, v, qkv_format="thd", cu_seqlens=info.cu_seqlens)
     """
     scope = scope_from_packed_seq_params(packed_seq_params)

@@ -15,7 +15,19 @@ The token layout is cpscope's zigzag (TE's ``DUAL_CHUNK_SWAP``), per document in
 ``cu_seqlens`` (as TE expects).
 
 TransformerEngine is imported lazily: the wrapper works with any module that has TE's
-``set_context_parallel_group`` method and attributes, and :func:`te_apply_rotary_pos_emb` imports TE on first call.
+``set_context_parallel_group`` method and attributes, and :func:`te_apply_rotary_pos_emb` imports TE on first call
+(after its input checks, so bad input raises ``ValueError`` even where TE is not installed).
+
+Activation checkpointing: the scoped modules (:class:`ScopedDotProductAttention`, and the classes
+:func:`enable_runtime_cp` installs) resolve the scope on **every** forward call — including the forward that TE or
+Megatron runs again during backward when it checkpoints (recomputes) a layer containing them. By then the caller's
+scope is gone or another microbatch's is bound, so a checkpointed scoped layer must re-enter its forward's scope:
+wrap the checkpointed function with ``cpscope.scoped(fn)`` *inside* ``forward`` (built per call, so it captures that
+microbatch's scope), or checkpoint with :func:`cpscope.checkpoint`. With :func:`cpscope.set_debug_autograd_reads`
+on, a recompute that does not re-enter the scope raises :class:`cpscope.ScopeReadInBackwardError`. Recompute done
+inside library code that cannot be wrapped (e.g. Megatron's ``recompute_granularity="selective"``, which calls
+``core_attention`` again from ``tensor_parallel.checkpoint``) is not covered: recompute the whole layer under
+``cpscope.scoped`` instead.
 
 Example::
 
@@ -27,6 +39,10 @@ Example::
         q = te_apply_rotary_pos_emb(q, freqs, qkv_format="bshd")
         k = te_apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
         out = attn(q, k, v)                                   # local zigzag q/k/v
+
+    class Layer(torch.nn.Module):                 # activation checkpointing of a layer holding `attn`
+        def forward(self, x):                     # scoped(...) is built per call, inside forward
+            return tensor_parallel.checkpoint(cpscope.scoped(self.block), False, x)   # or cpscope.checkpoint
 """
 from __future__ import annotations
 
@@ -43,6 +59,8 @@ from .._checks import (
     check_divisible_seq,
     check_local_thd_len,
     check_qkv_format,
+    check_rope_freqs,
+    check_tensor_dims,
     cu_seqlens_list,
 )
 from ..groups import group_ranks
@@ -62,7 +80,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The attributes ``DotProductAttention.set_context_parallel_group`` sets (TE 2.x); ``load_balancing_strategy``
-#: only exists in recent TE versions and is saved / restored when present.
+#: only exists in recent TE versions and is saved / restored when present. :func:`te_cp_settings` reads them and
+#: :func:`bind_te_cp` saves / restores them. Example::
+#:
+#:     assert all(hasattr(te_attn, name) for name in CP_SETTINGS)   # what a TE-like module must have
 CP_SETTINGS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
 _LBS = "load_balancing_strategy"
 
@@ -70,7 +91,17 @@ StreamProvider = Callable[[Optional[torch.device]], Any]
 
 
 def te_cp_settings(module: nn.Module) -> dict[str, Any]:
-    """The CP settings a TE attention module holds now (``CP_SETTINGS`` plus ``load_balancing_strategy`` if any)."""
+    """The CP settings a TE attention module holds now (``CP_SETTINGS`` plus ``load_balancing_strategy`` if any).
+
+    Raises:
+        ValueError: ``module`` lacks ``set_context_parallel_group`` or one of ``CP_SETTINGS``.
+
+    Example::
+
+        attn = te.DotProductAttention(16, 128)
+        te_cp_settings(attn)["cp_group"]          # None: built without CP
+        te_cp_settings(torch.nn.Linear(2, 2))     # ValueError: not a DotProductAttention-like module
+    """
     missing = [name for name in CP_SETTINGS if not hasattr(module, name)]
     if missing or not callable(getattr(module, "set_context_parallel_group", None)):
         raise ValueError(
@@ -251,6 +282,11 @@ class ScopedDotProductAttention(nn.Module):
         self._signature = inspect.signature(attention.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module with TE's own arguments, bound to the scope resolved now (see the class).
+
+        Resolves the scope on every call, also in an activation-checkpoint recompute: wrap a checkpointed function
+        that contains this module with ``cpscope.scoped`` (see the module docstring).
+        """
         return _scoped_dpa_call(self.attention, self.attention, self._signature, self._opts, args, kwargs)
 
 
@@ -357,7 +393,14 @@ def enable_runtime_cp(
 
 
 def disable_runtime_cp(model: nn.Module) -> list[str]:
-    """Undo :func:`enable_runtime_cp`: restore the original classes; returns the names of the modules restored."""
+    """Undo :func:`enable_runtime_cp`: restore the original classes; returns the names of the modules restored.
+
+    Example::
+
+        enable_runtime_cp(model)
+        ...
+        disable_runtime_cp(model)      # the TE modules use their own (build-time) CP settings again
+    """
     names = []
     for name, module in model.named_modules():
         base = getattr(type(module), "_cpscope_base", None)
@@ -383,40 +426,43 @@ def te_apply_rotary_pos_emb(
     Calls ``transformer_engine.pytorch.attention.rope.apply_rotary_pos_emb`` with ``cp_size`` / ``cp_rank`` of the
     active scope (or ``group=``). ``freqs`` is TE's / cpscope's table ``[max_seqlen, 1, 1, rot_dim]`` covering the
     **global** length; in ``thd``, ``cu_seqlens`` are the global offsets (TE's ``cu_seqlens_padded``), int32.
+    Inputs are checked as :func:`cpscope.apply_rotary_pos_emb` checks them, before TE is imported or run.
 
     Raises:
-        ValueError: ``freqs`` shorter than the global length, or shapes inconsistent with the scope.
+        ValueError: ``t`` not 4-D (``bshd`` / ``sbhd``) or 3-D (``thd``); ``freqs`` not ``[max_seqlen, 1, 1,
+            rot_dim]`` floating point, with ``rot_dim`` odd or larger than the head dimension, or shorter than the
+            global length (longest document in ``thd``); ``cu_seqlens`` missing or malformed in ``thd``, or given
+            with another layout; shapes inconsistent with the scope.
 
     Example::
 
         with cpscope.runtime_cp(groups[2]):
             q = te_apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu)
     """
-    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as _te_rope
-
     scope = resolve_scope(group)
     cp = scope.size
     check_qkv_format(qkv_format)
+    check_tensor_dims(t, qkv_format)
     if qkv_format == "thd":
         if cu_seqlens is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens (global offsets, int32)")
         cu_list = cu_seqlens_list(cu_seqlens)
         check_cu_seqlens(cu_list, cp)
         check_local_thd_len(t.shape[0], cu_list, cp, "t")
-        needed = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+        longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+        check_rope_freqs(freqs, t.shape[-1], longest, what="longest document")
     else:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
         local = t.shape[1] if qkv_format == "bshd" else t.shape[0]
-        needed = local * cp
-        check_divisible_seq(needed, cp)
-    if freqs.shape[0] < needed:
-        raise ValueError(
-            f"freqs covers {freqs.shape[0]} positions but the global length is {needed} (CP size {cp}); build the "
-            "table for the global (unsharded) length"
-        )
+        check_divisible_seq(local * cp, cp, f"sequence length (local {local} x cp {cp})")
+        check_rope_freqs(freqs, t.shape[-1], local * cp)
     if qkv_format == "thd" and not (
         isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32 and cu_seqlens.device == t.device
     ):
         cu_seqlens = torch.tensor(cu_list, dtype=torch.int32, device=t.device)  # TE's kernel reads int32 offsets
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as _te_rope  # after the checks
+
     return _te_rope(  # TE reads freqs as a dense fp32 [S, rot_dim] array
         t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=fused,
         cu_seqlens=cu_seqlens, cp_size=cp, cp_rank=scope.rank,

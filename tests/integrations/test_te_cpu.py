@@ -351,7 +351,7 @@ def _te_rope_gets_scope_size_and_rank():
             torch.testing.assert_close(te_apply_rotary_pos_emb(t, freqs, qkv_format="bshd"), t + 1)
             cu = torch.tensor([0, 4, 16], dtype=torch.int32)
             te_apply_rotary_pos_emb(torch.randn(8, 2, 8), freqs, qkv_format="thd", cu_seqlens=cu, interleaved=True)
-            with pytest.raises(ValueError, match="freqs covers 6 positions but the global length is 8"):
+            with pytest.raises(ValueError, match="freqs covers 6 positions but the global sequence length is 8"):
                 te_apply_rotary_pos_emb(t, freqs[:6], qkv_format="bshd")
             with pytest.raises(ValueError, match="holds 7 local tokens"):
                 te_apply_rotary_pos_emb(torch.randn(7, 2, 8), freqs, qkv_format="thd", cu_seqlens=cu)
@@ -370,6 +370,48 @@ def _te_rope_gets_scope_size_and_rank():
 
 def test_te_rope_gets_scope_size_and_rank_2_ranks():
     run_ranks(2, _te_rope_gets_scope_size_and_rank)
+
+
+_T_BSHD = torch.zeros(1, 4, 2, 8)  # [b, s, h, d]
+_T_THD = torch.zeros(12, 2, 8)  # [t, h, d], global cu_seqlens below (CP1)
+_FREQS = torch.zeros(16, 1, 1, 8)  # [max_seqlen, 1, 1, rot_dim]
+_CU = torch.tensor([0, 4, 12], dtype=torch.int32)
+_BAD_ROPE_INPUTS = {  # id: (t, freqs, qkv_format, cu_seqlens, expected message)
+    "freqs_2d": (_T_BSHD, torch.zeros(16, 8), "bshd", None,
+                 r"freqs must have shape \[max_seqlen, 1, 1, rot_dim\], got \(16, 8\)"),
+    "freqs_heads_not_1": (_T_BSHD, torch.zeros(16, 2, 1, 8), "bshd", None,
+                          r"freqs must have shape \[max_seqlen, 1, 1, rot_dim\], got \(16, 2, 1, 8\)"),
+    "freqs_int": (_T_BSHD, torch.zeros(16, 1, 1, 8, dtype=torch.int64), "bshd", None,
+                  "freqs must be a floating-point tensor of angles, got dtype torch.int64"),
+    "odd_rot_dim": (_T_BSHD, torch.zeros(16, 1, 1, 7), "bshd", None,
+                    r"rot_dim \(freqs.shape\[-1\]\) must be a positive even number, got 7"),
+    "odd_rot_dim_thd": (_T_THD, torch.zeros(16, 1, 1, 5), "thd", _CU,
+                        r"rot_dim \(freqs.shape\[-1\]\) must be a positive even number, got 5"),
+    "rot_dim_over_head_dim": (_T_BSHD, torch.zeros(16, 1, 1, 10), "bshd", None,
+                              r"rot_dim \(freqs.shape\[-1\]\) = 10 exceeds the head dimension 8"),
+    "freqs_short": (_T_BSHD, _FREQS[:3], "bshd", None,
+                    "freqs covers 3 positions but the global sequence length is 4"),
+    "freqs_short_thd": (_T_THD, _FREQS[:7], "thd", _CU,
+                        "freqs covers 7 positions but the longest document is 8"),
+    "t_3d_bshd": (_T_BSHD[0], _FREQS, "bshd", None,
+                  r"t must be 4-D for qkv_format='bshd' \(bshd\), got shape \(4, 2, 8\)"),
+    "t_3d_sbhd": (_T_BSHD[0], _FREQS, "sbhd", None,
+                  r"t must be 4-D for qkv_format='sbhd' \(sbhd\), got shape \(4, 2, 8\)"),
+    "t_4d_thd": (_T_THD[:, None], _FREQS, "thd", _CU,
+                 r"t must be 3-D for qkv_format='thd' \(\[t, h, d\]\), got shape \(12, 1, 2, 8\)"),
+    "thd_without_cu": (_T_THD, _FREQS, "thd", None, "qkv_format='thd' needs cu_seqlens"),
+    "cu_with_bshd": (_T_BSHD, _FREQS, "bshd", _CU,
+                     "cu_seqlens is only used with qkv_format='thd', got qkv_format='bshd'"),
+    "bad_format": (_T_BSHD, _FREQS, "bhsd", None, "qkv_format must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_ROPE_INPUTS))
+def test_te_rope_rejects_bad_input_before_importing_te(case):
+    t, freqs, fmt, cu, match = _BAD_ROPE_INPUTS[case]
+    # Without TE installed (CPU), reaching TE's import would raise ModuleNotFoundError, not this ValueError.
+    with pytest.raises(ValueError, match=match):
+        te_apply_rotary_pos_emb(t, freqs, qkv_format=fmt, cu_seqlens=cu, group=None)
 
 
 # ------------------------------------------------------------------------------------------------ in place
@@ -439,3 +481,60 @@ def _enable_runtime_cp_in_place():
 
 def test_enable_runtime_cp_in_place_2_ranks():
     run_ranks(2, _enable_runtime_cp_in_place)
+
+
+# ------------------------------------------------------------------------------------------------ checkpointing
+
+
+def _checkpoint_recompute_binds_forward_group():
+    from torch.utils.checkpoint import checkpoint
+
+    groups = cpscope.new_cp_groups([1, 2])
+    token = StreamToken(None)
+    fake = _built_fake("bshd")
+    attn = ScopedDotProductAttention(fake, stream_provider=lambda d: token)
+    model = torch.nn.Sequential(FakeMultiheadAttention())  # converted in place: the MHA mixin resolves per call
+    cpscope.integrations.te.enable_runtime_cp(model, stream_provider=lambda d: token)
+    mha, core = model[0], model[0].core_attention
+    me = dist.get_rank()
+
+    def block(x):  # sin() saves attn's output, so backward unpacks it and the checkpoint recomputes block
+        return attn(x, x, x).sin()
+
+    def layer(x):
+        return model(x).sin()
+
+    x = torch.randn(1, 4, 2, 8, requires_grad=True)  # [b, s_local, h, d]
+    h = torch.randn(1, 4, 4, requires_grad=True)
+    cpscope.set_debug_autograd_reads(True)
+    try:
+        with cpscope.runtime_cp(groups[2]):  # the forward's group; scoped(...) is built here, per call
+            y = checkpoint(cpscope.scoped(block), x, use_reentrant=False)
+            z = checkpoint(cpscope.scoped(layer), h, use_reentrant=False)
+        fake.events.clear()
+        core.events.clear()
+        with cpscope.runtime_cp(None):  # another binding (CP1) while backward recomputes
+            (y.sum() + z.sum()).backward()
+        assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # the recompute
+        _check_forward(fake, fake.events[1], groups[2], token)  # ... bound the forward's CP2 group
+        assert te_cp_settings(fake) == BUILD
+        torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()))  # the fake returns 2q: y = sin(2x)
+        assert mha.seen[-2:] == [(2, me), (2, me)]  # forward and recompute: the forward's size / rank
+        _check_forward(core, core.events[1], groups[2], token)
+        assert (mha.cp_size, mha.cp_rank) == (1, 0) and te_cp_settings(core) == BUILD
+        assert h.grad is not None
+
+        # Contrast: plain checkpoint (no scoped) reads the scope in the recompute, inside backward.
+        fake.events.clear()
+        with cpscope.runtime_cp(groups[2]):
+            y = checkpoint(block, x, use_reentrant=False)
+        with pytest.raises(cpscope.ScopeReadInBackwardError, match="read inside autograd backward"):
+            y.sum().backward()
+        assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # forward only: the recompute never ran TE
+        assert te_cp_settings(fake) == BUILD
+    finally:
+        cpscope.set_debug_autograd_reads(False)
+
+
+def test_checkpoint_recompute_binds_forward_group_2_ranks():
+    run_ranks(2, _checkpoint_recompute_binds_forward_group)
