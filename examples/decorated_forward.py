@@ -6,6 +6,9 @@ previous binding when it returns (or raises), so a decorated forward can be reus
 * ``forward_cp2`` is decorated once, at definition time, with the CP2 group: every call runs at CP2.
 * For a per-microbatch choice, wrap the bound method on the fly: ``runtime_cp(groups[mb.cp])(model.forward)``.
 
+Each microbatch is checked (``_check.check_microbatch``): the group's summed loss and gradients must equal the same
+documents run without CP in the same process; a mismatch raises ``RuntimeError``.
+
 Run::
 
     python examples/decorated_forward.py                   # spawns 2 gloo ranks
@@ -23,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import cpscope  # noqa: E402
-from cpscope.hybrid.loop import allreduce_sum, prepare_microbatch, token_loss_sum  # noqa: E402
+from cpscope.hybrid.loop import prepare_microbatch, token_loss_sum  # noqa: E402
+from _check import check_microbatch, grad_snapshot  # noqa: E402
 from _launch import launch  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -43,21 +47,28 @@ def main() -> None:
 
     # 1) A function decorated once with the CP2 group: both ranks hold half of document 0.
     mb = prepare_microbatch([docs[0]], cp=2, group=groups[2])
+    before = grad_snapshot(model)
     loss = token_loss_sum(forward_cp2(mb.input_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels)
     loss.backward()
     lines.append(f"  after the call: cp_size()={cpscope.cp_size()} (the binding ended with the call)")
-    total = allreduce_sum(loss.detach(), group=groups[2]).item()
-    lines.append(f"  CP2 loss summed over the pair: {total:.4f}")
+    if cpscope.cp_size() != 1:
+        raise RuntimeError(f"rank {rank}: cp_size()={cpscope.cp_size()} after the decorated call, expected 1")
+    lines.append(f"  CP2 doc 0, summed over the pair: {check_microbatch(model, [docs[0]], groups[2], loss, before)}")
 
     # 2) Per microbatch: wrap model.forward with the microbatch's group. Doc 1 at CP2; then one CP1 doc per rank.
     schedule = [(2, (1,)), (1, (2,) if rank == 0 else (3,))]
     for cp, ids in schedule:
         mb = prepare_microbatch([docs[i] for i in ids], cp=cp, group=groups[cp])
         fwd = cpscope.runtime_cp(groups[cp])(model.forward)  # binds only while fwd runs
+        before = grad_snapshot(model)
         logits = fwd(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
-        token_loss_sum(logits, mb.labels).backward()
+        loss = token_loss_sum(logits, mb.labels)
+        loss.backward()
         lines.append(f"  runtime_cp(groups[{cp}])(model.forward) on docs {list(ids)}: {mb.input_ids.numel()} local "
                      f"tokens of {int(mb.cu_seqlens[-1])}; cp_size() afterwards = {cpscope.cp_size()}")
+        lines.append(f"    {check_microbatch(model, [docs[i] for i in ids], groups[cp], loss, before)}")
+    if cpscope.cp_size() != 1:
+        raise RuntimeError(f"rank {rank}: cp_size()={cpscope.cp_size()} outside every scope, expected 1")
 
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, lines)

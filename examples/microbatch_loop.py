@@ -3,7 +3,8 @@
 Four ranks, one step. The microbatches mix CP sizes: a long document at CP4 (all ranks), two at CP2 (ranks 0-1 and
 2-3), short ones at CP1 (each rank its own). Every rank runs its list in order — CP size descending, so the
 members of a group arrive at its microbatches together — binding the group around the forward only. For each
-microbatch the group's summed loss is checked against the same documents run without CP on one rank.
+microbatch the group's summed loss and gradients are checked against the same documents run without CP in the same
+process (``_check.check_microbatch``); a mismatch raises ``RuntimeError``.
 
 Run::
 
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import cpscope  # noqa: E402
-from cpscope.hybrid.loop import allreduce_sum, prepare_microbatch, token_loss_sum  # noqa: E402
+from cpscope.hybrid.loop import prepare_microbatch, token_loss_sum  # noqa: E402
+from _check import check_microbatch, grad_snapshot  # noqa: E402
 from _launch import launch  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -54,26 +56,18 @@ def main() -> None:
     for mb in SCHEDULE[rank]:
         group = groups[mb.cp]
         local = prepare_microbatch([docs[i] for i in mb.docs], cp=mb.cp, group=group)  # pack, pad, shard
+        before = grad_snapshot(model)  # for the check below
         with cpscope.runtime_cp(group):  # RoPE and attention inside the model read this group
             seen = (cpscope.cp_size(), cpscope.cp_rank())
             logits = model(local.input_ids, cu_seqlens=local.cu_seqlens, max_seqlen=local.max_seqlen)
             loss_sum = token_loss_sum(logits, local.labels)
         loss_sum.backward()  # outside the scope: the attention kept its group from forward
-        # Check: the group's summed loss equals the same documents on one rank without CP.
-        # (group=None is CP1 for cpscope but "the world" for torch.distributed: no reduction at CP1.)
-        group_loss = loss_sum.item() if group is None else allreduce_sum(loss_sum.detach(), group=group).item()
-        ref = prepare_microbatch([docs[i] for i in mb.docs], cp=1, group=None)
-        with torch.no_grad():
-            ref_loss = token_loss_sum(model(ref.input_ids, cu_seqlens=ref.cu_seqlens, max_seqlen=ref.max_seqlen),
-                                      ref.labels).item()
-        ok = abs(group_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        # Check: the group's summed loss and gradients equal the same documents without CP (raises if not).
+        result = check_microbatch(model, [docs[i] for i in mb.docs], group, loss_sum, before)
         lines.append(
             f"  bound CP{seen[0]} (cp rank {seen[1]}) for docs {list(mb.docs)}: {local.input_ids.numel()} local "
-            f"tokens of {int(local.cu_seqlens[-1])}, group loss {group_loss:.4f} vs no-CP {ref_loss:.4f} "
-            f"{'OK' if ok else 'MISMATCH'}"
+            f"tokens of {int(local.cu_seqlens[-1])}, group {result}"
         )
-        if not ok:
-            raise RuntimeError(f"rank {rank}: CP{mb.cp} loss {group_loss} != single-rank loss {ref_loss}")
     assert cpscope.cp_size() == 1  # outside every scope: back to the build-time group (CP1)
 
     reports: list = [None] * dist.get_world_size()

@@ -166,24 +166,34 @@ def test_explicit_group_and_module_scope_rules():
     run_ranks(4, _explicit_and_module)
 
 
-def _compiled_module() -> tuple[float, float]:
+def _compiled_module() -> tuple[list[float], list[float]]:
+    cpscope.set_debug_autograd_reads(True)
     groups = cpscope.new_cp_groups([1, 2])
     attn = ContextParallelAttention(qkv_format="bshd", causal=True)
     f = torch.compile(lambda q, k, v: attn(q, k, v) * 2, backend="eager")
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    ref = 2 * reference_attention(q[0], k[0], v[0], causal=True)[None]
+    q, k, v, dout = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out = 2 * reference_attention(*(t[0] for t in full), causal=True)[None]
+    ref_out.backward(dout)
+    ref = (ref_out.detach(), *(t.grad for t in full))  # float64 out, dq, dk, dv of the full sequence
     idx = zigzag_index([0, 16], 2, dist.get_rank())
-    with cpscope.runtime_cp(groups[2]):  # the scope is read outside the compiled region, per call
-        out2 = f(q[:, idx], k[:, idx], v[:, idx])
-    with cpscope.runtime_cp(None):
-        out1 = f(q, k, v)
-    return (out2 - ref[:, idx]).abs().max().item(), (out1 - ref).abs().max().item()
+    fwd_errs, grad_errs = [], []
+    for group, cut in ((groups[2], idx), (None, slice(None))):
+        loc = [t[:, cut].clone().requires_grad_(True) for t in (q, k, v)]
+        with cpscope.runtime_cp(group):  # the scope is read outside the compiled region, per call
+            out = f(*loc)
+        out.backward(dout[:, cut])  # outside the scope
+        errs = [(got - want[:, cut]).abs().max().item() for got, want in zip((out, *(t.grad for t in loc)), ref)]
+        fwd_errs.append(errs[0])
+        grad_errs += errs[1:]
+    return fwd_errs, grad_errs
 
 
 def test_compiled_module_follows_runtime_scope():
-    for errs in run_ranks(2, _compiled_module):
-        assert max(errs) < 1e-12
+    for fwd_errs, grad_errs in run_ranks(2, _compiled_module):
+        assert len(fwd_errs) == 2 and max(fwd_errs) < 1e-12
+        assert len(grad_errs) == 6 and max(grad_errs) <= TOL[torch.float64], grad_errs  # dq, dk, dv at CP2 and CP1
 
 
 def test_cp1_without_process_group():
@@ -211,6 +221,9 @@ def _bad_inputs() -> str:
                                    group=group)
     with pytest.raises(ValueError, match="max_seqlen=8"):
         context_parallel_attention(x, x, x, max_seqlen=8, group=group)
+    with pytest.raises(ValueError, match=r"max_seqlen=6 is shorter than the longest document \(8\)"):
+        context_parallel_attention(t, t, t, qkv_format="thd", cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32),
+                                   max_seqlen=6, group=group)
     # the ranks are still in step: a valid call works afterwards
     return str(context_parallel_attention(x, x, x, group=group).shape)
 

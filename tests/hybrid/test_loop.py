@@ -160,6 +160,7 @@ def test_single_process_step_matches_reference_float64():
 
 def _cp2_microbatch_pairs_tokens_with_targets():
     """Each rank's local (id, label) pairs are exactly the zigzag cut of the full padded (id, next id) stream."""
+    cpscope.set_debug_autograd_reads(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 50, (n,), generator=g) for n in (5, 16, 1, 9)]  # lengths not multiples of 2·cp
@@ -190,6 +191,7 @@ def test_microbatch_sharding_keeps_targets_with_their_tokens():
 
 
 def _plan_group_mismatch_raises():
+    cpscope.set_debug_autograd_reads(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     from cpscope.hybrid import Microbatch
 
@@ -207,6 +209,7 @@ def test_plan_that_does_not_match_the_groups_raises_before_any_collective():
 
 
 def _allreduce_gradients_sums_and_fills_missing():
+    cpscope.set_debug_autograd_reads(True)
     me = dist.get_rank()
     a = torch.nn.Parameter(torch.zeros(3))
     b = torch.nn.Parameter(torch.zeros(2, 2))
@@ -224,6 +227,7 @@ def test_allreduce_gradients_sums_and_treats_missing_grads_as_zero():
 
 
 def _one_step_grads_match_reference(mode: str, step: int):
+    cpscope.set_debug_autograd_reads(True)  # the GPT / loop path must never read the scope in backward
     cfg = th.TrainConfig(mode=mode, **SMALL)
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = cpscope.new_cp_groups([1, 2, 4])
@@ -259,12 +263,14 @@ def test_one_step_gradients_equal_single_rank_float64_reference(mode, step):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The examples run (each checks its own results and raises on a mismatch)
+# The examples run (each checks every microbatch's loss and gradients against the same documents without CP,
+# examples/_check.py, and raises on a mismatch)
 
 
 def _run_example(name: str):
     import importlib
 
+    cpscope.set_debug_autograd_reads(True)  # the examples' backward never reads the scope either
     importlib.import_module(name).main()
     return True
 

@@ -3,28 +3,37 @@
 Hybrid CP (CP1/CP2/CP4 microbatches), static CP2, static CP4 on 4 gloo ranks, and one process without CP,
 trained on the same data from the same initial weights: the same loss at every step and the same final weights
 (fp32, relative error ≤ 1e-5 per tensor). ``single`` runs in the test process, without torch.distributed.
+Every mode's step-0 loss is also checked against the independent float64 reference of ``test_loop`` (no cpscope
+sharding, RoPE or attention), so the runs are anchored to more than cpscope's own CP1 path. The scope must never be
+read in backward (``set_debug_autograd_reads``).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import cpscope
 from tests.distributed import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_hybrid as th  # noqa: E402
 
-from tests.hybrid.test_loop import SMALL, rel_err  # noqa: E402
+from tests.hybrid.test_loop import SMALL, reference_loss, rel_err  # noqa: E402
 
 STEPS = 4
 
 
 def _train(mode: str, optimizer: str):
     cfg = th.TrainConfig(mode=mode, steps=STEPS, optimizer=optimizer, lr=1e-2, **SMALL)
-    res = th.train(cfg)
+    cpscope.set_debug_autograd_reads(True)  # backward never reads the active scope
+    try:
+        res = th.train(cfg)
+    finally:  # "single" runs in the test process
+        cpscope.set_debug_autograd_reads(False)
     return res.losses, res.state, sorted({s["cp"] for step in res.seen for s in step})
 
 
@@ -45,10 +54,21 @@ def sgd_runs():
     return _run_all("sgd", ("hybrid", "static2", "static4"))
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_step0_loss() -> float:
+    """Step 0's loss from the independent float64 reference: the initial weights, step 0's documents."""
+    cfg = th.TrainConfig(dtype="float64", **SMALL)
+    with torch.no_grad():
+        return reference_loss(th.build_model(cfg, torch.device("cpu")), th.make_documents(cfg, 0)).item()
+
+
 def _check_same_run(out: dict, mode: str, weight_rtol: float) -> None:
     ref_losses, ref_state, _ = out["single"]
     losses, state, _ = out[mode]
     assert len(losses) == STEPS
+    ref0 = _reference_step0_loss()
+    for name, loss0 in (("single", ref_losses[0]), (mode, losses[0])):
+        assert abs(loss0 - ref0) <= 1e-6 * abs(ref0), (name, loss0, ref0)  # fp32 vs the float64 reference
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), (mode, step, a, b)
     init = th.build_model(th.TrainConfig(**SMALL), torch.device("cpu")).state_dict()

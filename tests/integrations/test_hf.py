@@ -1,7 +1,9 @@
 """transformers decoder under ``attn_implementation="cpscope"`` vs. a float64 eager reference on the full sequence.
 
 Every rank builds the same random-weight Llama (GQA, RoPE) and the same batch, runs the reference itself on the full
-sequence, and checks its local logits (cut with zigzag indices) and the CP-group sum of its weight gradients.
+sequence, and checks its local logits (cut with the test's own zigzag index math) and the CP-group sum of its weight
+gradients. Every attention layer of both models uses a non-default scale (``SCALING``), so a ``softmax_scale`` that
+does not reach the ring (e.g. the default ``1/sqrt(d)``) fails the comparisons.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ transformers = pytest.importorskip("transformers")
 import cpscope  # noqa: E402
 from cpscope.checkpoint import scope_context_fn  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
-from cpscope.sharding import zigzag_indices  # noqa: E402
+from tests.attention._reference import zigzag_index  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 VOCAB, SEQ = 128, 32
 DOCS = [8, 16, 8]  # packed case: every document divisible by 2*cp for cp <= 4
+SCALING = 0.37  # attention scale of every layer; the default would be 1/sqrt(head_dim) = 0.25
 
 
 def _config(family: str = "llama"):
@@ -44,6 +47,10 @@ def _models(family: str = "llama"):
     model = cls._from_config(copy.deepcopy(_config(family)), attn_implementation="cpscope")
     ref = cls._from_config(copy.deepcopy(_config(family)), attn_implementation="eager")
     ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        for layer in m.model.layers:
+            assert layer.self_attn.scaling != SCALING  # really non-default: the attribute exists and changes
+            layer.self_attn.scaling = SCALING
     assert model.config._attn_implementation == "cpscope" and ref.config._attn_implementation == "eager"
     return model.float(), ref.double()
 
@@ -90,7 +97,7 @@ def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=Fals
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     batch = _batch(packed)
     ref_logits, ref_loss, ref_grads = _reference(ref, batch, packed)
-    cu = [0] + torch.cumsum(torch.tensor(DOCS), 0).tolist() if packed else SEQ
+    cu = [0] + torch.cumsum(torch.tensor(DOCS), 0).tolist() if packed else [0, SEQ]
     for size in sizes:  # mixed microbatches on the same model
         group = groups[size]
         model.zero_grad()
@@ -98,7 +105,7 @@ def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=Fals
             local = cphf.shard_batch(batch)
             out = model(**local)
         rank = cpscope.scope.scope_for(group).rank
-        idx = zigzag_indices(cu, size, rank)
+        idx = zigzag_index(cu, size, rank)
         torch.testing.assert_close(out.logits, ref_logits[:, idx].float(), atol=1e-4, rtol=1e-4)
         out.loss.backward()  # outside the scope: the ring kept its group on ctx
         loss = out.loss.detach().clone()
