@@ -108,6 +108,50 @@ def _te_apply() -> Any:
     return _te_rope
 
 
+def checked_rope_inputs(
+    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, cp: int
+) -> list[int]:
+    """Validate RoPE inputs for CP size ``cp`` (``ValueError`` naming the values); return the global offsets.
+
+    ``thd``: the validated global ``cu_seqlens``; ``bshd`` / ``sbhd``: ``[0, global_len]``. Shared by
+    :func:`apply_rotary_pos_emb` and the TransformerEngine adapter, so both refuse exactly the same inputs.
+    """
+    check_qkv_format(qkv_format)
+    check_tensor_dims(t, qkv_format)
+    if qkv_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens (the global document offsets)")
+        cu = cu_seqlens_list(cu_seqlens)
+        check_local_thd_len(t.shape[0], cu, cp)
+        check_cu_seqlens(cu, cp)
+        global_len = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        check_rope_freqs(freqs, t.shape[-1], global_len, what="longest document")
+        return cu
+    if cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
+    seq = t.shape[1] if qkv_format == "bshd" else t.shape[0]
+    global_len = seq * cp
+    check_divisible_seq(global_len, cp, what=f"sequence length (local {seq} x cp {cp})")
+    check_rope_freqs(freqs, t.shape[-1], global_len)
+    return [0, global_len]
+
+
+def call_te_rope(
+    te_apply: Callable[..., torch.Tensor], t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str,
+    cu_seqlens: Any, cu: list[int], cp: int, rank: int, interleaved: bool, fused: bool,
+) -> torch.Tensor:
+    """Call TE's ``apply_rotary_pos_emb`` on validated inputs with this rank's ``(cp_size, cp_rank)``."""
+    te_cu = None
+    if qkv_format == "thd":
+        given = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
+        ok = given is not None and given.dtype == torch.int32 and given.device == t.device
+        te_cu = given if ok else torch.tensor(cu, dtype=torch.int32, device=t.device)  # TE reads int32 offsets
+    return te_apply(  # TE's kernel reads freqs as a dense [S, rot_dim] fp32 array
+        t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=fused,
+        cu_seqlens=te_cu, cp_size=cp, cp_rank=rank,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Public API
 
@@ -154,38 +198,15 @@ def apply_rotary_pos_emb(
     check_qkv_format(qkv_format)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    check_tensor_dims(t, qkv_format)
-    if qkv_format == "thd":
-        if cu_seqlens is None:
-            raise ValueError("qkv_format='thd' needs cu_seqlens (the global document offsets)")
-        cu = cu_seqlens_list(cu_seqlens)
-        check_local_thd_len(t.shape[0], cu, cp)
-        check_cu_seqlens(cu, cp)
-        global_len = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
-        check_rope_freqs(freqs, t.shape[-1], global_len, what="longest document")
-    else:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
-        seq = t.shape[1] if qkv_format == "bshd" else t.shape[0]
-        global_len = seq * cp
-        check_divisible_seq(global_len, cp, what=f"sequence length (local {seq} x cp {cp})")
-        check_rope_freqs(freqs, t.shape[-1], global_len)
-        cu = [0, global_len]
+    cu = checked_rope_inputs(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp)
 
     use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
     if use_te:
         te_apply = _te_apply()
         if not te_apply:
             raise ValueError("impl='te' needs TransformerEngine (transformer_engine.pytorch) to be importable")
-        te_cu = None
-        if qkv_format == "thd":
-            given = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
-            ok = given is not None and given.dtype == torch.int32 and given.device == t.device
-            te_cu = given if ok else torch.tensor(cu, dtype=torch.int32, device=t.device)
-        return te_apply(  # TE's kernel reads freqs as a dense [S, rot_dim] fp32 array
-            t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=True,
-            cu_seqlens=te_cu, cp_size=cp, cp_rank=rank,
-        )
+        return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cu=cu, cp=cp,
+                            rank=rank, interleaved=interleaved, fused=True)
 
     pos = _positions(tuple(cu), cp, rank, freqs.device)  # [n_local] global positions
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]

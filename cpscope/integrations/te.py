@@ -59,11 +59,10 @@ from .._checks import (
     check_divisible_seq,
     check_local_thd_len,
     check_qkv_format,
-    check_rope_freqs,
-    check_tensor_dims,
     cu_seqlens_list,
 )
 from ..groups import group_ranks
+from ..rope import call_te_rope, checked_rope_inputs
 from ..scope import _UNSET, CPScope, resolve_scope
 from ..streams import cp_stream
 
@@ -440,30 +439,8 @@ def te_apply_rotary_pos_emb(
             q = te_apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu)
     """
     scope = resolve_scope(group)
-    cp = scope.size
-    check_qkv_format(qkv_format)
-    check_tensor_dims(t, qkv_format)
-    if qkv_format == "thd":
-        if cu_seqlens is None:
-            raise ValueError("qkv_format='thd' needs cu_seqlens (global offsets, int32)")
-        cu_list = cu_seqlens_list(cu_seqlens)
-        check_cu_seqlens(cu_list, cp)
-        check_local_thd_len(t.shape[0], cu_list, cp, "t")
-        longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
-        check_rope_freqs(freqs, t.shape[-1], longest, what="longest document")
-    else:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
-        local = t.shape[1] if qkv_format == "bshd" else t.shape[0]
-        check_divisible_seq(local * cp, cp, f"sequence length (local {local} x cp {cp})")
-        check_rope_freqs(freqs, t.shape[-1], local * cp)
-    if qkv_format == "thd" and not (
-        isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32 and cu_seqlens.device == t.device
-    ):
-        cu_seqlens = torch.tensor(cu_list, dtype=torch.int32, device=t.device)  # TE's kernel reads int32 offsets
-    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as _te_rope  # after the checks
+    cu = checked_rope_inputs(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=scope.size)
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply  # after the checks
 
-    return _te_rope(  # TE reads freqs as a dense fp32 [S, rot_dim] array
-        t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=fused,
-        cu_seqlens=cu_seqlens, cp_size=cp, cp_rank=scope.rank,
-    )
+    return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cu=cu, cp=scope.size,
+                        rank=scope.rank, interleaved=interleaved, fused=fused)
