@@ -62,3 +62,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     torch.multiprocessing.spawn(
         _rank_main, args=(world_size, pick_backend(world_size, backend), fn, args), nprocs=world_size, join=True
     )
+
+
+def print_rank_reports(lines: list) -> None:
+    """Gather every rank's report lines (collective) and print them on rank 0, rank by rank."""
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, lines)
+    if dist.get_rank() == 0:
+        for r, rl in enumerate(reports):
+            print(f"rank {r}:")
+            print("\n".join(rl))

@@ -28,7 +28,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import cpscope  # noqa: E402
 from cpscope.hybrid.loop import prepare_microbatch, token_loss_sum  # noqa: E402
 from _check import check_microbatch, grad_snapshot  # noqa: E402
-from _launch import launch  # noqa: E402
+from _launch import launch, print_rank_reports  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -70,12 +70,7 @@ def main() -> None:
     if cpscope.cp_size() != 1:
         raise RuntimeError(f"rank {rank}: cp_size()={cpscope.cp_size()} outside every scope, expected 1")
 
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, lines)
-    if rank == 0:
-        for r, rl in enumerate(reports):
-            print(f"rank {r}:")
-            print("\n".join(rl))
+    print_rank_reports(lines)  # gathered, printed by rank 0
 
 
 if __name__ == "__main__":
