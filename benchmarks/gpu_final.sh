@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# The GPU session in one call, on 2×H200 (device tool), after TransformerEngine's five parts were copied to /root/te
-# (see ../shared/tools/te-gpu/README.md): installs TE if needed, runs every GPU test (attention parity, RoPE incl.
-# TE's fused path, autograd threads, the TE DotProductAttention wrapper) and the attention benchmark with PyTorch's
-# context_parallel and TE CP2 p2p beside cpscope in the same run. Results land under $OUT.
-#   bash benchmarks/gpu_final.sh            # tests + benchmark
-#   bash benchmarks/gpu_final.sh te         # only the tests that need TE, then the benchmark
+# The GPU session in one call, on 2×H200 (device tool). Results land under $OUT.
+#   bash benchmarks/gpu_final.sh            # every GPU test + the attention benchmark
+#   bash benchmarks/gpu_final.sh te         # after TE's five parts were copied to /root/te (see
+#                                           # ../shared/tools/te-gpu/README.md): install TE, the tests that need
+#                                           # it, then the benchmark with TE CP2 p2p beside cpscope in the same run
 #   bash benchmarks/gpu_final.sh bench      # benchmark only
+#   bash benchmarks/gpu_final.sh measure    # attention GPU tests (incl. the cuDNN varlen route), the benchmark
+#                                           # without TE plus the THD cuDNN experiment, and a profile of one step
+# Extra arguments after the mode go to bench_attention.py.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cpscope-gpu-out}; mkdir -p "$OUT"
+mode=${1:-all}; shift || true
 if [[ -f /root/te/core-name && ! -d /root/te/site/transformer_engine/pytorch ]]; then
   (time bash /root/te/device-setup.sh) 2>&1 | tail -n 5
 fi
 [[ -d /root/te/site ]] && export PYTHONPATH=/root/te/site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-case ${1:-all} in
-  all) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 ;;
+LOG=$OUT/gpu.log
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"
+git log --oneline -1 2>/dev/null | tee -a "$LOG"
+case $mode in
+  all) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee -a "$LOG" | tail -n 25 ;;
   te) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integrations/test_te_gpu.py tests/test_rope.py \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 ;;
+        2>&1 | tee -a "$LOG" | tail -n 25 ;;
+  measure) CPSCOPE_GPU_CUDNN_VARLEN=1 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/attention/test_gpu.py 2>&1 | tee -a "$LOG" | tail -n 12 ;;
 esac
+extra=("$@"); [[ $mode == measure ]] && extra+=(--thd-cudnn --no-te)
 timeout 300 torchrun --nproc_per_node=2 benchmarks/bench_attention.py --baseline .device-in/torch_cp_baseline.py \
-  --check --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log" | grep -v Warning | tail -n 30
+  --check --out "$OUT" "${extra[@]}" 2>&1 | grep -v Warning | tee -a "$LOG" | grep -v "^parity\|^cudnn-varlen" | tail -n 30
+if [[ $mode == measure ]]; then
+  timeout 120 torchrun --nproc_per_node=2 benchmarks/profile_ring.py --cases bshd-16384 thd --show 150 \
+    --out "$OUT" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
+  timeout 60 torchrun --nproc_per_node=2 benchmarks/profile_ring.py --cases thd --cudnn-varlen --show 150 \
+    --out "$OUT" > "$OUT/profile_cudnn.log" 2>&1; echo "profile cudnn rc=$?"
+  grep -h "GPU span\|gaps\|by kernel" "$OUT"/profile*.log | cut -c1-600
+fi

@@ -43,13 +43,19 @@ class RingComm:
         self._recv: Optional[list[torch.Tensor]] = None
         self._stream: Optional[torch.cuda.Stream] = None
 
-    def send_recv(self, send: Sequence[torch.Tensor]) -> None:
-        """Post the exchange: each tensor of ``send`` goes to next; same-shaped buffers are received from prev."""
+    def send_recv(self, send: Sequence[torch.Tensor], recv_shapes: Optional[Sequence[torch.Size]] = None) -> None:
+        """Post the exchange: each tensor of ``send`` goes to next; buffers are received from prev — same-shaped as
+        ``send``, or shaped ``recv_shapes`` (same dtype/device) when prev sends differently-sized tensors."""
         if self._reqs is not None:
             raise RuntimeError("RingComm.send_recv called twice without wait()")
         if not all(t.is_contiguous() for t in send):
             raise RuntimeError("RingComm.send_recv needs contiguous send buffers")
-        recv = [torch.empty_like(t) for t in send]
+        if recv_shapes is None:
+            recv = [torch.empty_like(t) for t in send]
+        else:
+            if len(recv_shapes) != len(send):
+                raise RuntimeError(f"RingComm.send_recv: {len(recv_shapes)} recv shapes for {len(send)} buffers")
+            recv = [torch.empty(sh, dtype=t.dtype, device=t.device) for sh, t in zip(recv_shapes, send)]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
         if send[0].is_cuda:

@@ -5,9 +5,9 @@ Attention over the union of two key sets is the lse-weighted mix of the attentio
     lse = log(exp(lse_a) + exp(lse_b))
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-computed in fp32 (fp64 for fp64 inputs) as ``max + log(exp(a - max) + exp(b - max))``. A row that saw no key in
-one block has ``lse = -inf`` there and gets weight 0 from it; a row that saw no key at all keeps ``lse = -inf`` and
-``out = 0``; no NaN either way.
+computed in fp32 (fp64 for fp64 inputs) with ``torch.logaddexp`` (``max + log1p(exp(-|a - b|))``). A row that
+saw no key in one block has ``lse = -inf`` there and gets weight 0 from it; a row that saw no key at all keeps
+``lse = -inf`` and ``out = 0``; no NaN either way.
 
 Example::
 
@@ -25,10 +25,8 @@ __all__ = ["merge_into", "merged"]
 def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(merged lse, weight of a, weight of b); weights shaped ``[..., s, h, 1]`` to scale outputs."""
     a, b = lse_a, lse_b.to(lse_a.dtype)
-    m = torch.maximum(a, b)
-    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    lse = m_safe + torch.log(torch.exp(a - m_safe) + torch.exp(b - m_safe))  # -inf when both are -inf
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    lse = torch.logaddexp(a, b)  # max + log1p(exp(-|a - b|)); -inf when both are -inf (no NaN)
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)
     wa = torch.exp(a - lse_safe).transpose(-1, -2).unsqueeze(-1)
     wb = torch.exp(b - lse_safe).transpose(-1, -2).unsqueeze(-1)
     return lse, wa, wb
@@ -42,15 +40,17 @@ def merged(
     Returns ``(out, lse)`` in the accumulation dtype of ``lse_a`` (fp32 or fp64).
     """
     lse, wa, wb = _weights(lse_a, lse_b)
-    dt = lse_a.dtype
-    return out_a.to(dt) * wa + out_b.to(dt) * wb, lse
+    # one pass each: out_a upcast and scaled into a buffer with out_a's strides (as `out_a.to(dtype)` would have), and
+    # addcmul_ upcasting out_b in-kernel
+    res = torch.mul(out_a, wa, out=torch.empty_like(out_a, dtype=torch.promote_types(out_a.dtype, lse_a.dtype)))
+    return res.addcmul_(out_b, wb), lse
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In-place :func:`merged` into the accumulators (which may be views, e.g. the second half of a sequence).
 
-    Needs one temporary the size of ``out_b`` (in the accumulation dtype).
+    Two passes over ``out_acc`` and no full-size temporary (``out_b`` is upcast inside ``addcmul_``).
     """
     lse, wa, wb = _weights(lse_acc, lse_b)
-    out_acc.mul_(wa).add_(out_b.to(out_acc.dtype) * wb)
+    out_acc.mul_(wa).addcmul_(out_b, wb)
     lse_acc.copy_(lse)

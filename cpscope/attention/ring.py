@@ -102,6 +102,20 @@ class RingPlan:
     def kv_front(self, x: torch.Tensor) -> torch.Tensor:  # front half of one k-like tensor
         return x.index_select(0, self.front) if self.dim is None else x.narrow(self.dim, 0, self.c)
 
+    def sends_front(self, step: int, sender: int) -> bool:
+        """Whether the dK/dV buffer ``sender`` posts after backward step ``step`` holds only the K/V front half.
+
+        It carries source ``s = (sender - step) mod cp``'s gradients, touched by ranks ``s+1 .. sender``; all of them
+        had ``kv_front`` steps (front-only contributions) iff that run did not wrap past the last rank: ``s < sender``.
+        """
+        return self.causal and (sender - step) % self.size < sender
+
+    def front_shape(self, x: torch.Tensor) -> torch.Size:
+        """Shape of :meth:`kv_front` of a k-like tensor ``x``."""
+        n = self.front.numel() if self.dim is None else self.c
+        dim = 0 if self.dim is None else self.dim
+        return x.shape[:dim] + (n,) + x.shape[dim + 1:]
+
     def head_parts(self, h: int, h_kv: int) -> list[tuple[slice, slice]]:
         """(q heads, k/v heads) of the backward's two diagonal pieces (one piece when not splittable or CP1)."""
         if self.size == 1 or h_kv % 2:
@@ -174,32 +188,35 @@ def _backward(
     Order: post the first K/V hop, compute the first head-half of the diagonal block (hiding that hop), then the
     remote steps; each remote step's dK/dV contribution joins a buffer that travels with the K/V (in the inputs'
     dtype) and, after the last step, one more hop delivers it to its owner while the second head-half of the
-    diagonal block computes. The diagonal contributions never travel.
+    diagonal block computes. The diagonal contributions never travel. A traveling buffer holds only the K/V front
+    half while every rank that touched it had a ``kv_front`` step (see :meth:`RingPlan.sends_front`).
+    Memory: the diagonal's dK/dV stay per head-half until one final concatenation, and the received K/V are
+    dropped before the second diagonal half.
     """
-    size = plan.size
+    size, rank = plan.size, plan.rank
     if size == 1:  # CP1: one plain kernel call
         return block_backward(dout, q, k, v, out, lse, scale=plan.scale, causal=plan.kind(0) == "diag",
                               varlen=plan.varlen_for(plan.kind(0)))
-    kv_comm = RingComm(group, plan.rank, size) if size > 1 else None
-    dkv_comm = RingComm(group, plan.rank, size) if size > 1 else None
+    kv_comm, dkv_comm = RingComm(group, rank, size), RingComm(group, rank, size)
     # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
     # q's dtype, so adding them in q's dtype (computed in fp32, rounded once) loses nothing and saves memory.
     dq = torch.zeros(q.shape, dtype=q.dtype if size == 2 else _acc_dtype(q.dtype), device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
     diag_kind = plan.kind(0)
     vl0 = plan.varlen_for(diag_kind)
+    dks: list[torch.Tensor] = []
+    dvs: list[torch.Tensor] = []
 
     def diagonal(hq: slice, hk: slice) -> None:
         g = block_backward(dout[..., hq, :], q[..., hq, :], k[..., hk, :], v[..., hk, :], out[..., hq, :],
                            lse[..., hq, :].contiguous(), scale=plan.scale, causal=diag_kind == "diag", varlen=vl0)
         dq[..., hq, :].add_(g[0])
-        dk[..., hk, :].copy_(g[1])
-        dv[..., hk, :].copy_(g[2])
+        dks.append(g[1].to(k.dtype))
+        dvs.append(g[2].to(v.dtype))
 
     parts = plan.head_parts(q.shape[-2], k.shape[-2])
-    if kv_comm is not None:
-        kv_comm.send_recv([k, v])
+    kv_comm.send_recv([k, v])
     diagonal(*parts[0])
+    recv_front = False
     for step in range(1, size):
         kc, vc = kv_comm.wait()
         if step + 1 < size:
@@ -214,25 +231,49 @@ def _backward(
             kk, vv = (plan.kv_front(kc), plan.kv_front(vc)) if kind == "kv_front" else (kc, vc)
             g = block_backward(dout, q, kk, vv, out, lse, scale=plan.scale, causal=False, varlen=vl)
             dq.add_(g[0])
-        if step == 1 and kind != "kv_front":
-            bk, bv = g[1].to(k.dtype).contiguous(), g[2].to(v.dtype).contiguous()
-        else:
-            bk, bv = (torch.zeros_like(kc), torch.zeros_like(vc)) if step == 1 else dkv_comm.wait()
-            if kind == "kv_front":
-                plan.add_kv_front(bk, g[1])
-                plan.add_kv_front(bv, g[2])
-            else:
-                bk.add_(g[1])
-                bv.add_(g[2])
+        gk, gv, front = g[1].to(k.dtype), g[2].to(v.dtype), kind == "kv_front"
         del g
-        dkv_comm.send_recv([bk, bv])  # after the last step this hop delivers each buffer to its owner
+        if step == 1:  # the kernel's own (front-shaped or full) output starts the buffer
+            bk, bv = gk.contiguous(), gv.contiguous()
+        else:
+            rk, rv = dkv_comm.wait()
+            bk, bv = _join(plan, rk, recv_front, gk, front, kc), _join(plan, rv, recv_front, gv, front, vc)
+            front = front and recv_front
+        del gk, gv
+        # the previous rank's buffer for the next step (or, after the last step, our own dK/dV) has its shape
+        recv_front = plan.sends_front(step, (rank - 1) % size)
+        shape = plan.front_shape(kc) if recv_front else kc.shape
+        assert front == plan.sends_front(step, rank)  # what the next rank expects from us
+        dkv_comm.send_recv([bk, bv], recv_shapes=[shape, shape])  # after the last step: to the owner
+        del bk, bv
+    del kc, vc  # the received K/V are not needed by the second diagonal half
     for part in parts[1:]:
         diagonal(*part)
-    if dkv_comm is not None:
-        rk, rv = dkv_comm.wait()
+    dk = dks[0] if len(dks) == 1 else torch.cat(dks, dim=-2)
+    dks.clear()  # before the second cat: one k-sized pair of copies alive at a time
+    dv = dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=-2)
+    dvs.clear()
+    rk, rv = dkv_comm.wait()
+    if recv_front:
+        plan.add_kv_front(dk, rk)
+        plan.add_kv_front(dv, rv)
+    else:
         dk.add_(rk)
         dv.add_(rv)
     return dq, dk, dv
+
+
+def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tensor, own_front: bool,
+          like: torch.Tensor) -> torch.Tensor:
+    """Received dK (or dV) buffer plus this step's contribution, each front-only or full; front-only iff both are."""
+    if recv_front == own_front:
+        return recv.add_(own)
+    if own_front:  # full buffer, front-half contribution
+        plan.add_kv_front(recv, own)
+        return recv
+    full = torch.zeros_like(like)  # front-only buffer meets a full contribution
+    plan.add_kv_front(full, recv)
+    return full.add_(own)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -83,3 +83,35 @@ def test_cp2_parity_with_single_gpu(fmt, causal):
         pytest.skip("needs 2 GPUs")
     errs = run_ranks(2, gpu_parity, fmt, causal, seq=4096, backend="nccl")
     assert all(max(e.values()) <= REL_TOL for e in errs)
+
+
+def gpu_parity_cudnn_varlen(causal: bool, h_kv: int, backward_on_cudnn: bool = True) -> dict:
+    """:func:`gpu_parity` for thd with the experimental cuDNN varlen blocks switched on (restored afterwards)."""
+    from cpscope.attention import blocks
+
+    old = blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD
+    blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = True, backward_on_cudnn
+    try:
+        return gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
+    finally:
+        blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_kv", [32, 8], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cp2_parity_cudnn_varlen_route(causal, h_kv):
+    """Experimental route (off by default): a failure here means keep it off, not a regression of the default.
+
+    Opt-in (``CPSCOPE_GPU_CUDNN_VARLEN=1``): ``bench_attention.py --thd-cudnn`` runs the same checks in the benchmark.
+    """
+    import os
+
+    from tests.distributed import run_ranks
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if os.environ.get("CPSCOPE_GPU_CUDNN_VARLEN") != "1":
+        pytest.skip("experimental route; set CPSCOPE_GPU_CUDNN_VARLEN=1")
+    errs = run_ranks(2, gpu_parity_cudnn_varlen, causal, h_kv, backend="nccl")
+    assert all(max(e.values()) <= REL_TOL for e in errs)

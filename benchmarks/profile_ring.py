@@ -1,0 +1,164 @@
+"""Where the time of one CP ring-attention step goes: a kernel timeline per rank from the PyTorch profiler.
+
+Launch on 2 GPUs (after a few warm-up steps, ONE forward+backward step is profiled; ranks synchronise before and
+after it, so the trace holds exactly that step)::
+
+    torchrun --nproc_per_node=2 benchmarks/profile_ring.py --cases bshd-16384 thd --out OUT
+
+For each case and rank it prints the GPU span of the step, the busy time per stream, the union of busy time over
+all streams, the idle gaps on the compute stream and the kernels in order (start, duration, stream, name), and
+with ``--traces`` writes the chrome trace (gzipped) to OUT. ``python benchmarks/profile_ring.py --analyze trace.json.gz`` reprints
+the summary from a saved trace. Knobs: ``--cudnn-varlen`` runs thd blocks through cuDNN's ragged attention.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+H, D = 32, 128
+
+
+def _short(name: str) -> str:
+    for key in ("cudnn", "flash", "nccl", "elementwise", "reduce", "index", "cat", "copy", "fill", "Memcpy",
+                "Memset", "scatter", "gather"):
+        if key.lower() in name.lower():
+            return f"{key}:{name[:70]}"
+    return name[:80]
+
+
+def analyze(events: list, label: str, gap_us: float = 15.0, show: int = 200) -> dict:
+    """Summary of GPU activity in a chrome trace's events (kernels, memcpy, memset)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        print(f"[{label}] no GPU events")
+        return {}
+    gpu.sort(key=lambda e: e["ts"])
+    t0 = gpu[0]["ts"]
+    t1 = max(e["ts"] + e["dur"] for e in gpu)
+    per_stream = defaultdict(float)
+    count = defaultdict(int)
+    for e in gpu:
+        s = e.get("args", {}).get("stream", -1)
+        per_stream[s] += e["dur"]
+        count[s] += 1
+    # union of busy intervals over all streams
+    busy, cur_s, cur_e = 0.0, None, None
+    for e in gpu:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += cur_e - cur_s
+    compute = max(per_stream, key=lambda k: per_stream[k])
+    comp = [e for e in gpu if e.get("args", {}).get("stream", -1) == compute]
+    gaps = []
+    for a, b in zip(comp, comp[1:]):
+        g = b["ts"] - (a["ts"] + a["dur"])
+        if g > gap_us:
+            gaps.append((round(a["ts"] + a["dur"] - t0), round(g), _short(a["name"]), _short(b["name"])))
+    by_name = defaultdict(float)
+    for e in comp:
+        by_name[_short(e["name"])] += e["dur"]
+    res = {"span_us": round(t1 - t0), "busy_union_us": round(busy), "compute_stream": compute,
+           "per_stream_us": {str(k): round(v) for k, v in per_stream.items()},
+           "per_stream_count": {str(k): v for k, v in count.items()},
+           "compute_gaps": gaps, "compute_top": sorted(((round(v), k) for k, v in by_name.items()), reverse=True)[:12]}
+    print(f"\n[{label}] GPU span {res['span_us']} us, busy (union) {res['busy_union_us']} us, compute stream "
+          f"{compute}; per stream us {res['per_stream_us']} (kernels {res['per_stream_count']})")
+    print(f"[{label}] compute-stream gaps > {gap_us} us (at, gap, after, before): {gaps}")
+    print(f"[{label}] compute-stream time by kernel: {res['compute_top']}")
+    for e in gpu[:show]:
+        print(f"  {e['ts'] - t0:9.0f} {e['dur']:8.0f}  s{e.get('args', {}).get('stream', '?')}  {_short(e['name'])}")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["bshd-16384", "thd"])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cudnn-varlen", action="store_true")
+    ap.add_argument("--analyze", help="reprint the summary of a saved trace (.json or .json.gz) and exit")
+    ap.add_argument("--traces", action="store_true", help="also write each rank's chrome trace (gzipped) to --out")
+    ap.add_argument("--show", type=int, default=200, help="kernels listed per rank")
+    args = ap.parse_args()
+    if args.analyze:
+        op = gzip.open if args.analyze.endswith(".gz") else open
+        with op(args.analyze, "rt") as f:
+            analyze(json.load(f)["traceEvents"], os.path.basename(args.analyze), show=args.show)
+        return
+
+    import torch
+    import torch.distributed as dist
+
+    import cpscope
+    from bench_attention import THD_LENS
+    from cpscope.attention import blocks, context_parallel_attention
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = cpscope.new_cp_groups([world])[world]
+    cpscope.cp_stream()
+    blocks._USE_CUDNN_VARLEN = args.cudnn_varlen
+    os.makedirs(args.out, exist_ok=True)
+    summary = {}
+    for case in args.cases:
+        g = torch.Generator(device=dev).manual_seed(0)
+        if case == "thd":
+            cu = [0]
+            for n in THD_LENS:
+                cu.append(cu[-1] + n)
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+            shape, kw = (cu[-1] // world, H, D), {"qkv_format": "thd", "cu_seqlens": cu_t}
+        else:
+            S = int(case.split("-")[1])
+            shape, kw = (1, S // world, H, D), {"qkv_format": "bshd"}
+        q, k, v = [torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                   for _ in range(3)]
+
+        def step():
+            o = context_parallel_attention(q, k, v, causal=True, group=group, **kw)
+            o.backward(torch.ones_like(o))
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        dist.barrier()
+        path = os.path.join("/tmp", f"trace_{case}_r{rank}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if args.traces:
+            tag = "-cudnn" if args.cudnn_varlen else ""
+            with gzip.open(os.path.join(args.out, f"trace_{case}{tag}_r{rank}.json.gz"), "wt") as f:
+                json.dump({"traceEvents": events}, f)
+        # ranks print in turn
+        for r in range(world):
+            if r == rank:
+                summary[case] = analyze(events, f"{case} rank {rank}", show=args.show)
+                sys.stdout.flush()
+            dist.barrier()
+        del q, k, v
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
