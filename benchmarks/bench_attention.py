@@ -67,7 +67,17 @@ def measure_cpscope(base, S, group, dev, backward=True):
     return base.median_ms(step)
 
 
-def measure_thd(base, group, dev):
+def measure_thd(base, group, dev, kernel=None):
+    """THD fwd+bwd; ``kernel`` forces the packed-block kernel ("flash" / "cudnn"), default: the library's choice."""
+    if kernel is not None:
+        from cpscope.attention import blocks
+
+        old = blocks._VARLEN_KERNEL
+        blocks._VARLEN_KERNEL = kernel
+        try:
+            return measure_thd(base, group, dev)
+        finally:
+            blocks._VARLEN_KERNEL = old
     cp = 1 if group is None else group.size()
     cu = [0]
     for n in THD_LENS:
@@ -96,51 +106,48 @@ def _agree(ok: bool, dev) -> bool:
 
 
 def thd_cudnn(base, group, dev, rank, thd_row):
-    """Experimental THD route on cuDNN varlen blocks: parity first (vs tests/attention/test_gpu.py::gpu_parity),
-    timings only where parity held on every rank. Mode "fwd+bwd" (cuDNN both ways), else "fwd" (cuDNN forward, flash
-    backward). Never raises: errors are recorded. Leaves the route off."""
+    """THD with packed blocks on cuDNN (``blocks._VARLEN_KERNEL = "cudnn"``): parity first (the checks of
+    tests/attention/test_gpu.py::gpu_parity), timings of CP1 and CP only where parity held on every rank.
+    Never raises: errors are recorded. Leaves the kernel choice as it was."""
     from cpscope.attention import blocks
     from tests.attention.test_gpu import gpu_parity
 
     res: dict = {}
+    old = blocks._VARLEN_KERNEL
     try:
-        for mode, bwd in (("fwd+bwd", True), ("fwd", False)):
-            blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = True, bwd
-            par, ok = {}, True
-            for causal in (True, False):
-                for h_kv in (32, 8):
-                    key = f"thd-{'causal' if causal else 'full'}-h32/{h_kv}"
-                    try:
-                        par[key] = gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
-                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                        par[key] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-                        ok = ok and h_kv != 32  # GQA failures are recorded; the timed shape is MHA
-                    if rank == 0:
-                        print("cudnn-varlen parity", mode, key, par[key], flush=True)
-            ok = _agree(ok, dev)
-            res[mode] = {"parity_rel_err": par, "passed": ok}
-            if not ok:
-                continue
-            try:
-                cp1, mem1 = _peak(lambda: measure_thd(base, None, dev))
-                cp2, mem2 = _peak(lambda: measure_thd(base, group, dev))
-                row = {"case": f"thd-128k-cudnn-{mode}", "cp1_ms": round(cp1, 3), "cp2_ms": round(cp2, 3),
-                       "speedup_vs_own_cp1": round(cp1 / cp2, 3),
-                       "speedup_vs_flash_cp1": round(thd_row["single_ms"] / cp2, 3),
-                       "vs_flash_cp2_time": round(thd_row["cpscope_ms"] / cp2, 3),
-                       "te_cp_ms": thd_row.get("te_cp_ms"),
-                       "te_over_cpscope_time": thd_row.get("te_cp_ms") and round(thd_row["te_cp_ms"] / cp2, 3),
-                       "peak_gib_cp1": round(mem1, 2), "peak_gib_cp2": round(mem2, 2)}
-                res[mode]["row"] = row
+        blocks._VARLEN_KERNEL = "cudnn"
+        par, ok = {}, True
+        for causal in (True, False):
+            for h_kv in (32, 8):
+                key = f"thd-{'causal' if causal else 'full'}-h32/{h_kv}"
+                try:
+                    par[key] = gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    par[key] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+                    ok = False
                 if rank == 0:
-                    print(json.dumps(row), flush=True)
-            except Exception as e:  # noqa: BLE001
-                res[mode]["timing_error"] = f"{type(e).__name__}: {e}"[:1500]
-            break  # the first mode that passes is the one worth having
+                    print("cudnn-varlen parity", key, par[key], flush=True)
+        ok = _agree(ok, dev)
+        res = {"parity_rel_err": par, "passed": ok}
+        if ok:
+            cp1, mem1 = _peak(lambda: measure_thd(base, None, dev))
+            cp2, mem2 = _peak(lambda: measure_thd(base, group, dev))
+            row = {"case": "thd-128k-cudnn", "cp1_ms": round(cp1, 3), "cp2_ms": round(cp2, 3),
+                   "speedup_vs_own_cp1": round(cp1 / cp2, 3),
+                   "speedup_vs_flash_cp1": round(thd_row["single_ms"] / cp2, 3),
+                   "flash_cp2_over_cudnn_cp2": round(thd_row["cpscope_ms"] / cp2, 3),
+                   "te_cp_ms": thd_row.get("te_cp_ms"),
+                   "te_over_cpscope_time": thd_row.get("te_cp_ms") and round(thd_row["te_cp_ms"] / cp2, 3),
+                   "peak_gib_cp1": round(mem1, 2), "peak_gib_cp2": round(mem2, 2)}
+            res["row"] = row
+            if rank == 0:
+                print(json.dumps(row), flush=True)
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {e}"[:1500]
+        if rank == 0:
+            print("cudnn-varlen error", res["error"], flush=True)
     finally:
-        blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = False, True
+        blocks._VARLEN_KERNEL = old
     return res
 
 
@@ -233,9 +240,10 @@ def main() -> None:
             single, mem_single = _peak(lambda: base.measure_single(S))
             torch_cp, mem_tcp = (None, None) if args.no_torch_cp else _peak(lambda: base.measure_torch_cp(S))
             mine, mem_mine = _peak(lambda: measure_cpscope(base, S, group, dev))
-        else:
-            single, mem_single = _peak(lambda: measure_thd(base, None, dev))
+        else:  # the issue's baseline: single-GPU varlen flash; beside it cpscope's own CP1 (cuDNN where available)
+            single, mem_single = _peak(lambda: measure_thd(base, None, dev, kernel="flash"))
             torch_cp = mem_tcp = None
+            own_cp1 = measure_thd(base, None, dev)
             mine, mem_mine = _peak(lambda: measure_thd(base, group, dev))
         te_single = te_cp = mem_te = None
         if use_te:
@@ -257,6 +265,12 @@ def main() -> None:
             "cpscope_vs_te_time": te_cp and round(te_cp / mine, 3),
             "wall_s": round(time.time() - t0, 1),
         }
+        if S is None:
+            from cpscope.attention import blocks
+
+            row["varlen_kernel"] = "cudnn" if blocks._varlen_on_cudnn(torch.empty(0, device=dev)) else "flash"
+            row["cpscope_cp1_ms"] = round(own_cp1, 3)
+            row["cpscope_speedup_vs_own_cp1"] = round(own_cp1 / mine, 3)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -293,12 +307,16 @@ def main() -> None:
                   f"{r['cpscope_ms']} ({r['cpscope_speedup']}x) | {r['cpscope_pct_ideal']} | "
                   f"{r['cpscope_vs_te_time'] or '-'} | {r['peak_gib_single']}/{r['peak_gib_torch_cp'] or '-'}/"
                   f"{r['peak_gib_te_cp'] or '-'}/{r['peak_gib_cpscope']} |")
-        for mode, r in out.get("thd_cudnn", {}).items():
-            if isinstance(r, dict) and "row" in r:
-                c = r["row"]
-                print(f"| {c['case']} | {c['cp1_ms']} (own CP1) | - | - | {c['te_cp_ms'] or '-'} | "
-                      f"{c['cp2_ms']} ({c['speedup_vs_own_cp1']}x) | - | "
-                      f"{c['te_over_cpscope_time'] or '-'} | -/-/-/{c['peak_gib_cp2']} |")
+        for r in rows:
+            if "cpscope_cp1_ms" in r:
+                print(f"{r['case']}: packed blocks on {r['varlen_kernel']}; cpscope CP1 {r['cpscope_cp1_ms']} ms, "
+                      f"CP{r['gpus']} {r['cpscope_ms']} ms = {r['cpscope_speedup_vs_own_cp1']}x over its own CP1, "
+                      f"{r['cpscope_speedup']}x over single-GPU varlen flash")
+        c = out.get("thd_cudnn", {}).get("row")
+        if c:
+            print(f"| {c['case']} | {c['cp1_ms']} (own CP1) | - | - | {c['te_cp_ms'] or '-'} | "
+                  f"{c['cp2_ms']} ({c['speedup_vs_own_cp1']}x; {c['speedup_vs_flash_cp1']}x vs flash 1 GPU) | - | "
+                  f"{c['te_over_cpscope_time'] or '-'} | -/-/-/{c['peak_gib_cp2']} |")
         _write(out, args.out)
         _plot(rows, os.path.join(args.out, "attention_bench.png"))
     dist.barrier()

@@ -16,6 +16,11 @@ if [[ -f /root/te/core-name && ! -d /root/te/site/transformer_engine/pytorch ]];
   (time bash /root/te/device-setup.sh) 2>&1 | tail -n 5
 fi
 [[ -d /root/te/site ]] && export PYTHONPATH=/root/te/site
+# optional wheels carried in .whl/ (e.g. nvidia-cudnn-frontend for cuDNN packed blocks)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/gpu.log
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"
@@ -27,13 +32,11 @@ case $mode in
   measure) CPSCOPE_GPU_CUDNN_VARLEN=1 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/attention/test_gpu.py 2>&1 | tee -a "$LOG" | tail -n 12 ;;
 esac
-extra=("$@"); [[ $mode == measure ]] && extra+=(--thd-cudnn --no-te)
+extra=("$@"); [[ $mode == measure ]] && extra+=(--no-te)
 timeout 300 torchrun --nproc_per_node=2 benchmarks/bench_attention.py --baseline .device-in/torch_cp_baseline.py \
   --check --out "$OUT" "${extra[@]}" 2>&1 | grep -v Warning | tee -a "$LOG" | grep -v "^parity\|^cudnn-varlen" | tail -n 30
 if [[ $mode == measure ]]; then
   timeout 120 torchrun --nproc_per_node=2 benchmarks/profile_ring.py --cases bshd-16384 thd --show 150 \
     --out "$OUT" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
-  timeout 60 torchrun --nproc_per_node=2 benchmarks/profile_ring.py --cases thd --cudnn-varlen --show 150 \
-    --out "$OUT" > "$OUT/profile_cudnn.log" 2>&1; echo "profile cudnn rc=$?"
-  grep -h "GPU span\|gaps\|by kernel" "$OUT"/profile*.log | cut -c1-600
+  grep -h "GPU span\|gaps\|by kernel\|host launch" "$OUT"/profile*.log | cut -c1-600
 fi

@@ -8,7 +8,7 @@ after it, so the trace holds exactly that step)::
 For each case and rank it prints the GPU span of the step, the busy time per stream, the union of busy time over
 all streams, the idle gaps on the compute stream and the kernels in order (start, duration, stream, name), and
 with ``--traces`` writes the chrome trace (gzipped) to OUT. ``python benchmarks/profile_ring.py --analyze trace.json.gz`` reprints
-the summary from a saved trace. Knobs: ``--cudnn-varlen`` runs thd blocks through cuDNN's ragged attention.
+the summary from a saved trace. Knob: ``--varlen-kernel`` picks the thd block kernel (default: the library's choice).
 """
 from __future__ import annotations
 
@@ -82,11 +82,43 @@ def analyze(events: list, label: str, gap_us: float = 15.0, show: int = 200) -> 
     return res
 
 
+def _host_vs_device(case, rank, q, k, v, kw, group, attn, n: int = 20) -> None:
+    """Median host time to *launch* forward / backward vs GPU time between events around them (no profiler).
+
+    If launching takes about as long as the GPU work, the step is host-bound and the GPU idles between kernels."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    hf, hb, gf, gb = [], [], [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        ev[0].record()
+        o = attn(q, k, v, causal=True, group=group, **kw)
+        t1 = time.perf_counter()
+        ev[1].record()
+        o.backward(torch.ones_like(o))
+        t2 = time.perf_counter()
+        ev[2].record()
+        torch.cuda.synchronize()
+        hf.append((t1 - t0) * 1e3)
+        hb.append((t2 - t1) * 1e3)
+        gf.append(ev[0].elapsed_time(ev[1]))
+        gb.append(ev[1].elapsed_time(ev[2]))
+    med = lambda x: sorted(x)[len(x) // 2]  # noqa: E731
+    print(f"[{case} rank {rank}] host launch fwd {med(hf):.3f} ms / bwd {med(hb):.3f} ms; GPU fwd {med(gf):.3f} ms"
+          f" / bwd {med(gb):.3f} ms (median of {n}, ranks aligned by a barrier each step)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["bshd-16384", "thd"])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--cudnn-varlen", action="store_true")
+    ap.add_argument("--varlen-kernel", default="auto", choices=["auto", "flash", "cudnn"])
     ap.add_argument("--analyze", help="reprint the summary of a saved trace (.json or .json.gz) and exit")
     ap.add_argument("--traces", action="store_true", help="also write each rank's chrome trace (gzipped) to --out")
     ap.add_argument("--show", type=int, default=200, help="kernels listed per rank")
@@ -110,7 +142,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = cpscope.new_cp_groups([world])[world]
     cpscope.cp_stream()
-    blocks._USE_CUDNN_VARLEN = args.cudnn_varlen
+    blocks._VARLEN_KERNEL = args.varlen_kernel
     os.makedirs(args.out, exist_ok=True)
     summary = {}
     for case in args.cases:
@@ -135,6 +167,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         dist.barrier()
+        _host_vs_device(case, rank, q, k, v, kw, group, context_parallel_attention)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -146,7 +179,7 @@ def main() -> None:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
         if args.traces:
-            tag = "-cudnn" if args.cudnn_varlen else ""
+            tag = "" if args.varlen_kernel == "auto" else "-" + args.varlen_kernel
             with gzip.open(os.path.join(args.out, f"trace_{case}{tag}_r{rank}.json.gz"), "wt") as f:
                 json.dump({"traceEvents": events}, f)
         # ranks print in turn

@@ -38,6 +38,8 @@ class Varlen:
     cu_k: torch.Tensor  # [n + 1] int32
     max_q: int
     max_k: int
+    cu_q_host: Optional[tuple] = None  # the same offsets on the host, where known (saves a sync in cuDNN blocks)
+    cu_k_host: Optional[tuple] = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -151,48 +153,21 @@ def _use_cudnn(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _USE_CUDNN and q.shape[-2] == k.shape[-2]
 
 
-# Experimental (off by default; benchmarks switch it on only after a GPU parity check): varlen blocks through cuDNN's
-# ragged attention (`aten._cudnn_attention_forward/backward` with cum_seq). Facts read from PyTorch's MHA.cpp and
-# attention[_backward].cu: q/k/v/out/dout are packed [t, h, d] with the ragged offsets computed as cum * h * d, i.e.
-# they must be contiguous (a head slice is not); h_q and h_kv are separate graph dims (GQA); the log-sum-exp comes
-# back as [t, h, 1] fp32 (token-major) and backward wants the same layout; the causal mask is cuDNN's top-left one,
-# identical to flash's bottom-right one only when each sequence has n_q == n_k (the only causal blocks the ring
-# uses: the diagonal). `_CUDNN_VARLEN_BACKWARD = False` keeps the flash backward (cuDNN forward only).
-_USE_CUDNN_VARLEN = False
-_CUDNN_VARLEN_BACKWARD = True
+# Packed (varlen) blocks: "flash" (PyTorch's bundled flash-attention-2 varlen kernels) or "cudnn" (cuDNN's ragged
+# fused attention through the cuDNN frontend, see _cudnn_thd; ~1.9x faster on H200, needs nvidia-cudnn-frontend);
+# "auto" (default) takes cuDNN where available. Private knob for benchmarks and fallbacks.
+_VARLEN_KERNEL = "auto"
 
 
-def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox seed/offset for cuDNN backward: read only with dropout, which the ring never uses; shape-independent."""
-    key = ("cudnn_varlen_rng", device)
-    if key not in _AUX:
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        _AUX[key] = (zero, zero.clone())
-    return _AUX[key]
+def _varlen_on_cudnn(q: torch.Tensor) -> bool:
+    if _VARLEN_KERNEL == "flash":
+        return False
+    from . import _cudnn_thd
 
-
-def _cudnn_varlen_forward(q, k, v, scale, causal, vl, op=None):
-    """cuDNN ragged forward: ``(out [t, h, d], lse [h, t] fp32 contiguous)`` like the flash varlen block."""
-    if causal and vl.cu_q is not vl.cu_k:
-        raise ValueError("cuDNN varlen causal blocks need identical q/k offsets (top-left vs bottom-right mask)")
-    op = op or _aten._cudnn_attention_forward.default
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    res = op(q, k, v, None, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, True, 0.0, causal, False, scale=scale)
-    out, lse, (t, h) = res[0], res[1], q.shape[:2]
-    if lse.dim() == 2 and tuple(lse.shape) == (h, t) and h != t:  # a build that already returns flash's layout
-        return out, lse.contiguous()
-    return out, lse.reshape(t, h).t().contiguous()  # [t, h, 1] token-major -> [h, t]
-
-
-def _cudnn_varlen_backward(dout, q, k, v, out, lse, scale, causal, vl, op=None):
-    """cuDNN ragged backward given the merged ``out`` and ``lse`` ([h, t]); returns contiguous ``dq, dk, dv``."""
-    if causal and vl.cu_q is not vl.cu_k:
-        raise ValueError("cuDNN varlen causal blocks need identical q/k offsets (top-left vs bottom-right mask)")
-    op = op or _aten._cudnn_attention_backward.default
-    seed, offset = _rng_placeholders(q.device)
-    args = [t.contiguous() for t in (dout, q, k, v, out)]
-    lse_t = lse.t().contiguous().unsqueeze(-1)  # [h, t] -> [t, h, 1]
-    return op(*args, lse_t, seed, offset, None, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, 0.0, causal, scale=scale)
+    ok = _cudnn_thd.available(q.device)
+    if not ok and _VARLEN_KERNEL == "cudnn":
+        raise RuntimeError("varlen kernel 'cudnn' requested but the cuDNN frontend / cuDNN >= 9.6 / sm90 is missing")
+    return ok
 
 
 def _cuda_forward(q, k, v, scale, causal, vl):
@@ -207,8 +182,10 @@ def _cuda_forward(q, k, v, scale, causal, vl):
         res = _aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False, scale=scale)
         _AUX.setdefault(("flash", q.device), (res[2], res[3], res[6], res[7]))
         return res[0].transpose(1, 2), res[1]
-    if _USE_CUDNN_VARLEN:
-        return _cudnn_varlen_forward(q, k, v, scale, causal, vl)
+    if _varlen_on_cudnn(q):
+        from . import _cudnn_thd
+
+        return _cudnn_thd.forward(q, k, v, vl, scale=scale, causal=causal)
     out, lse, _rng, _unused, _dbg = _aten._flash_attention_forward(
         q, k, v, vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, 0.0, causal, False, scale=scale
     )
@@ -230,8 +207,10 @@ def _cuda_backward(dout, q, k, v, out, lse, scale, causal, vl):
                 *args, lse.contiguous(), cq, ck, q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale,
             )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    if _USE_CUDNN_VARLEN and _CUDNN_VARLEN_BACKWARD:
-        return _cudnn_varlen_backward(dout, q, k, v, out, lse, scale, causal, vl)
+    if _varlen_on_cudnn(q):
+        from . import _cudnn_thd
+
+        return _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=scale, causal=causal)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     return _aten._flash_attention_backward(

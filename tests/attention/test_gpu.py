@@ -85,33 +85,30 @@ def test_cp2_parity_with_single_gpu(fmt, causal):
     assert all(max(e.values()) <= REL_TOL for e in errs)
 
 
-def gpu_parity_cudnn_varlen(causal: bool, h_kv: int, backward_on_cudnn: bool = True) -> dict:
-    """:func:`gpu_parity` for thd with the experimental cuDNN varlen blocks switched on (restored afterwards)."""
+def gpu_parity_varlen_kernel(kernel: str, causal: bool, h_kv: int) -> dict:
+    """:func:`gpu_parity` for thd with packed blocks forced onto ``kernel`` ("flash" / "cudnn"), restored after."""
     from cpscope.attention import blocks
 
-    old = blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD
-    blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = True, backward_on_cudnn
+    old = blocks._VARLEN_KERNEL
+    blocks._VARLEN_KERNEL = kernel
     try:
         return gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
     finally:
-        blocks._USE_CUDNN_VARLEN, blocks._CUDNN_VARLEN_BACKWARD = old
+        blocks._VARLEN_KERNEL = old
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_kv", [32, 8], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_cp2_parity_cudnn_varlen_route(causal, h_kv):
-    """Experimental route (off by default): a failure here means keep it off, not a regression of the default.
-
-    Opt-in (``CPSCOPE_GPU_CUDNN_VARLEN=1``): ``bench_attention.py --thd-cudnn`` runs the same checks in the benchmark.
-    """
-    import os
-
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_cp2_parity_varlen_kernels(kernel, causal, h_kv):
+    """Both packed-block kernels (cuDNN needs nvidia-cudnn-frontend; skipped without it)."""
+    from cpscope.attention import _cudnn_thd
     from tests.distributed import run_ranks
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    if os.environ.get("CPSCOPE_GPU_CUDNN_VARLEN") != "1":
-        pytest.skip("experimental route; set CPSCOPE_GPU_CUDNN_VARLEN=1")
-    errs = run_ranks(2, gpu_parity_cudnn_varlen, causal, h_kv, backend="nccl")
+    if kernel == "cudnn" and not _cudnn_thd.available(torch.device("cuda", 0)):
+        pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
+    errs = run_ranks(2, gpu_parity_varlen_kernel, kernel, causal, h_kv, backend="nccl")
     assert all(max(e.values()) <= REL_TOL for e in errs)

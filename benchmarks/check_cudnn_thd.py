@@ -1,0 +1,150 @@
+"""One GPU: cuDNN packed blocks (cpscope.attention._cudnn_thd) vs the flash varlen blocks, numerics and speed.
+
+    python benchmarks/check_cudnn_thd.py        # needs nvidia-cudnn-frontend importable as `cudnn`
+
+Numerics: out, lse, dq, dk, dv of both kernels on the same packed inputs (causal/full, MHA/GQA, contiguous and
+head-sliced inputs, q shorter than k/v as in the ring's half blocks), relative error ||a-b||/||b|| against a
+float32 math reference. Speed: one block over the 128k-token long-tail packing of bench_attention (forward,
+backward), CUDA events, median of 10.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpscope.attention import _cudnn_thd, blocks  # noqa: E402
+from cpscope.attention.blocks import Varlen  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def ref(q, k, v, cu_q, cu_k, causal, scale):
+    """float32 math per sequence: out [t, h, d], lse [h, t]."""
+    g = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        qq, kk, vv = q[a:b].float(), k[c:e].float().repeat_interleave(g, 1), v[c:e].float().repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        if causal:
+            n_q, n_k = b - a, e - c
+            i = torch.arange(n_q, device=q.device)[:, None]
+            j = torch.arange(n_k, device=q.device)[None, :]
+            s = s.masked_fill(j - n_k > i - n_q, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def run_block(kernel, q, k, v, dout, vl, causal, scale):
+    blocks._VARLEN_KERNEL = kernel
+    o, lse = blocks.block_forward(q, k, v, scale=scale, causal=causal, varlen=vl)
+    g = blocks.block_backward(dout, q, k, v, o, lse, scale=scale, causal=causal, varlen=vl)
+    return o, lse, g
+
+
+def numerics():
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    d, scale = 128, 128 ** -0.5
+    worst = 0.0
+    cases = []
+    for causal in (True, False):
+        for h, h_kv in ((32, 32), (32, 8)):
+            for shape in ("equal", "q_half", "kv_half", "heads_view"):
+                if causal and shape in ("q_half", "kv_half"):
+                    continue
+                cases.append((causal, h, h_kv, shape))
+    for causal, h, h_kv, shape in cases:
+        lens = [512, 1536, 256, 1024, 768]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        cu_q, cu_k = list(cu), list(cu)
+        if shape == "q_half":
+            cu_q = [x // 2 for x in cu]
+        if shape == "kv_half":
+            cu_k = [x // 2 for x in cu]
+        hh, hk = (2 * h, 2 * h_kv) if shape == "heads_view" else (h, h_kv)
+        mk = lambda t, n: torch.randn(t, n, d, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        q, k, v, dout = mk(cu_q[-1], hh), mk(cu_k[-1], hk), mk(cu_k[-1], hk), mk(cu_q[-1], hh)
+        if shape == "heads_view":  # strided head slices, as the ring's head-split diagonal passes them
+            q, dout, k, v = q[:, :h], dout[:, :h], k[:, :h_kv], v[:, :h_kv]
+        t = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
+        vl = Varlen(t(cu_q), t(cu_k), max(b - a for a, b in zip(cu_q[:-1], cu_q[1:])),
+                    max(b - a for a, b in zip(cu_k[:-1], cu_k[1:])))
+        if cu_q == cu_k:
+            vl = Varlen(vl.cu_q, vl.cu_q, vl.max_q, vl.max_k)
+        qr, kr, vr = (x.detach().clone().float().requires_grad_(True) for x in (q, k, v))
+        o_ref, lse_ref = ref(qr, kr, vr, cu_q, cu_k, causal, scale)
+        o_ref.backward(dout.float())
+        res = {}
+        for kernel in ("flash", "cudnn"):
+            try:
+                o, lse, g = run_block(kernel, q, k, v, dout, vl, causal, scale)
+                torch.cuda.synchronize()
+                res[kernel] = {"out": rel(o, o_ref), "lse": rel(lse, lse_ref), "dq": rel(g[0], qr.grad),
+                               "dk": rel(g[1], kr.grad), "dv": rel(g[2], vr.grad)}
+                if kernel == "cudnn":
+                    worst = max(worst, *res[kernel].values())
+            except Exception as e:  # noqa: BLE001
+                res[kernel] = f"{type(e).__name__}: {e}"[:600]
+                worst = float("inf") if kernel == "cudnn" else worst
+        print(f"causal={causal} h={h}/{h_kv} {shape}: " + " | ".join(
+            f"{kk}: " + (", ".join(f"{n} {x:.1e}" for n, x in r.items()) if isinstance(r, dict) else r)
+            for kk, r in res.items()), flush=True)
+    print(f"worst cuDNN relative error {worst:.2e}", flush=True)
+    return worst
+
+
+def speed():
+    from bench_attention import THD_LENS
+
+    dev = torch.device("cuda")
+    h, d, scale = 32, 128, 128 ** -0.5
+    cu = [0]
+    for n in THD_LENS:
+        cu.append(cu[-1] + n)
+    cu = [x // 2 for x in cu]  # a CP2 rank's diagonal block
+    t = torch.tensor(cu, dtype=torch.int32, device=dev)
+    m = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    vl = Varlen(t, t, m, m, tuple(cu), tuple(cu))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (torch.randn(cu[-1], h, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+
+    def med(fn, n=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(n):
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        return sorted(ts)[n // 2]
+
+    for kernel in ("flash", "cudnn"):
+        blocks._VARLEN_KERNEL = kernel
+        o, lse = blocks.block_forward(q, k, v, scale=scale, causal=True, varlen=vl)
+        f = med(lambda: blocks.block_forward(q, k, v, scale=scale, causal=True, varlen=vl))
+        b = med(lambda: blocks.block_backward(dout, q, k, v, o, lse, scale=scale, causal=True, varlen=vl))
+        print(f"speed {kernel}: diagonal block of a CP2 rank (64k tokens, 16 docs, causal): forward {f:.2f} ms, "
+              f"backward {b:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    print("cuDNN frontend available:", _cudnn_thd.available(torch.device("cuda")), flush=True)
+    worst = numerics()
+    if worst < 2e-2:
+        speed()
