@@ -45,6 +45,9 @@ __all__ = ["available", "forward", "backward", "clear_cache"]
 
 _MIN_CUDNN = 90600
 _CACHE_SIZE = 64
+# Round the number of packed sequences up to a power of two with empty sequences (fewer distinct graphs when the
+# document count changes between microbatches). Off until measured on GPU.
+_BUCKET_BATCH = False
 _lock = threading.Lock()
 _graphs: "OrderedDict[tuple, Any]" = OrderedDict()
 _handles: dict = {}
@@ -134,6 +137,12 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _pad_batch(cu: tuple) -> tuple:
+    """``cu`` extended with empty sequences to a power-of-two count (see ``_BUCKET_BATCH``)."""
+    n = len(cu) - 1
+    return cu + (cu[-1],) * (_pow2(n, 1) - n)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tuple, cu_k: tuple, causal: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.stride(-1) != 1:
@@ -221,6 +230,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
     cu_q, cu_k = _host_cu(vl)
     _check(q, k, v, cu_q, cu_k, causal)
     q, k, v = _packed(q), _packed(k), _packed(v)
+    if _BUCKET_BATCH:
+        cu_q, cu_k = _pad_batch(cu_q), _pad_batch(cu_k)
     b, dev = len(cu_q) - 1, q.device
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
@@ -270,6 +281,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cu_q, cu_k = _host_cu(vl)
     _check(q, k, v, cu_q, cu_k, causal)
     _check(dout, out, out, cu_q, cu_q, False)
+    if _BUCKET_BATCH:
+        cu_q, cu_k = _pad_batch(cu_q), _pad_batch(cu_k)
     q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     b, dev = len(cu_q) - 1, q.device
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)

@@ -42,11 +42,21 @@ class RingComm:
         self._reqs: Optional[list] = None
         self._recv: Optional[list[torch.Tensor]] = None
         self._stream: Optional[torch.cuda.Stream] = None
+        self._pending: Optional[tuple] = None
 
     def send_recv(self, send: Sequence[torch.Tensor], recv_shapes: Optional[Sequence[torch.Size]] = None) -> None:
         """Post the exchange: each tensor of ``send`` goes to next; buffers are received from prev — same-shaped as
         ``send``, or shaped ``recv_shapes`` (same dtype/device) when prev sends differently-sized tensors."""
-        if self._reqs is not None:
+        self.begin(send, recv_shapes)
+        self.post()
+
+    def begin(self, send: Sequence[torch.Tensor], recv_shapes: Optional[Sequence[torch.Size]] = None) -> None:
+        """First half of :meth:`send_recv`: allocate the receive buffers and (CUDA) mark the compute stream's
+        current point. The caller may then enqueue kernels and call :meth:`post`: the exchange waits only for the
+        marked point, not for those kernels, so the first kernel starts without the exchange's host-side launch
+        cost in front of it. Receive buffers are allocated here, before those kernels, so they cannot reuse memory
+        the kernels still use (e.g. a workspace freed on the host while its kernel runs)."""
+        if self._reqs is not None or self._pending is not None:
             raise RuntimeError("RingComm.send_recv called twice without wait()")
         if not all(t.is_contiguous() for t in send):
             raise RuntimeError("RingComm.send_recv needs contiguous send buffers")
@@ -56,11 +66,23 @@ class RingComm:
             if len(recv_shapes) != len(send):
                 raise RuntimeError(f"RingComm.send_recv: {len(recv_shapes)} recv shapes for {len(send)} buffers")
             recv = [torch.empty(sh, dtype=t.dtype, device=t.device) for sh, t in zip(recv_shapes, send)]
+        ready = None
+        if send[0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(send[0].device))
+        self._pending = (list(send), recv, ready)
+
+    def post(self) -> None:
+        """Second half of :meth:`send_recv`: issue the exchange prepared by :meth:`begin`."""
+        if self._pending is None:
+            raise RuntimeError("RingComm.post called without begin()")
+        send, recv, ready = self._pending
+        self._pending = None
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
-        if send[0].is_cuda:
+        if ready is not None:
             stream = cp_stream(send[0].device)
-            stream.wait_stream(torch.cuda.current_stream(send[0].device))
+            stream.wait_event(ready)
             for t in (*send, *recv):
                 t.record_stream(stream)
             with torch.cuda.stream(stream):

@@ -269,3 +269,19 @@ def test_bad_inputs_raise_value_error(fake):
 
 def test_not_available_on_cpu():
     assert _cudnn_thd.available(torch.device("cpu")) is False
+
+
+def test_batch_bucketing_pads_with_empty_sequences(fake, monkeypatch):
+    torch.manual_seed(1)
+    cu = (0, 6, 16, 20)  # 3 sequences -> 4 with an empty one
+    q, k, v, dout = (torch.randn(20, 2, 8).bfloat16() for _ in range(4))
+    t = torch.tensor(cu, dtype=torch.int32)
+    vl = Varlen(t, t, 10, 10, cu, cu)
+    res = {}
+    for bucket in (False, True):
+        monkeypatch.setattr(_cudnn_thd, "_BUCKET_BATCH", bucket)
+        o, lse = _cudnn_thd.forward(q, k, v, vl, scale=0.3, causal=True)
+        res[bucket] = (o, lse, *_cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.3, causal=True))
+    assert {key[1] for key in _cudnn_thd._graphs} == {3, 4}  # graphs for 3 and for 4 (bucketed) sequences
+    for a, b in zip(res[True], res[False]):
+        assert torch.equal(a, b)
