@@ -46,8 +46,8 @@ __all__ = ["available", "forward", "backward", "clear_cache"]
 _MIN_CUDNN = 90600
 _CACHE_SIZE = 64
 # Round the number of packed sequences up to a power of two with empty sequences (fewer distinct graphs when the
-# document count changes between microbatches). Off until measured on GPU.
-_BUCKET_BATCH = False
+# document count changes between microbatches). Measured on H200: results identical, cached calls as fast.
+_BUCKET_BATCH = True
 _lock = threading.Lock()
 _graphs: "OrderedDict[tuple, Any]" = OrderedDict()
 _handles: dict = {}
