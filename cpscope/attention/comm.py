@@ -52,10 +52,12 @@ class RingComm:
 
     def begin(self, send: Sequence[torch.Tensor], recv_shapes: Optional[Sequence[torch.Size]] = None) -> None:
         """First half of :meth:`send_recv`: allocate the receive buffers and (CUDA) mark the compute stream's
-        current point. The caller may then enqueue kernels and call :meth:`post`: the exchange waits only for the
-        marked point, not for those kernels, so the first kernel starts without the exchange's host-side launch
-        cost in front of it. Receive buffers are allocated here, before those kernels, so they cannot reuse memory
-        the kernels still use (e.g. a workspace freed on the host while its kernel runs)."""
+        current point; :meth:`post` then issues the exchange, which waits only for that point. Receive buffers are
+        allocated here, so they cannot reuse memory that kernels enqueued between ``begin`` and ``post`` still use.
+
+        Measured caveat (H200): enqueuing a cuDNN attention kernel between ``begin`` and ``post`` does NOT overlap
+        the exchange with it — those kernels are persistent (a CTA per SM), so the exchange gets no SM until the
+        kernel ends. The ring therefore posts every exchange before the kernel it overlaps (:meth:`send_recv`)."""
         if self._reqs is not None or self._pending is not None:
             raise RuntimeError("RingComm.send_recv called twice without wait()")
         if not all(t.is_contiguous() for t in send):

@@ -14,10 +14,15 @@ Example::
     out, lse = block_forward(q, k0, v0, ...)
     out2, lse2 = block_forward(q, k1, v1, ...)
     merge_into(out_acc, lse_acc, out2, lse2)       # out_acc/lse_acc updated in place
+
+The ring merges through :func:`cpscope.attention._fused.merge_rows_` (one fused pass on CUDA, also over a subset of
+the accumulators' rows); :func:`merge_into` is its all-rows form.
 """
 from __future__ import annotations
 
 import torch
+
+from ._fused import merge_rows_
 
 __all__ = ["merge_into", "merged"]
 
@@ -49,8 +54,7 @@ def merged(
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In-place :func:`merged` into the accumulators (which may be views, e.g. the second half of a sequence).
 
-    Two passes over ``out_acc`` and no full-size temporary (``out_b`` is upcast inside ``addcmul_``).
+    ``out_acc`` may be in a low-precision dtype: the math runs in fp32 (fp64) and rounds once
+    (:func:`~cpscope.attention._fused.merge_rows_` over all rows).
     """
-    lse, wa, wb = _weights(lse_acc, lse_b)
-    out_acc.mul_(wa).addcmul_(out_b, wb)
-    lse_acc.copy_(lse)
+    merge_rows_(out_acc, lse_acc, out_b, lse_b)

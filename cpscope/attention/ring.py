@@ -12,12 +12,15 @@ local tokens) and chunk ``2cp-1-r`` (the *back* half). K and V travel around the
   half of local Q against all received K/V, no mask.
 
 Every rank therefore does the same work per step (half a block after step 0): the zigzag load balance. Without a
-causal mask every step is all Q against all K/V. Partial outputs are merged through their log-sum-exp in fp32.
+causal mask every step is all Q against all K/V. Partial outputs are merged through their log-sum-exp in fp32, by
+the fused row kernels of :mod:`cpscope.attention._fused` (which also replace ``index_add_`` in backward).
 
 Backward runs its own ring: K/V travel as in forward; each remote step's dK/dV contribution joins a buffer that
 travels with them in the inputs' dtype (fp32/fp64 inputs keep their precision; bf16 rounds once per hop, which for
 CP2 adds nothing to the kernel's own rounding), and one more hop delivers it to its owner. The diagonal block's
-dK/dV never travel; it is split by heads so that its two halves hide the first K/V hop and the last dK/dV hop.
+dK/dV never travel; it is split in two pieces that hide the first K/V hop and the last dK/dV hop — by documents
+when a varlen pack holds several (two contiguous token ranges of balanced causal work: zero-copy views), else by
+heads.
 
 Internally ``bshd`` is the *dense* form ``[b, s, h, d]`` (halves are views along ``s``) and ``thd`` the *varlen*
 form ``[t, h, d]`` (halves are index gathers, one per document, computed without per-token loops; views when the
@@ -26,14 +29,15 @@ pack holds one sequence).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from ._fused import merge_rows_, rows_add_
 from .blocks import Varlen, block_backward, block_forward
 from .comm import RingComm
-from .merge import merge_into, merged
 
 __all__ = ["RingPlan", "ring_attention"]
 
@@ -51,6 +55,63 @@ def _varlen_tensors(cu: tuple[int, ...], cp: int, device: torch.device) -> tuple
     front = j + torch.repeat_interleave(half[:-1], c)  # local index of each front-chunk token
     back = j + torch.repeat_interleave(half[1:], c)  # local index of each back-chunk token
     return (cu_loc.to(device, torch.int32), half.to(device, torch.int32), front.to(device), back.to(device))
+
+
+@dataclass(frozen=True)
+class DiagPart:
+    """One piece of the backward's diagonal block: a token range (varlen, by documents) and/or a head range."""
+
+    rows: Optional[tuple[int, int]]  # [start, stop) of the local tokens (varlen); None: all
+    hq: slice  # q heads
+    hk: slice  # k/v heads
+    varlen: Optional[Varlen]  # the piece's own varlen description (rebased offsets); None: dense
+
+    def take(self, x: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The piece of a q- or k-like tensor (``heads`` = :attr:`hq` or :attr:`hk`); a view."""
+        if self.rows is not None:
+            x = x[self.rows[0]:self.rows[1]]
+        return x if heads == slice(None) else x[..., heads, :]
+
+    def take_lse(self, lse: torch.Tensor) -> torch.Tensor:  # [b, h, s] / [h, t]
+        if self.rows is not None:
+            lse = lse[..., self.rows[0]:self.rows[1]]
+        return lse if self.hq == slice(None) else lse[..., self.hq, :]
+
+
+_ALL = slice(None)
+
+
+@functools.lru_cache(maxsize=32)
+def _doc_split(cu: tuple[int, ...], cp: int, device: torch.device) -> Optional[tuple[DiagPart, DiagPart]]:
+    """The diagonal block cut between two documents: two token ranges balancing ``sum(len_i**2)`` (the causal work),
+    the longer range first. None when fewer than two documents hold local tokens.
+
+    Cached per (cu, cp, device), like :func:`_varlen_tensors`.
+    """
+    lens = [(b - a) // cp for a, b in zip(cu[:-1], cu[1:])]  # local tokens per document
+    cu_loc = [0]
+    for n in lens:
+        cu_loc.append(cu_loc[-1] + n)
+    t, total = cu_loc[-1], sum(n * n for n in lens)
+    best, acc = None, 0
+    for j in range(1, len(lens)):
+        acc += lens[j - 1] ** 2
+        if 0 < cu_loc[j] < t and (best is None or abs(total - 2 * acc) < best[0]):
+            best = (abs(total - 2 * acc), j)
+    if best is None:
+        return None
+    j = best[1]
+
+    def part(lo: int, hi: int) -> DiagPart:
+        host = tuple(c - cu_loc[lo] for c in cu_loc[lo:hi + 1])
+        cu_t = torch.tensor(host, dtype=torch.int32, device=device)
+        m = max(lens[lo:hi])
+        return DiagPart((cu_loc[lo], cu_loc[hi]), _ALL, _ALL, Varlen(cu_t, cu_t, m, m, host, host))
+
+    first, second = part(0, j), part(j, len(lens))
+    # the piece with fewer tokens runs second: backward's memory peak is there (dQ, the first piece's dK/dV and the
+    # dK/dV in flight are alive), and the kernel's workspace grows with the piece's tokens
+    return (first, second) if cu_loc[j] >= t - cu_loc[j] else (second, first)
 
 
 class RingPlan:
@@ -75,11 +136,17 @@ class RingPlan:
             lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
             m_loc = max(lens) // size
             self.dim, self.c = (0, cu[-1] // (2 * size)) if len(cu) == 2 else (None, 0)
-            self._vl = {"diag": Varlen(cu_loc, cu_loc, m_loc, m_loc), "full": Varlen(cu_loc, cu_loc, m_loc, m_loc)}
+            # host copies of the offsets ride along: cuDNN packed blocks need them on the host (no sync)
+            h_loc = tuple(x // size for x in cu)
+            loc = Varlen(cu_loc, cu_loc, m_loc, m_loc, h_loc, h_loc)
+            self._vl = {"diag": loc, "full": loc}
             if size > 1:
                 m_half = max(lens) // (2 * size)
-                self._vl["kv_front"] = Varlen(cu_loc, cu_half, m_loc, m_half)
-                self._vl["q_back"] = Varlen(cu_half, cu_loc, m_half, m_loc)
+                h_half = tuple(x // (2 * size) for x in cu)
+                self._vl["kv_front"] = Varlen(cu_loc, cu_half, m_loc, m_half, h_loc, h_half)
+                self._vl["q_back"] = Varlen(cu_half, cu_loc, m_half, m_loc, h_half, h_loc)
+        # backward's diagonal cut by documents (varlen, >= 2 documents with local tokens), else by heads
+        self.doc_parts = _doc_split(cu, size, device) if varlen and size > 1 else None
 
     def kind(self, step: int) -> str:
         if not self.causal:
@@ -116,31 +183,34 @@ class RingPlan:
         dim = 0 if self.dim is None else self.dim
         return x.shape[:dim] + (n,) + x.shape[dim + 1:]
 
-    def head_parts(self, h: int, h_kv: int) -> list[tuple[slice, slice]]:
-        """(q heads, k/v heads) of the backward's two diagonal pieces (one piece when not splittable or CP1)."""
-        if self.size == 1 or h_kv % 2:
-            return [(slice(None), slice(None))]
-        return [(slice(0, h // 2), slice(0, h_kv // 2)), (slice(h // 2, h), slice(h_kv // 2, h_kv))]
+    def diag_parts(self, h: int, h_kv: int) -> list[DiagPart]:
+        """The backward's diagonal pieces: by documents (varlen, >= 2 documents), else by heads (``h_kv`` even), else
+        one piece (CP1 too). Document pieces are contiguous token ranges: zero-copy views, no head-slice copies."""
+        vl = self.varlen_for(self.kind(0))
+        if self.size == 1:
+            return [DiagPart(None, _ALL, _ALL, vl)]
+        if self.doc_parts is not None:
+            return list(self.doc_parts)
+        if h_kv % 2:
+            return [DiagPart(None, _ALL, _ALL, vl)]
+        return [DiagPart(None, slice(0, h // 2), slice(0, h_kv // 2), vl),
+                DiagPart(None, slice(h // 2, h), slice(h_kv // 2, h_kv), vl)]
+
+    def back_rows(self) -> Union[tuple[int, int], torch.Tensor]:
+        """The q_back rows for :func:`merge_rows_`: ``(start, length)`` along the sequence, or the index tensor."""
+        return self.back if self.dim is None else (self.c, self.c)
 
     def add_q_back(self, acc: torch.Tensor, val: torch.Tensor) -> None:
         if self.dim is None:
-            acc.index_add_(0, self.back, val.to(acc.dtype))
+            rows_add_(acc, self.back, val)
         else:
             acc.narrow(self.dim, self.c, self.c).add_(val)
 
     def add_kv_front(self, acc: torch.Tensor, val: torch.Tensor) -> None:  # acc: one of dk / dv
         if self.dim is None:
-            acc.index_add_(0, self.front, val.to(acc.dtype))
+            rows_add_(acc, self.front, val)
         else:
             acc.narrow(self.dim, 0, self.c).add_(val)
-
-    def merge_q_back(self, out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-        if self.dim is not None:
-            merge_into(out_acc.narrow(self.dim, self.c, self.c), lse_acc.narrow(-1, self.c, self.c), o, l)
-            return
-        o_new, l_new = merged(out_acc.index_select(0, self.back), lse_acc.index_select(-1, self.back), o, l)
-        out_acc.index_copy_(0, self.back, o_new)
-        lse_acc.index_copy_(-1, self.back, l_new)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -150,7 +220,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype."""
+    """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype.
+
+    Merges run in fp32 (fp64) through :func:`merge_rows_`. With CP2 there is exactly one merge, so the remote block
+    merges straight into the diagonal block's output (q's dtype, rounded once): the same numbers as an fp32
+    accumulator cast at the end, without the upcast and the cast. Larger rings keep an fp32 accumulator.
+    """
     comm = RingComm(group, plan.rank, plan.size) if plan.size > 1 else None
     out_acc = lse_acc = None
     kc, vc = k, v
@@ -168,11 +243,10 @@ def _forward(
         if plan.size == 1:  # CP1: one plain kernel call, nothing to merge
             return o, l
         if out_acc is None:  # step 0 always covers all of Q
-            out_acc, lse_acc = o.to(_acc_dtype(q.dtype)), l.to(_acc_dtype(q.dtype))
-        elif kind == "q_back":
-            plan.merge_q_back(out_acc, lse_acc, o, l)
+            acc = _acc_dtype(q.dtype)
+            out_acc, lse_acc = (o if plan.size == 2 else o.to(acc)), l.to(acc)
         else:
-            merge_into(out_acc, lse_acc, o, l)
+            merge_rows_(out_acc, lse_acc, o, l, rows=plan.back_rows() if kind == "q_back" else None)
         del o, l
         if comm is not None and step + 1 < plan.size:
             kc, vc = comm.wait()
@@ -185,13 +259,15 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward ring: returns ``(dq, dk, dv)``; ``dq`` in the accumulation dtype, ``dk``/``dv`` in k/v's dtype.
 
-    Order: post the first K/V hop, compute the first head-half of the diagonal block (hiding that hop), then the
-    remote steps; each remote step's dK/dV contribution joins a buffer that travels with the K/V (in the inputs'
-    dtype) and, after the last step, one more hop delivers it to its owner while the second head-half of the
-    diagonal block computes. The diagonal contributions never travel. A traveling buffer holds only the K/V front
-    half while every rank that touched it had a ``kv_front`` step (see :meth:`RingPlan.sends_front`).
-    Memory: the diagonal's dK/dV stay per head-half until one final concatenation, and the received K/V are
-    dropped before the second diagonal half.
+    Order: post the first K/V hop, compute the first piece of the diagonal block (hiding that hop), then the remote
+    steps; each remote step's dK/dV contribution joins a buffer that travels with the K/V (in the inputs' dtype)
+    and, after the last step, one more hop delivers it to its owner while the second diagonal piece computes. The
+    diagonal contributions never travel. A traveling buffer holds only the K/V front half while every rank that
+    touched it had a ``kv_front`` step (see :meth:`RingPlan.sends_front`). The diagonal is cut by documents when the
+    pack holds several (contiguous token ranges: no copies), else by heads (:meth:`RingPlan.diag_parts`).
+    Memory: the diagonal's dK/dV stay per piece until one final concatenation, the received K/V are dropped before
+    the second diagonal piece, and dQ is never held twice over: either one full accumulator, or (CP2, ``q_back``
+    rank) the first piece's dQ plus the remote back-half dQ, joined at the end by one concatenation.
     """
     size, rank = plan.size, plan.rank
     if size == 1:  # CP1: one plain kernel call
@@ -200,22 +276,29 @@ def _backward(
     kv_comm, dkv_comm = RingComm(group, rank, size), RingComm(group, rank, size)
     # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
     # q's dtype, so adding them in q's dtype (computed in fp32, rounded once) loses nothing and saves memory.
-    dq = torch.zeros(q.shape, dtype=q.dtype if size == 2 else _acc_dtype(q.dtype), device=q.device)
-    diag_kind = plan.kind(0)
-    vl0 = plan.varlen_for(diag_kind)
+    acc = q.dtype if size == 2 else _acc_dtype(q.dtype)
+    causal0 = plan.kind(0) == "diag"
+    parts = plan.diag_parts(q.shape[-2], k.shape[-2])
     dks: list[torch.Tensor] = []
     dvs: list[torch.Tensor] = []
 
-    def diagonal(hq: slice, hk: slice) -> None:
-        g = block_backward(dout[..., hq, :], q[..., hq, :], k[..., hk, :], v[..., hk, :], out[..., hq, :],
-                           lse[..., hq, :].contiguous(), scale=plan.scale, causal=diag_kind == "diag", varlen=vl0)
-        dq[..., hq, :].add_(g[0])
+    def diagonal(p: DiagPart) -> torch.Tensor:  # returns the piece's dQ; keeps its dK/dV
+        g = block_backward(p.take(dout, p.hq), p.take(q, p.hq), p.take(k, p.hk), p.take(v, p.hk),
+                           p.take(out, p.hq), p.take_lse(lse), scale=plan.scale, causal=causal0, varlen=p.varlen)
         dks.append(g[1].to(k.dtype))
         dvs.append(g[2].to(v.dtype))
+        return g[0]
 
-    parts = plan.head_parts(q.shape[-2], k.shape[-2])
+    def piece(x: torch.Tensor, p: DiagPart) -> torch.Tensor:  # p's rows/heads of a q-like tensor
+        return p.take(x, p.hq)
+
+    # Each exchange is posted BEFORE the kernel it overlaps: cuDNN's attention kernels are persistent (one CTA per
+    # SM), so an exchange posted behind one gets no SM until it ends (H200, 16k: the K/V hop then started at the end
+    # of the diagonal block, also on a high-priority NCCL stream). benchmarks/attention_notes.md §8.
     kv_comm.send_recv([k, v])
-    diagonal(*parts[0])
+    dq0: Optional[torch.Tensor] = diagonal(parts[0])
+    dq: Optional[torch.Tensor] = None
+    kept: Optional[torch.Tensor] = None  # CP2 q_back rank: the remote back-half dQ, added after the last piece
     recv_front = False
     for step in range(1, size):
         kc, vc = kv_comm.wait()
@@ -226,18 +309,37 @@ def _backward(
         if kind == "q_back":
             g = block_backward(plan.q_back(dout), plan.q_back(q), kc, vc, plan.q_back(out), plan.lse_back(lse),
                                scale=plan.scale, causal=False, varlen=vl)
-            plan.add_q_back(dq, g[0])
         else:
             kk, vv = (plan.kv_front(kc), plan.kv_front(vc)) if kind == "kv_front" else (kc, vc)
             g = block_backward(dout, q, kk, vv, out, lse, scale=plan.scale, causal=False, varlen=vl)
-            dq.add_(g[0])
+        gq = g[0]
+        if dq is not None:  # later steps of larger rings
+            _add_remote(plan, dq, gq, kind)
+        elif len(parts) == 1:  # the diagonal's dQ is complete: it becomes the accumulator
+            dq = dq0 if dq0.dtype == acc else dq0.to(acc)
+            _add_remote(plan, dq, gq, kind)
+        elif kind != "q_back" and gq.dtype == acc:  # a full-size remote dQ becomes the accumulator
+            dq = gq
+            piece(dq, parts[0]).add_(dq0)
+        elif size == 2 and kind == "q_back":
+            # joined after the last piece. Memory: dq0 + the back half are one dQ for a head split; for a document
+            # split up to half a dQ more, while the second piece has at most half the tokens (all heads: no larger
+            # kernel workspace than a head half) and needs no head-slice copies — below the head split's peak
+            kept = gq
+        else:
+            dq = torch.empty(q.shape, dtype=acc, device=q.device)
+            piece(dq, parts[0]).copy_(dq0)
+            piece(dq, parts[1]).zero_()
+            _add_remote(plan, dq, gq, kind)
+        if dq is not None:
+            dq0 = None
         gk, gv, front = g[1].to(k.dtype), g[2].to(v.dtype), kind == "kv_front"
-        del g
+        del g, gq
         if step == 1:  # the kernel's own (front-shaped or full) output starts the buffer
             bk, bv = gk.contiguous(), gv.contiguous()
         else:
             rk, rv = dkv_comm.wait()
-            bk, bv = _join(plan, rk, recv_front, gk, front, kc), _join(plan, rv, recv_front, gv, front, vc)
+            bk, bv = _join(plan, rk, recv_front, gk, front), _join(plan, rv, recv_front, gv, front)
             front = front and recv_front
         del gk, gv
         # the previous rank's buffer for the next step (or, after the last step, our own dK/dV) has its shape
@@ -246,12 +348,20 @@ def _backward(
         assert front == plan.sends_front(step, rank)  # what the next rank expects from us
         dkv_comm.send_recv([bk, bv], recv_shapes=[shape, shape])  # after the last step: to the owner
         del bk, bv
-    del kc, vc  # the received K/V are not needed by the second diagonal half
+    del kc, vc  # the received K/V are not needed by the second diagonal piece
     for part in parts[1:]:
-        diagonal(*part)
-    dk = dks[0] if len(dks) == 1 else torch.cat(dks, dim=-2)
+        dq1 = diagonal(part)
+        if dq is None:  # CP2 q_back rank: one concatenation builds dQ, then the back rows are added
+            dq = _cat_parts(parts, [dq0, dq1])
+            dq0 = None
+            plan.add_q_back(dq, kept)
+            kept = None
+        else:
+            piece(dq, part).add_(dq1)
+        del dq1
+    dk = _cat_parts(parts, dks)
     dks.clear()  # before the second cat: one k-sized pair of copies alive at a time
-    dv = dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=-2)
+    dv = _cat_parts(parts, dvs)
     dvs.clear()
     rk, rv = dkv_comm.wait()
     if recv_front:
@@ -263,17 +373,36 @@ def _backward(
     return dq, dk, dv
 
 
-def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tensor, own_front: bool,
-          like: torch.Tensor) -> torch.Tensor:
-    """Received dK (or dV) buffer plus this step's contribution, each front-only or full; front-only iff both are."""
+def _add_remote(plan: RingPlan, dq: torch.Tensor, gq: torch.Tensor, kind: str) -> None:
+    """Add a remote step's dQ: the back rows for ``q_back``, all rows otherwise."""
+    if kind == "q_back":
+        plan.add_q_back(dq, gq)
+    else:
+        dq.add_(gq)
+
+
+def _cat_parts(parts: list[DiagPart], xs: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from the diagonal pieces' results: by token order (document pieces) or head order."""
+    if len(xs) == 1:
+        return xs[0]
+    if parts[0].rows is None:
+        return torch.cat(xs, dim=-2)
+    return torch.cat([x for _, x in sorted(zip(parts, xs), key=lambda px: px[0].rows[0])], dim=0)
+
+
+def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tensor, own_front: bool) -> torch.Tensor:
+    """Received dK (or dV) buffer plus this step's contribution, each front-only or full; front-only iff both are.
+
+    The result is contiguous (it is sent on); ``own`` is this step's fresh kernel output and may be reused.
+    """
     if recv_front == own_front:
         return recv.add_(own)
     if own_front:  # full buffer, front-half contribution
         plan.add_kv_front(recv, own)
         return recv
-    full = torch.zeros_like(like)  # front-only buffer meets a full contribution
-    plan.add_kv_front(full, recv)
-    return full.add_(own)
+    own = own.contiguous()  # front-only buffer meets a full contribution: add it into the contribution
+    plan.add_kv_front(own, recv)
+    return own
 
 
 class _RingAttention(torch.autograd.Function):
