@@ -13,35 +13,23 @@ import torch
 import torch.distributed as dist
 
 
-def _torch_cudnn_dir() -> Optional[str]:
-    """Folder of the libcudnn.so that this process (torch) has loaded, from /proc/self/maps; None if not found."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                if "/libcudnn.so" in path:
-                    return path.rsplit("/", 1)[0]
-    except OSError:
-        pass
-    return None
-
-
 def te_available() -> bool:
-    """Import TE if installed. TE loads cuDNN from ``CUDNN_HOME``/``CUDNN_PATH``/``CUDA_HOME``/``/usr/local/cuda``
-    before its Python packages; a system cuDNN loaded that way is shared (same soname) by torch, whose SDPA
-    dispatcher then falls back from cuDNN to flash kernels (seen: single-GPU SDPA 24.5 instead of 14.0 ms at 16k).
-    Pointing ``CUDNN_HOME`` at the library torch already loaded makes both use one cuDNN."""
-    import os
+    """Import TE if installed, and check that torch still has its own cuDNN afterwards.
 
-    if torch.cuda.is_available() and not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")):
-        d = _torch_cudnn_dir()
-        if d:
-            os.environ["CUDNN_HOME"] = d
-            print(f"TE will load torch's cuDNN: CUDNN_HOME={d}", flush=True)
+    TE's core library pulls cuDNN sub-libraries by soname; a system cuDNN found first (seen: 9.14 in
+    /usr/lib/x86_64-linux-gnu beside torch's bundled 9.19) shadows torch's, and torch then refuses its cuDNN or
+    falls back from cuDNN to flash SDPA for the baselines. ``benchmarks/gpu_final.sh`` puts torch's cuDNN folder
+    first in ``LD_LIBRARY_PATH``; without that, TE is switched off here with the reason, not measured wrongly."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # report why: a silent "off" hides a broken install
         print(f"TransformerEngine unavailable: {type(e).__name__}: {e}", flush=True)
+        return False
+    try:
+        torch.backends.cudnn.version()
+    except RuntimeError as e:
+        print(f"TransformerEngine off: after importing it torch's cuDNN is shadowed ({e}). Put torch's "
+              "nvidia/cudnn/lib first in LD_LIBRARY_PATH (benchmarks/gpu_final.sh does).", flush=True)
         return False
     return torch.cuda.is_available()
 

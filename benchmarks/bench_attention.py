@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--compare-routes", type=int, default=0, metavar="S",
                     help="also time bshd at length S with the flash vs the cuDNN dense kernels (CP1 and CP)")
     args = ap.parse_args()
-    # TE must load its cuDNN before torch's cuDNN attention runs once (else a libcudnn symbol clash on import).
+    # TE is imported before anything runs on the GPU (see _te_baseline.te_available for the cuDNN it must share).
     from _te_baseline import te_available
 
     te_ok = te_available() and not args.no_te
@@ -200,8 +200,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = cpscope.new_cp_groups([world])[world]
     cpscope.cp_stream()
+    try:
+        cudnn_version = torch.backends.cudnn.version()
+    except RuntimeError as e:  # shadowed by another cuDNN (see _te_baseline.te_available): baselines are suspect
+        cudnn_version = f"error: {e}"
     out: dict = {"gpus": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "cudnn": torch.backends.cudnn.version()}
+                 "cudnn": cudnn_version}
     if rank == 0:
         print("cuDNN", out["cudnn"], flush=True)
     if args.check:

@@ -15,7 +15,15 @@ mode=${1:-all}; shift || true
 if [[ -f /root/te/core-name && ! -d /root/te/site/transformer_engine/pytorch ]]; then
   (time bash /root/te/device-setup.sh) 2>&1 | tail -n 5
 fi
-[[ -d /root/te/site ]] && export PYTHONPATH=/root/te/site
+if [[ -d /root/te/site ]]; then
+  export PYTHONPATH=/root/te/site
+  # TE's core library pulls cuDNN sub-libraries by soname; the machine's system cuDNN (9.14 in
+  # /usr/lib/x86_64-linux-gnu) then shadows torch's bundled 9.19 and torch refuses its cuDNN ("version
+  # incompatibility") or, in older runs, silently fell back from cuDNN to flash SDPA for the baselines. Putting
+  # torch's cuDNN folder first makes every library in the process use torch's cuDNN.
+  cudnn_dir=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
+  [[ -n $cudnn_dir ]] && export LD_LIBRARY_PATH=$cudnn_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 # optional wheels carried in .whl/ (e.g. nvidia-cudnn-frontend for cuDNN packed blocks)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
@@ -24,7 +32,6 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/gpu.log
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"
-git log --oneline -1 2>/dev/null | tee -a "$LOG"
 case $mode in
   all) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee -a "$LOG" | tail -n 25 ;;
   te) ;;  # the TE tests run after the benchmark (below), which matters most
