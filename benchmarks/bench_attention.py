@@ -92,6 +92,19 @@ def measure_thd(base, group, dev, kernel=None):
     return base.median_ms(step)
 
 
+def init_cp_world():
+    """NCCL process group under torchrun, this rank's GPU, one CP group over the whole world, its cp_stream created.
+
+    Returns ``(device, rank, world, group)``."""
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = cpscope.new_cp_groups([world])[world]
+    cpscope.cp_stream()
+    return dev, rank, world, group
+
+
 def _write(out: dict, dirname: str) -> None:
     os.makedirs(dirname, exist_ok=True)
     with open(os.path.join(dirname, "attention_bench.json"), "w") as f:
@@ -194,12 +207,7 @@ def main() -> None:
 
     te_ok = te_available() and not args.no_te
     base = _load_baseline(args.baseline)
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    dev = torch.device("cuda", torch.cuda.current_device())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = cpscope.new_cp_groups([world])[world]
-    cpscope.cp_stream()
+    dev, rank, world, group = init_cp_world()
     try:
         cudnn_version = torch.backends.cudnn.version()
     except RuntimeError as e:  # shadowed by another cuDNN (see _te_baseline.te_available): baselines are suspect

@@ -132,16 +132,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    import cpscope
-    from bench_attention import THD_LENS
+    from bench_attention import THD_LENS, init_cp_world
     from cpscope.attention import blocks, context_parallel_attention
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    dev = torch.device("cuda", torch.cuda.current_device())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = cpscope.new_cp_groups([world])[world]
-    cpscope.cp_stream()
+    dev, rank, world, group = init_cp_world()
     blocks._VARLEN_KERNEL = args.varlen_kernel
     os.makedirs(args.out, exist_ok=True)
     summary = {}

@@ -273,6 +273,14 @@ def _comm_misuse() -> None:
         comm.send_recv([mine])
     (got,) = comm.wait()
     assert got.tolist() == [float(1 - dist.get_rank())] * 3
+    with pytest.raises(RuntimeError, match="post called without begin"):
+        comm.post()
+    comm.begin([mine], recv_shapes=[torch.Size([3])])  # the two-phase form exchanges the same way
+    with pytest.raises(RuntimeError, match="send_recv called twice"):
+        comm.begin([mine])
+    comm.post()
+    (got,) = comm.wait()
+    assert got.tolist() == [float(1 - dist.get_rank())] * 3
 
 
 def test_ring_comm_misuse_and_exchange():
