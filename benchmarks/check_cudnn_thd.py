@@ -120,19 +120,7 @@ def speed():
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v, dout = (torch.randn(cu[-1], h, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
 
-    def med(fn, n=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(n):
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        return sorted(ts)[n // 2]
+    from _te_baseline import _median_ms as med  # CUDA events, median of 10 after 3 warm-ups
 
     for kernel in ("flash", "cudnn"):
         blocks._VARLEN_KERNEL = kernel
