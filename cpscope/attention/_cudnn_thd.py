@@ -16,8 +16,9 @@ when every sequence has as many queries as keys — true of the only causal bloc
 anything else raises ``ValueError``.
 
 Graph cache: one graph per (direction, B, S buckets, heads, head dim, strides, dtype, causal, scale, device);
-``S`` (longest sequence) and the backward's total-token bound are rounded up to powers of two so that
-microbatches of similar shape share graphs. Building a graph costs tens of milliseconds, once.
+``S`` (longest sequence), the backward's total-token bound and the number of sequences (padded with empty ones)
+are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
+pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
 
 Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
 and an sm90+ GPU; :func:`available` says whether this process has them.
