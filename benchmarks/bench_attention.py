@@ -111,59 +111,6 @@ def _write(out: dict, dirname: str) -> None:
         json.dump(out, f, indent=1)
 
 
-def _agree(ok: bool, dev) -> bool:
-    """True only if ``ok`` on every rank (so all ranks take the same branch afterwards)."""
-    flag = torch.tensor([1 if ok else 0], device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def thd_cudnn(base, group, dev, rank, thd_row):
-    """THD with packed blocks on cuDNN (``blocks._VARLEN_KERNEL = "cudnn"``): parity first (the checks of
-    tests/attention/test_gpu.py::gpu_parity), timings of CP1 and CP only where parity held on every rank.
-    Never raises: errors are recorded. Leaves the kernel choice as it was."""
-    from cpscope.attention import blocks
-    from tests.attention.test_gpu import gpu_parity
-
-    res: dict = {}
-    old = blocks._VARLEN_KERNEL
-    try:
-        blocks._VARLEN_KERNEL = "cudnn"
-        par, ok = {}, True
-        for causal in (True, False):
-            for h_kv in (32, 8):
-                key = f"thd-{'causal' if causal else 'full'}-h32/{h_kv}"
-                try:
-                    par[key] = gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    par[key] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-                    ok = False
-                if rank == 0:
-                    print("cudnn-varlen parity", key, par[key], flush=True)
-        ok = _agree(ok, dev)
-        res = {"parity_rel_err": par, "passed": ok}
-        if ok:
-            cp1, mem1 = _peak(lambda: measure_thd(base, None, dev))
-            cp2, mem2 = _peak(lambda: measure_thd(base, group, dev))
-            row = {"case": "thd-128k-cudnn", "cp1_ms": round(cp1, 3), "cp2_ms": round(cp2, 3),
-                   "speedup_vs_own_cp1": round(cp1 / cp2, 3),
-                   "speedup_vs_flash_cp1": round(thd_row["single_ms"] / cp2, 3),
-                   "flash_cp2_over_cudnn_cp2": round(thd_row["cpscope_ms"] / cp2, 3),
-                   "te_cp_ms": thd_row.get("te_cp_ms"),
-                   "te_over_cpscope_time": thd_row.get("te_cp_ms") and round(thd_row["te_cp_ms"] / cp2, 3),
-                   "peak_gib_cp1": round(mem1, 2), "peak_gib_cp2": round(mem2, 2)}
-            res["row"] = row
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"{type(e).__name__}: {e}"[:1500]
-        if rank == 0:
-            print("cudnn-varlen error", res["error"], flush=True)
-    finally:
-        blocks._VARLEN_KERNEL = old
-    return res
-
-
 def _plot(rows, path):
     try:
         import matplotlib
@@ -197,8 +144,6 @@ def main() -> None:
     ap.add_argument("--no-torch-cp", action="store_true")
     ap.add_argument("--no-te", action="store_true", help="skip TransformerEngine even where it is installed")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--thd-cudnn", action="store_true",
-                    help="after the main rows: THD through cuDNN varlen blocks (parity-gated, experimental)")
     ap.add_argument("--compare-routes", type=int, default=0, metavar="S",
                     help="also time bshd at length S with the flash vs the cuDNN dense kernels (CP1 and CP)")
     args = ap.parse_args()
@@ -304,10 +249,6 @@ def main() -> None:
                 print("kernels", S, name, json.dumps(routes[name]), flush=True)
         blocks._USE_CUDNN = True
         out["kernels"] = {"seqlen": S, **routes}
-    if args.thd_cudnn and not args.no_thd:
-        if rank == 0:  # keep the main results even if the experiment goes badly
-            _write(out, args.out)
-        out["thd_cudnn"] = thd_cudnn(base, group, dev, rank, rows[-1])
     if rank == 0:
         print("\n| case | 1 GPU ms | torch CP ms (x) | TE 1 GPU ms | TE CP ms (x) | cpscope ms (x) | % ideal | "
               "TE/cpscope time | peak GiB 1/torch/TE/cpscope |")
@@ -324,11 +265,6 @@ def main() -> None:
                 print(f"{r['case']}: packed blocks on {r['varlen_kernel']}; cpscope CP1 {r['cpscope_cp1_ms']} ms, "
                       f"CP{r['gpus']} {r['cpscope_ms']} ms = {r['cpscope_speedup_vs_own_cp1']}x over its own CP1, "
                       f"{r['cpscope_speedup']}x over single-GPU varlen flash")
-        c = out.get("thd_cudnn", {}).get("row")
-        if c:
-            print(f"| {c['case']} | {c['cp1_ms']} (own CP1) | - | - | {c['te_cp_ms'] or '-'} | "
-                  f"{c['cp2_ms']} ({c['speedup_vs_own_cp1']}x; {c['speedup_vs_flash_cp1']}x vs flash 1 GPU) | - | "
-                  f"{c['te_over_cpscope_time'] or '-'} | -/-/-/{c['peak_gib_cp2']} |")
         _write(out, args.out)
         _plot(rows, os.path.join(args.out, "attention_bench.png"))
     dist.barrier()
