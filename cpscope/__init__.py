@@ -26,6 +26,7 @@ Example::
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
+from .caches import clear_caches
 from .groups import clear_cp_group_cache, group_ranks, new_cp_groups
 from .scope import (
     CPScope,
@@ -80,6 +81,7 @@ __all__ = [
     "build_time_cp",
     "build_time_cp_group",
     "capture_scope",
+    "clear_caches",
     "clear_cp_group_cache",
     "cp_rank",
     "cp_size",

@@ -15,6 +15,7 @@ __all__ = [
     "QKV_FORMATS",
     "check_qkv_format",
     "cu_seqlens_list",
+    "host_offsets",
     "check_cu_seqlens",
     "check_divisible_seq",
     "check_local_thd_len",
@@ -34,31 +35,49 @@ def cu_seqlens_list(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_
     """``cu_seqlens`` as a Python list of ints, after checking dtype, rank, start at 0 and monotonicity.
 
     One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it). A
-    device tensor is copied to the host once, not once per layer: the validated list is remembered per tensor
+    device tensor is copied to the host once, not once per layer: the validated values are remembered per tensor
     object and its in-place version counter, so RoPE and attention in every layer of a forward share one sync.
+    """
+    return list(host_offsets(cu_seqlens, name))
+
+
+def host_offsets(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> tuple[int, ...]:
+    """:func:`cu_seqlens_list` as an immutable tuple; for a tensor, the cached tuple itself (no copy: O(1) on a hit).
+
+    Example::
+
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+        host_offsets(cu)            # (0, 4, 12): one host copy, then served from the cache while cu is unchanged
     """
     if isinstance(cu_seqlens, torch.Tensor):
         version = _version(cu_seqlens)
         hit = _CU_LISTS.get(id(cu_seqlens)) if version is not None else None
         if hit is not None and hit[0]() is cu_seqlens and hit[1] == version:
-            return list(hit[2])
+            return hit[2]
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be an int32 (or int64) tensor, got dtype {cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-        values = _validated(cu_seqlens.tolist(), name)
+        values = tuple(_validated(cu_seqlens.tolist(), name))
         if version is not None:
             key = id(cu_seqlens)
             try:
                 ref = weakref.ref(cu_seqlens, lambda _, key=key: _CU_LISTS.pop(key, None))
             except TypeError:  # pragma: no cover - tensors that refuse weak references (e.g. some subclasses)
                 return values
-            _CU_LISTS[key] = (ref, version, tuple(values))
+            _CU_LISTS[key] = (ref, version, values)
         return values
+    if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
+        raise ValueError(f"{name} must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}")
     values = list(cu_seqlens)
-    if not all(isinstance(v, int) for v in values):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise ValueError(f"{name} must hold integers, got {values}")
-    return _validated(values, name)
+    return tuple(_validated(values, name))
+
+
+def clear_host_offsets() -> None:
+    """Forget the cached host copies of offsets tensors (part of :func:`cpscope.clear_caches`)."""
+    _CU_LISTS.clear()
 
 
 # Validated host copies of cu_seqlens tensors: id(tensor) -> (weak ref to it, its _version when copied, values).

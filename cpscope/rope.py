@@ -30,16 +30,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ._checks import (
-    check_cu_seqlens,
     check_divisible_seq,
     check_local_thd_len,
     check_qkv_format,
     check_rope_freqs,
     check_tensor_dims,
-    cu_seqlens_list,
 )
+from ._pack import Pack, dense_pack, pack_for
 from .scope import _UNSET, resolve_scope
-from .sharding import _positions
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 
@@ -109,31 +107,39 @@ def _te_apply() -> Any:
 
 
 def checked_rope_inputs(
-    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, cp: int
+    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, cp: int,
+    cu_seqlens_padded: Any = None,
 ) -> list[int]:
     """Validate RoPE inputs for CP size ``cp`` (``ValueError`` naming the values); return the global offsets.
 
-    ``thd``: the validated global ``cu_seqlens``; ``bshd`` / ``sbhd``: ``[0, global_len]``. Shared by
+    ``thd``: the validated global layout offsets; ``bshd`` / ``sbhd``: ``[0, global_len]``. Shared by
     :func:`apply_rotary_pos_emb` and the TransformerEngine adapter, so both refuse exactly the same inputs.
     """
+    return list(_rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=0,
+                           cu_seqlens_padded=cu_seqlens_padded).cu)
+
+
+def _rope_pack(
+    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, cp: int, rank: int,
+    cu_seqlens_padded: Any = None,
+) -> Pack:
+    """The validated pack of a RoPE call (cached per offsets tensor: O(1) per layer after the first)."""
     check_qkv_format(qkv_format)
     check_tensor_dims(t, qkv_format)
     if qkv_format == "thd":
         if cu_seqlens is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens (the global document offsets)")
-        cu = cu_seqlens_list(cu_seqlens)
-        check_local_thd_len(t.shape[0], cu, cp)
-        check_cu_seqlens(cu, cp)
-        global_len = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
-        check_rope_freqs(freqs, t.shape[-1], global_len, what="longest document")
-        return cu
-    if cu_seqlens is not None:
+        pack = pack_for(cu_seqlens, cp, rank, cu_seqlens_padded=cu_seqlens_padded)
+        check_local_thd_len(t.shape[0], [0, pack.total], cp)
+        check_rope_freqs(freqs, t.shape[-1], pack.longest, what="longest document")
+        return pack
+    if cu_seqlens is not None or cu_seqlens_padded is not None:
         raise ValueError(f"cu_seqlens is only used with qkv_format='thd', got qkv_format={qkv_format!r}")
     seq = t.shape[1] if qkv_format == "bshd" else t.shape[0]
     global_len = seq * cp
     check_divisible_seq(global_len, cp, what=f"sequence length (local {seq} x cp {cp})")
     check_rope_freqs(freqs, t.shape[-1], global_len)
-    return [0, global_len]
+    return dense_pack(global_len, cp, rank)
 
 
 def call_te_rope(
@@ -165,6 +171,7 @@ def apply_rotary_pos_emb(
     interleaved: bool = False,
     group: Any = _UNSET,
     impl: str = "auto",
+    cu_seqlens_padded: Optional[Union[torch.Tensor, Sequence[int]]] = None,
 ) -> torch.Tensor:
     """Apply RoPE to the local zigzag tensor ``t`` at the global positions of its tokens.
 
@@ -179,6 +186,8 @@ def apply_rotary_pos_emb(
         interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rot_dim/2])``.
         group: explicit CP group (``None`` = CP1); default: the active scope.
         impl: ``"auto"`` (TE fused on CUDA when importable, else torch), ``"te"``, ``"compiled"`` or ``"eager"``.
+        cu_seqlens_padded: ``thd`` only, TE's convention: the layout offsets when ``cu_seqlens`` holds the real ones
+            (positions follow the layout; real tokens get the same positions either way).
 
     Returns:
         A tensor like ``t`` (same dtype; computed in fp32). Differentiable w.r.t. ``t``.
@@ -198,17 +207,19 @@ def apply_rotary_pos_emb(
     check_qkv_format(qkv_format)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    cu = checked_rope_inputs(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp)
+    pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
+                      cu_seqlens_padded=cu_seqlens_padded)
 
     use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
     if use_te:
         te_apply = _te_apply()
         if not te_apply:
             raise ValueError("impl='te' needs TransformerEngine (transformer_engine.pytorch) to be importable")
-        return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cu=cu, cp=cp,
+        layout = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+        return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=layout, cu=list(pack.cu), cp=cp,
                             rank=rank, interleaved=interleaved, fused=True)
 
-    pos = _positions(tuple(cu), cp, rank, freqs.device)  # [n_local] global positions
+    pos = pack.positions(freqs.device)  # [n_local] global positions (cached per pack)
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
     angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
     if qkv_format == "bshd":

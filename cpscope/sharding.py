@@ -19,19 +19,18 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from ._checks import (
-    check_cu_seqlens,
     check_divisible_seq,
     check_local_thd_len,
     check_seq_dim,
     cu_seqlens_list,
 )
+from ._pack import Pack, dense_pack, pack_for
 from .scope import _UNSET, CPScope, resolve_scope
 
 __all__ = [
@@ -47,15 +46,14 @@ __all__ = [
 ]
 
 SeqlenOrCu = Union[int, torch.Tensor, Sequence[int]]
-_CACHE_SIZE = 256
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Index math (pure, no process group)
+# Index math (pure, no process group; cached per pack, see cpscope._pack)
 
 
-def _as_cu(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int) -> tuple[tuple[int, ...], bool]:
-    """Normalise to a validated ``cu_seqlens`` tuple; the flag says whether a single length was given."""
+def _pack(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, cu_seqlens_padded: Any = None) -> Pack:
+    """The validated :class:`~cpscope._pack.Pack` of one sequence length or of global offsets (cached)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
         raise ValueError(f"expected a sequence length or cu_seqlens, got {seqlen_or_cu_seqlens!r}")
     if isinstance(seqlen_or_cu_seqlens, int):
@@ -63,10 +61,8 @@ def _as_cu(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int) -> tuple[tuple[int, ...], 
         if seqlen < 0:
             raise ValueError(f"sequence length must be >= 0, got {seqlen}")
         check_divisible_seq(seqlen, cp)
-        return (0, seqlen), True
-    cu = cu_seqlens_list(seqlen_or_cu_seqlens)
-    check_cu_seqlens(cu, cp)
-    return tuple(cu), False
+        return dense_pack(seqlen, cp, rank)
+    return pack_for(seqlen_or_cu_seqlens, cp, rank, cu_seqlens_padded=cu_seqlens_padded)
 
 
 def _check_cp_rank(cp: int, rank: int) -> None:
@@ -76,38 +72,13 @@ def _check_cp_rank(cp: int, rank: int) -> None:
         raise ValueError(f"rank must be an int in [0, cp={cp}), got {rank!r}")
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _indices_and_starts(
-    cu: tuple[int, ...], cp: int, rank: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full-tensor indices of the local tokens, start offset of each local token's document); both [n_local]."""
-    cu_t = torch.tensor(cu, dtype=torch.long)
-    lens = cu_t[1:] - cu_t[:-1]  # [docs]
-    local = lens // cp  # tokens per document on each rank (2 chunks)
-    chunk = local // 2
-    n_local = int(local.sum())
-    doc = torch.repeat_interleave(torch.arange(len(lens)), local)  # [n_local] document of each local token
-    local_start = torch.cumsum(local, 0) - local  # [docs] offset of each document in the local tensor
-    k = torch.arange(n_local) - local_start[doc]  # offset of the token inside its document's local part
-    c = chunk[doc]
-    second = k >= c
-    chunk_id = torch.where(second, 2 * cp - 1 - rank, rank)
-    start = cu_t[:-1][doc]
-    idx = start + chunk_id * c + torch.where(second, k - c, k)
-    return idx.to(device), start.to(device)
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _inverse_permutation(cu: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
-    """``inv`` with ``full = gathered.index_select(inv)`` where ``gathered`` is the rank-major concatenation."""
-    perm = torch.cat([_indices_and_starts(cu, cp, r, torch.device("cpu"))[0] for r in range(cp)])
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
-    return inv.to(device)
-
-
 def _device(device: Any) -> torch.device:
-    return torch.device("cpu") if device is None else torch.device(device)
+    if device is None:
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 @torch.compiler.disable  # host-side index math, cached: opaque to torch.compile (no per-cp recompiles)
@@ -118,7 +89,8 @@ def zigzag_indices(
 
     ``seqlen_or_cu_seqlens`` is either one sequence length (``bshd`` / ``sbhd``) or the global ``cu_seqlens`` of a
     packed ``thd`` batch (each document is cut on its own). The result is a cached int64 tensor: treat it as
-    read-only. ``cp == 1`` gives ``arange(total)``.
+    read-only. ``cp == 1`` gives ``arange(total)``. Cached per pack: on the offsets tensor (as long as it lives), or
+    in a small LRU for lengths and Python sequences.
 
     Raises:
         ValueError: a length not divisible by ``2·cp``; malformed ``cu_seqlens``; ``rank`` out of range.
@@ -131,8 +103,7 @@ def zigzag_indices(
         tensor([ 1,  2,  6,  7,  8,  9])
     """
     _check_cp_rank(cp, rank)
-    cu, _ = _as_cu(seqlen_or_cu_seqlens, cp)
-    return _indices_and_starts(cu, cp, rank, _device(device))[0]
+    return _pack(seqlen_or_cu_seqlens, cp, rank).indices(_device(device))
 
 
 @torch.compiler.disable
@@ -149,14 +120,7 @@ def zigzag_positions(
         tensor([1, 2, 2, 3, 4, 5])
     """
     _check_cp_rank(cp, rank)
-    cu, _ = _as_cu(seqlen_or_cu_seqlens, cp)
-    return _positions(cu, cp, rank, _device(device))
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _positions(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> torch.Tensor:
-    idx, start = _indices_and_starts(cu, cp, rank, torch.device("cpu"))
-    return (idx - start).to(device)
+    return _pack(seqlen_or_cu_seqlens, cp, rank).positions(_device(device))
 
 
 def zigzag_position_ids(
@@ -176,15 +140,14 @@ def zigzag_position_ids(
             cpscope.zigzag_position_ids(8)          # tensor([2, 3, 4, 5])
     """
     scope = resolve_scope(group)
-    cu, _ = _as_cu(seqlen_or_cu_seqlens, scope.size)
-    return _positions(cu, scope.size, scope.rank, _device(device))
+    return _pack(seqlen_or_cu_seqlens, scope.size, scope.rank).positions(_device(device))
 
 
 def clear_index_cache() -> None:
-    """Drop the cached index / position tensors (e.g. to free device memory)."""
-    _indices_and_starts.cache_clear()
-    _inverse_permutation.cache_clear()
-    _positions.cache_clear()
+    """Drop every cached index / position tensor and per-pack state: same as :func:`cpscope.clear_caches`."""
+    from .caches import clear_caches
+
+    clear_caches()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,12 +155,15 @@ def clear_index_cache() -> None:
 
 
 def zigzag_shard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """This rank's zigzag part of the full tensor ``x`` (per document when ``cu_seqlens`` is given).
 
     ``bshd`` uses ``seq_dim=1``, ``sbhd`` and ``thd`` ``seq_dim=0``. No communication; differentiable (the gradient
-    of the full tensor is zero outside this rank's tokens). Under CP1 ``x`` itself is returned.
+    of the full tensor is zero outside this rank's tokens). Under CP1 ``x`` itself is returned. With
+    ``cu_seqlens_padded`` (TE's convention) the layout is ``cu_seqlens_padded`` and ``cu_seqlens`` the real offsets
+    (checked to fit); sharding follows the layout.
 
     Raises:
         ValueError: ``seq_dim`` out of range; the sequence (or a document) not divisible by ``2·cp``;
@@ -211,54 +177,55 @@ def zigzag_shard(
     """
     scope = resolve_scope(group)
     seq_dim = check_seq_dim(x, seq_dim)
-    if scope.size == 1:
-        if cu_seqlens is not None:  # CP1 moves nothing, but a wrong cu_seqlens is still an error
-            check_local_thd_len(x.shape[seq_dim], cu_seqlens_list(cu_seqlens), 1, name="zigzag_shard input")
-        return x
     cp, rank = scope.size, scope.rank
     n = x.shape[seq_dim]
     if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("zigzag_shard: cu_seqlens_padded needs cu_seqlens (the real offsets) beside it")
+        if cp == 1:
+            return x
         check_divisible_seq(n, cp)
         c = n // (2 * cp)
         # [.., 2cp*c, ..] -> chunks r and 2cp-1-r
         return torch.cat([x.narrow(seq_dim, rank * c, c), x.narrow(seq_dim, (2 * cp - 1 - rank) * c, c)], seq_dim)
-    cu, _ = _as_cu(cu_seqlens, cp)
-    if cu[-1] != n:
+    pack = pack_for(cu_seqlens, cp, rank, cu_seqlens_padded=cu_seqlens_padded)
+    if pack.total != n:
         raise ValueError(
             f"zigzag_shard: x has {n} tokens along seq_dim={seq_dim} (shape {tuple(x.shape)}) but "
-            f"cu_seqlens[-1]={cu[-1]}; zigzag_shard takes the full (unsharded) tensor and global cu_seqlens"
+            f"cu_seqlens[-1]={pack.total}; zigzag_shard takes the full (unsharded) tensor and global cu_seqlens"
         )
-    idx = _indices_and_starts(cu, cp, rank, x.device)[0]
-    return x.index_select(seq_dim, idx)
+    if cp == 1:  # CP1 moves nothing (the offsets were still checked)
+        return x
+    return x.index_select(seq_dim, pack.indices(x.device))
 
 
 class _ZigzagUnshard(torch.autograd.Function):
     """All-gather the local zigzag parts and undo the permutation; backward keeps this rank's slice."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seq_dim: int, cu: tuple[int, ...], scope: CPScope) -> torch.Tensor:
-        ctx.seq_dim, ctx.cu, ctx.cp, ctx.rank = seq_dim, cu, scope.size, scope.rank
+    def forward(ctx: Any, x: torch.Tensor, seq_dim: int, pack: Pack, scope: CPScope) -> torch.Tensor:
+        ctx.seq_dim, ctx.pack = seq_dim, pack  # the pack and the scope resolved in forward; backward reads neither
         xc = x.contiguous()
         parts = [torch.empty_like(xc) for _ in range(scope.size)]
         dist.all_gather(parts, xc, group=scope.group)
         gathered = torch.cat(parts, seq_dim)  # rank-major: [rank 0's local, rank 1's local, ...]
-        inv = _inverse_permutation(cu, scope.size, x.device)
-        return gathered.index_select(seq_dim, inv)
+        return gathered.index_select(seq_dim, pack.inverse(x.device))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
-        idx = _indices_and_starts(ctx.cu, ctx.cp, ctx.rank, grad.device)[0]
-        return grad.index_select(ctx.seq_dim, idx), None, None, None
+        return grad.index_select(ctx.seq_dim, ctx.pack.indices(grad.device)), None, None, None
 
 
 def zigzag_unshard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard`: gather every rank's local part and restore the original token order.
 
     **Collective** over the CP group (every member must call it). Differentiable: the backward returns this rank's
     slice of the full gradient (each rank is assumed to compute the same loss from the full tensor; no reduction
     is done). The group is resolved once here and kept for backward. Under CP1 ``x`` itself is returned.
+    ``cu_seqlens_padded`` as in :func:`zigzag_shard`.
 
     Raises:
         ValueError: ``seq_dim`` out of range; an odd local length; local ``thd`` length ≠ ``cu_seqlens[-1]/cp``;
@@ -271,23 +238,25 @@ def zigzag_unshard(
     """
     scope = resolve_scope(group)
     seq_dim = check_seq_dim(x, seq_dim)
-    if scope.size == 1:
-        if cu_seqlens is not None:
-            check_local_thd_len(x.shape[seq_dim], cu_seqlens_list(cu_seqlens), 1, name="zigzag_unshard input")
-        return x
     cp = scope.size
     n = x.shape[seq_dim]
     if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("zigzag_unshard: cu_seqlens_padded needs cu_seqlens (the real offsets) beside it")
+        if cp == 1:
+            return x
         if n % 2:
             raise ValueError(
                 f"zigzag_unshard: the local length must be even (two zigzag chunks), got {n} along seq_dim={seq_dim} "
                 f"(shape {tuple(x.shape)}) with CP size {cp}"
             )
-        cu: tuple[int, ...] = (0, n * cp)
+        pack = dense_pack(n * cp, cp, scope.rank)
     else:
-        cu, _ = _as_cu(cu_seqlens, cp)
-        check_local_thd_len(n, list(cu), cp, name="zigzag_unshard input")
-    return _ZigzagUnshard.apply(x, seq_dim, cu, scope)
+        pack = pack_for(cu_seqlens, cp, scope.rank, cu_seqlens_padded=cu_seqlens_padded)
+        check_local_thd_len(n, [0, pack.total], cp, name="zigzag_unshard input")
+    if cp == 1:
+        return x
+    return _ZigzagUnshard.apply(x, seq_dim, pack, scope)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -81,17 +81,24 @@ def test_indices_and_positions_match_reference(cp, mults):
     assert sorted(seen) == list(range(cu[-1]))  # the ranks partition the tokens
 
 
-def test_index_cache_is_bounded_lru():
-    from cpscope.sharding import _indices_and_starts
+def test_index_cache_lives_with_the_offsets():
+    """Index tensors are cached per pack: on the offsets tensor while it lives, else in a bounded LRU."""
+    from cpscope import _pack
 
-    clear_index_cache()
+    cpscope.clear_caches()
     a = zigzag_indices([0, 8, 16], 2, 1)
-    assert zigzag_indices(torch.tensor([0, 8, 16]), 2, 1) is a  # same key whether list or tensor
-    info = _indices_and_starts.cache_info()
-    assert info.maxsize is not None and info.hits >= 1
-    for n in range(1, info.maxsize + 10):
+    assert zigzag_indices([0, 8, 16], 2, 1) is a  # Python offsets: LRU hit
+    t = torch.tensor([0, 8, 16], dtype=torch.int32)
+    b = zigzag_indices(t, 2, 1)
+    assert zigzag_indices(t, 2, 1) is b and torch.equal(a, b)  # cached on the tensor
+    for n in range(1, _pack._VALUE_CACHE_SIZE + 10):
         zigzag_indices(4 * n, 2, 0)
-    assert _indices_and_starts.cache_info().currsize <= info.maxsize
+    assert _pack.cache_stats()["values"] <= _pack._VALUE_CACHE_SIZE
+    assert _pack.cache_stats()["tensors"] == 1
+    del t
+    assert _pack.cache_stats()["tensors"] == 0  # gone with its tensor
+    cpscope.clear_caches()
+    assert _pack.cache_stats() == {"tensors": 0, "packs": 0, "values": 0}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,7 +324,7 @@ def test_cp1_shard_and_unshard_still_validate_cu_seqlens():
     """CP1 returns the tensor itself, but a cu_seqlens that does not describe it is an error, not ignored."""
     x = torch.randn(8, 2)
     assert zigzag_shard(x, seq_dim=0, cu_seqlens=[0, 3, 8]) is x
-    for bad, match in (([0, 5], r"8 local tokens.*cu_seqlens\[-1\]=5"), ([3, 1], "must start at 0")):
+    for bad, match in (([0, 5], r"8 (local )?tokens.*cu_seqlens\[-1\]=5"), ([3, 1], "must start at 0")):
         with pytest.raises(ValueError, match=match):
             zigzag_shard(x, seq_dim=0, cu_seqlens=bad)
         with pytest.raises(ValueError, match=match):

@@ -15,15 +15,15 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 
+from .._pack import Pack, pack_for
 from ..scope import _UNSET, CPScope, resolve_scope
-from ._inputs import check_attention_inputs
+from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
 from .module import ContextParallelAttention
-from .ring import RingPlan, ring_attention
+from .ring import RingGeometry, RingPlan, ring_attention
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention"]
 
@@ -43,37 +43,47 @@ def context_parallel_attention(
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
     group: Any = _UNSET,
+    cu_seqlens_padded: Optional[Any] = None,
 ) -> torch.Tensor:
     """Local rows of full attention for local zigzag q/k/v, over the active CP group (or ``group=``).
 
     Args:
         q: ``[b, s, h, d]`` (``bshd``), ``[s, b, h, d]`` (``sbhd``) or ``[t, h, d]`` (``thd``), local zigzag shard.
-        k, v: same layout, ``h_kv`` heads with ``h % h_kv == 0``.
+        k, v: same layout, ``h_kv`` heads with ``h % h_kv == 0`` (grouped-query / multi-query attention).
         qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
         causal: causal mask (within each document in ``thd``).
-        cu_seqlens: ``thd`` only: **global** document offsets (int32, from 0); the local tensor holds
-            ``cu_seqlens[-1] / cp`` tokens, every document zigzag-sharded on its own.
+        cu_seqlens: **global** offsets, int32, from 0. ``thd``: the documents' offsets; the local tensor holds
+            ``cu_seqlens[-1] / cp`` tokens (or ``cu_seqlens_padded[-1] / cp``), every document zigzag-sharded on its
+            own. ``bshd`` / ``sbhd``: optional real lengths of the ``b`` rows as offsets (``b + 1`` entries; a
+            padding mask, each row padded at its end to the global length ``s·cp``).
         max_seqlen: optional; checked to be at least the longest global sequence / document.
-        softmax_scale: default ``1 / sqrt(d)``.
+        softmax_scale: default ``1 / sqrt(d)``; a given value must be a finite number > 0.
         group: explicit CP group (``None`` = CP1); default: the active scope.
+        cu_seqlens_padded: ``thd`` only, TransformerEngine's convention: the **layout** offsets (documents padded,
+            at their end, to multiples of ``2·cp``) while ``cu_seqlens`` holds the **real** ones. Padding tokens are
+            then masked: no query attends to them, their output rows are zero and they get zero gradients. Omitted,
+            ``cu_seqlens`` is both.
 
     Returns:
         The local output, same shape and dtype as ``q``. q, k and v receive the gradients of their own rows.
 
     Raises:
-        ValueError: inconsistent inputs (shapes, dtypes, devices, heads, lengths vs cp and cu_seqlens), before any
-            collective runs.
+        ValueError: inconsistent inputs (shapes, dtypes, devices, heads, lengths vs cp and cu_seqlens, a
+            ``softmax_scale`` that is not a finite positive number), before any collective or kernel runs.
 
     Example::
 
         with cpscope.runtime_cp(groups[2]):       # q/k/v: local zigzag shards, [t_local, h, d]; cu: global offsets
             out = context_parallel_attention(q, k, v, qkv_format="thd", cu_seqlens=cu)
+        b = cpscope.pad_packed_batch(x, cu_seqlens=cu, cp=2)      # padded documents: pass both offsets
+        out = context_parallel_attention(q, k, v, qkv_format="thd", causal=False, cu_seqlens=b.cu_seqlens,
+                                         cu_seqlens_padded=b.cu_seqlens_padded)
         out = context_parallel_attention(q, k, v, qkv_format="bshd", group=None)   # CP1: plain local attention
     """
     scope = resolve_scope(group)
     return attention_with_scope(
         q, k, v, scope, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        softmax_scale=softmax_scale,
+        softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded,
     )
 
 
@@ -88,36 +98,55 @@ def attention_with_scope(
     cu_seqlens: Optional[Any] = None,
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    cu_seqlens_padded: Optional[Any] = None,
 ) -> torch.Tensor:
     """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read).
 
     For callers that resolved the scope once themselves (a module's forward, an adapter); arguments and result as
-    :func:`context_parallel_attention`.
+    :func:`context_parallel_attention`. Everything derived from the offsets (validation, the ring's offsets and
+    document split, padding rows) is computed once per pack and cached on the offsets tensor.
 
     Example::
 
         scope = cpscope.resolve_scope()            # once, in forward
         out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
     """
-    cu = check_attention_inputs(
-        q, k, v, qkv_format=qkv_format, cp=scope.size, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
-    )
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
     if qkv_format == "thd":
-        plan = RingPlan(varlen=True, causal=causal, scale=scale, rank=scope.rank, size=scope.size, cu=cu,
-                        device=q.device)
-        return ring_attention(q, k, v, plan=plan, group=scope.group)
-    if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] (one copy each); the result goes back to sbhd
-        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
-    if _DENSE_AS_VARLEN:  # [b, s, h, d] -> [b*s, h, d]: row i is a document of global length s*cp, zigzag-sharded
-        b, s = q.shape[:2]
-        g = s * scope.size
-        plan = RingPlan(varlen=True, causal=causal, scale=scale, rank=scope.rank, size=scope.size,
-                        cu=tuple(range(0, b * g + 1, g)), device=q.device)
+        if cu_seqlens is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens (global, int32, starting at 0)")
+        pack = pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=cu_seqlens_padded)
+        check_thd_pack(q, pack, max_seqlen)
+        return ring_attention(q, k, v, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
+    if cu_seqlens_padded is not None:
+        raise ValueError(
+            f"cu_seqlens_padded is only used with qkv_format='thd', got qkv_format={qkv_format!r}; for "
+            f"{qkv_format} pass the rows' real lengths as cu_seqlens"
+        )
+    if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    b, s = q.shape[:2]
+    g = s * scope.size  # global sequence length
+    check_dense_max_seqlen(max_seqlen, g)
+    if cu_seqlens is not None or _DENSE_AS_VARLEN:
+        # [b, s, h, d] -> [b*s, h, d]: row i is a document of global length g, zigzag-sharded (padded at its end to
+        # g when real lengths are given)
+        layout = tuple(range(0, b * g + 1, g))
+        if cu_seqlens is None:
+            pack = pack_for(layout, scope.size, scope.rank)
+        else:
+            pack = pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=layout)
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
-        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group).view(b, s, *q.shape[2:])
+        out = ring_attention(q2, k2, v2, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
+        out = out.view(b, s, *q.shape[2:])
     else:
-        plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size,
-                        local_len=q.shape[1])
+        plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s)
         out = ring_attention(q, k, v, plan=plan, group=scope.group)
-    return out.transpose(0, 1).contiguous() if qkv_format == "sbhd" else out
+    return out.transpose(0, 1) if qkv_format == "sbhd" else out
+
+
+def _varlen_plan(pack: Pack, device: torch.device, causal: bool, scale: float) -> RingPlan:
+    """The ring plan of a pack: its :class:`RingGeometry` is built once per (pack, device) and cached on the pack."""
+    geo = pack.memo(("ring", device), lambda: RingGeometry(pack, device))
+    return RingPlan(varlen=True, causal=causal, scale=scale, rank=pack.rank, size=pack.cp, geometry=geo)

@@ -105,23 +105,37 @@ def _handle(device: torch.device) -> Any:
     return h
 
 
-@functools.lru_cache(maxsize=256)
-def _meta(cu_q: tuple, cu_k: tuple, device: torch.device) -> dict:
-    """Device tensors of one packing: sequence lengths [B,1,1,1] int32 and offsets ``cu`` (int64, to be scaled)."""
-    cq = torch.tensor(cu_q, dtype=torch.int64)
-    ck = torch.tensor(cu_k, dtype=torch.int64)
-    out = {
-        "seq_q": (cq[1:] - cq[:-1]).to(torch.int32).view(-1, 1, 1, 1),
-        "seq_k": (ck[1:] - ck[:-1]).to(torch.int32).view(-1, 1, 1, 1),
-        "cu_q": cq.view(-1, 1, 1, 1), "cu_k": ck.view(-1, 1, 1, 1),
+def _meta(vl: Any, device: torch.device) -> dict:
+    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.blocks.Varlen` itself (so it
+    lives as long as the pack): host offsets (bucketed), sequence lengths ``[B,1,1,1]`` int32, offsets ``cu`` int64,
+    scaled offsets by (role, multiplier), and whether every sequence has as many queries as keys."""
+    key = ("cudnn", device, _BUCKET_BATCH)
+    meta = vl.memo.get(key)
+    if meta is not None:
+        return meta
+    hq, hk = _host_cu(vl)
+    if len(hq) != len(hk):
+        raise ValueError(f"q and k/v pack different numbers of sequences: {len(hq) - 1} vs {len(hk) - 1}")
+    square = all(b - a == e - c for a, b, c, e in zip(hq[:-1], hq[1:], hk[:-1], hk[1:]))
+    if _BUCKET_BATCH:
+        hq, hk = _pad_batch(hq), _pad_batch(hk)
+    cq = torch.tensor(hq, dtype=torch.int64)
+    ck = torch.tensor(hk, dtype=torch.int64)
+    meta = {
+        "host_q": hq, "host_k": hk, "square": square, "scaled": {},
+        "seq_q": (cq[1:] - cq[:-1]).to(torch.int32).view(-1, 1, 1, 1).to(device),
+        "seq_k": (ck[1:] - ck[:-1]).to(torch.int32).view(-1, 1, 1, 1).to(device),
+        "cu_q": cq.view(-1, 1, 1, 1).to(device), "cu_k": ck.view(-1, 1, 1, 1).to(device),
     }
-    return {k: v.to(device) for k, v in out.items()}
+    return vl.memo.setdefault(key, meta)
 
 
-@functools.lru_cache(maxsize=512)
-def _offsets(cu_q: tuple, cu_k: tuple, device: torch.device, which: str, mult: int) -> torch.Tensor:
-    """Ragged offset tensor ``cu * mult`` (int64 [B+1,1,1,1]) for ``which`` in {"q", "k"}."""
-    return _meta(cu_q, cu_k, device)["cu_" + which] * mult
+def _offsets(meta: dict, which: str, mult: int) -> torch.Tensor:
+    """Ragged offset tensor ``cu * mult`` (int64 [B+1,1,1,1]) for ``which`` in {"q", "k"}; cached in ``meta``."""
+    t = meta["scaled"].get((which, mult))
+    if t is None:
+        t = meta["scaled"].setdefault((which, mult), meta["cu_" + which] * mult)
+    return t
 
 
 def _host_cu(vl: Any) -> tuple[tuple, tuple]:
@@ -145,16 +159,14 @@ def _pad_batch(cu: tuple) -> tuple:
     return cu + (cu[-1],) * (_pow2(n, 1) - n)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tuple, cu_k: tuple, causal: bool) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: dict, causal: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.stride(-1) != 1:
             raise ValueError(f"cuDNN packed attention needs [t, h, d] tensors with unit stride in d; {name} has "
                              f"shape {tuple(t.shape)} and strides {t.stride()}")
-    if len(cu_q) != len(cu_k):
-        raise ValueError(f"q and k/v pack different numbers of sequences: {len(cu_q) - 1} vs {len(cu_k) - 1}")
-    if causal and any(b - a != e - c for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
+    if causal and not meta["square"]:
         raise ValueError("cuDNN packed causal blocks need as many queries as keys in every sequence "
-                         f"(cu_q={cu_q[:8]}..., cu_k={cu_k[:8]}...)")
+                         f"(cu_q={meta['host_q'][:8]}..., cu_k={meta['host_k'][:8]}...)")
 
 
 def _dims(t: torch.Tensor, b: int, s: int) -> tuple[list, list]:
@@ -231,12 +243,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed block: ``(out [t_q, h, d] contiguous, lse [h, t_q] fp32 contiguous)``, like the flash block."""
     cudnn = _cudnn_module()
-    cu_q, cu_k = _host_cu(vl)
-    _check(q, k, v, cu_q, cu_k, causal)
+    dev = q.device
+    meta = _meta(vl, dev)
+    _check(q, k, v, meta, causal)
     q, k, v = _packed(q), _packed(k), _packed(v)
-    if _BUCKET_BATCH:
-        cu_q, cu_k = _pad_batch(cu_q), _pad_batch(cu_k)
-    b, dev = len(cu_q) - 1, q.device
+    b = len(meta["host_q"]) - 1
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
     out = torch.empty((t_q, h, v.shape[2]), dtype=q.dtype, device=dev)
@@ -267,12 +278,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
         return _finish(cudnn, g, named)
 
     built = _cached(key, build)
-    meta = _meta(cu_q, cu_k, dev)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "stats": stats, "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],
-        "off_q": _offsets(cu_q, cu_k, dev, "q", q.stride(0)), "off_k": _offsets(cu_q, cu_k, dev, "k", k.stride(0)),
-        "off_v": _offsets(cu_q, cu_k, dev, "k", v.stride(0)), "off_o": _offsets(cu_q, cu_k, dev, "q", out.stride(0)),
-        "off_s": _offsets(cu_q, cu_k, dev, "q", h),
+        "off_q": _offsets(meta, "q", q.stride(0)), "off_k": _offsets(meta, "k", k.stride(0)),
+        "off_v": _offsets(meta, "k", v.stride(0)), "off_o": _offsets(meta, "q", out.stride(0)),
+        "off_s": _offsets(meta, "q", h),
     })
     return out, stats.t().contiguous()
 
@@ -282,13 +292,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one packed block given the merged ``out`` and ``lse`` ([h, t_q] fp32); contiguous results."""
     cudnn = _cudnn_module()
-    cu_q, cu_k = _host_cu(vl)
-    _check(q, k, v, cu_q, cu_k, causal)
-    _check(dout, out, out, cu_q, cu_q, False)
-    if _BUCKET_BATCH:
-        cu_q, cu_k = _pad_batch(cu_q), _pad_batch(cu_k)
+    dev = q.device
+    meta = _meta(vl, dev)
+    _check(q, k, v, meta, causal)
+    _check(dout, out, out, meta, False)
     q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
-    b, dev = len(cu_q) - 1, q.device
+    b = len(meta["host_q"]) - 1
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
     t_k = k.shape[0]
@@ -322,8 +331,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return _finish(cudnn, g, named)
 
     built = _cached(key, build)
-    meta = _meta(cu_q, cu_k, dev)
-    off = functools.partial(_offsets, cu_q, cu_k, dev)
+    off = functools.partial(_offsets, meta)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "do": dout, "stats": stats, "dq": dq, "dk": dk, "dv": dv,
         "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],

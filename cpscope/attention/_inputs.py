@@ -1,23 +1,25 @@
 """Validation of :func:`cpscope.context_parallel_attention` inputs (``ValueError`` before any collective/kernel)."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional
 
 import torch
 
-from .._checks import check_cu_seqlens, check_divisible_seq, check_local_thd_len, check_qkv_format, cu_seqlens_list
+from .._checks import check_divisible_seq, check_local_thd_len, check_qkv_format
+from .._pack import Pack
 
-__all__ = ["check_attention_inputs"]
+__all__ = ["check_attention_inputs", "check_softmax_scale", "check_thd_pack", "check_dense_max_seqlen"]
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def check_attention_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str, cp: int, cu_seqlens: Any,
-    max_seqlen: Optional[int],
-) -> Optional[tuple[int, ...]]:
-    """Check q/k/v against each other, the layout and the CP size; return ``cu_seqlens`` as a tuple (``thd``)."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qkv_format: str, cp: int,
+) -> None:
+    """Check q/k/v against each other, the layout and the CP size (shapes, dtypes, devices, heads); O(1)."""
     check_qkv_format(qkv_format)
     ndim = 3 if qkv_format == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -42,19 +44,31 @@ def check_attention_inputs(
     if q.dtype not in allowed:
         raise ValueError(f"dtype {q.dtype} is not supported on {q.device.type} (supported: {allowed})")
     if qkv_format != "thd":
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only meaningful with qkv_format='thd', got qkv_format={qkv_format!r}")
         seq = q.shape[1] if qkv_format == "bshd" else q.shape[0]
         check_divisible_seq(seq * cp, cp)
-        if max_seqlen is not None and max_seqlen < seq * cp:
-            raise ValueError(f"max_seqlen={max_seqlen} is shorter than the global sequence length {seq * cp}")
-        return None
-    if cu_seqlens is None:
-        raise ValueError("qkv_format='thd' needs cu_seqlens (global, int32, starting at 0)")
-    cu = cu_seqlens_list(cu_seqlens)
-    check_cu_seqlens(cu, cp)
-    check_local_thd_len(q.shape[0], cu, cp, name="q")
-    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
-    if max_seqlen is not None and max_seqlen < longest:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest document ({longest}) in cu_seqlens")
-    return tuple(cu)
+
+
+def check_softmax_scale(softmax_scale: Any, head_dim: int) -> float:
+    """The softmax scale to use: ``1/sqrt(head_dim)`` by default; a given one must be a finite number > 0."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1 and not softmax_scale.is_cuda:
+        softmax_scale = softmax_scale.item()
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or \
+            not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(d)), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_thd_pack(q: torch.Tensor, pack: Pack, max_seqlen: Optional[int], name: str = "cu_seqlens") -> None:
+    """The local ``thd`` length and ``max_seqlen`` against an already validated pack (O(1))."""
+    check_local_thd_len(q.shape[0], [0, pack.total], pack.cp, name="q")
+    if max_seqlen is not None and max_seqlen < pack.longest:
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is shorter than the longest document ({pack.longest}) in {name}"
+        )
+
+
+def check_dense_max_seqlen(max_seqlen: Optional[int], global_len: int) -> None:
+    if max_seqlen is not None and max_seqlen < global_len:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the global sequence length {global_len}")

@@ -22,17 +22,21 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
 __all__ = ["Varlen", "block_forward", "block_backward"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Varlen:
-    """Packed-sequence description of one varlen block (flash's ``cu_seqlens_q/k``, ``max_seqlen_q/k``)."""
+    """Packed-sequence description of one varlen block (flash's ``cu_seqlens_q/k``, ``max_seqlen_q/k``).
+
+    Built once per pack (see :class:`cpscope.attention.ring.RingGeometry`) and reused by every layer; kernels keep
+    what they derive from it (e.g. cuDNN's device offsets) in :attr:`memo`, so it lives exactly as long as the pack.
+    """
 
     cu_q: torch.Tensor  # [n + 1] int32, on the tensors' device
     cu_k: torch.Tensor  # [n + 1] int32
@@ -40,6 +44,7 @@ class Varlen:
     max_k: int
     cu_q_host: Optional[tuple] = None  # the same offsets on the host, where known (saves a sync in cuDNN blocks)
     cu_k_host: Optional[tuple] = None
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------

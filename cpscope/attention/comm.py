@@ -24,7 +24,21 @@ import torch.distributed as dist
 from ..groups import group_ranks
 from ..streams import cp_stream
 
-__all__ = ["RingComm"]
+__all__ = ["RingComm", "is_dense"]
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory without gaps or overlaps (contiguous in some dimension
+    order, e.g. the ``[b, s, h, d]`` transpose of a contiguous ``[s, b, h, d]`` tensor)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    return t.permute(order).is_contiguous()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of a dense tensor's memory (what goes on the wire)."""
+    return t if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
 class RingComm:
@@ -60,13 +74,17 @@ class RingComm:
         kernel ends. The ring therefore posts every exchange before the kernel it overlaps (:meth:`send_recv`)."""
         if self._reqs is not None or self._pending is not None:
             raise RuntimeError("RingComm.send_recv called twice without wait()")
-        if not all(t.is_contiguous() for t in send):
-            raise RuntimeError("RingComm.send_recv needs contiguous send buffers")
         if recv_shapes is None:
+            # dense buffers (contiguous in some dimension order) travel as they are: the receive buffers get the
+            # same strides (empty_like keeps a dense tensor's layout), and both go on the wire as flat views
+            if not all(is_dense(t) for t in send):
+                raise RuntimeError("RingComm.send_recv needs dense (gap-free) send buffers")
             recv = [torch.empty_like(t) for t in send]
         else:
             if len(recv_shapes) != len(send):
                 raise RuntimeError(f"RingComm.send_recv: {len(recv_shapes)} recv shapes for {len(send)} buffers")
+            if not all(t.is_contiguous() for t in send):
+                raise RuntimeError("RingComm.send_recv needs contiguous send buffers when recv_shapes are given")
             recv = [torch.empty(sh, dtype=t.dtype, device=t.device) for sh, t in zip(recv_shapes, send)]
         ready = None
         if send[0].is_cuda:
@@ -80,8 +98,8 @@ class RingComm:
             raise RuntimeError("RingComm.post called without begin()")
         send, recv, ready = self._pending
         self._pending = None
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        ops = [dist.P2POp(dist.isend, _flat(t), self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, _flat(t), self.prev, self.group) for t in recv]
         if ready is not None:
             stream = cp_stream(send[0].device)
             stream.wait_event(ready)

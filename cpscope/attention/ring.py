@@ -28,33 +28,18 @@ pack holds one sequence).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from .._pack import Pack
 from ._fused import merge_rows_, rows_add_
 from .blocks import Varlen, block_backward, block_forward
-from .comm import RingComm
+from .comm import RingComm, is_dense
 
-__all__ = ["RingPlan", "ring_attention"]
-
-
-@functools.lru_cache(maxsize=32)
-def _varlen_tensors(cu: tuple[int, ...], cp: int, device: torch.device) -> tuple[Any, ...]:
-    """(cu_local, cu_half, front_idx, back_idx) on ``device``; cached per (cu, cp, device)."""
-    cu_t = torch.tensor(cu, dtype=torch.long)
-    cu_loc = cu_t // cp
-    if cp == 1:
-        return (cu_loc.to(device, torch.int32), None, None, None)
-    half = cu_t // (2 * cp)  # per-document half-chunk offsets
-    c = half[1:] - half[:-1]  # [docs] chunk length of each document
-    j = torch.arange(int(half[-1]))
-    front = j + torch.repeat_interleave(half[:-1], c)  # local index of each front-chunk token
-    back = j + torch.repeat_interleave(half[1:], c)  # local index of each back-chunk token
-    return (cu_loc.to(device, torch.int32), half.to(device, torch.int32), front.to(device), back.to(device))
+__all__ = ["RingGeometry", "RingPlan", "ring_attention"]
 
 
 @dataclass(frozen=True)
@@ -81,12 +66,11 @@ class DiagPart:
 _ALL = slice(None)
 
 
-@functools.lru_cache(maxsize=32)
 def _doc_split(cu: tuple[int, ...], cp: int, device: torch.device) -> Optional[tuple[DiagPart, DiagPart]]:
     """The diagonal block cut between two documents: two token ranges balancing ``sum(len_i**2)`` (the causal work),
     the longer range first. None when fewer than two documents hold local tokens.
 
-    Cached per (cu, cp, device), like :func:`_varlen_tensors`.
+    Computed once per pack (:class:`RingGeometry`).
     """
     lens = [(b - a) // cp for a, b in zip(cu[:-1], cu[1:])]  # local tokens per document
     cu_loc = [0]
@@ -114,39 +98,99 @@ def _doc_split(cu: tuple[int, ...], cp: int, device: torch.device) -> Optional[t
     return (first, second) if cu_loc[j] >= t - cu_loc[j] else (second, first)
 
 
+class RingGeometry:
+    """What the ring derives from one pack's offsets on one device, built once per pack and reused by every layer.
+
+    Varlen (``thd``) only: the local / half-chunk offsets (device tensors with host copies), the front / back row
+    indices, the per-step :class:`~cpscope.attention.blocks.Varlen` descriptions, the backward's document split, and
+    — when the pack holds padding — the padding rows and, for attention without a causal mask, the real rows of
+    every rank's K/V (which travel compacted: padding keys are never seen).
+
+    Example::
+
+        geo = pack.memo(("ring", q.device), lambda: RingGeometry(pack, q.device))
+        plan = RingPlan(varlen=True, causal=True, scale=s, rank=pack.rank, size=pack.cp, geometry=geo)
+    """
+
+    def __init__(self, pack: Pack, device: torch.device) -> None:
+        cu, cp, rank = pack.cu, pack.cp, pack.rank
+        self.cp, self.rank = cp, rank
+        cu_t = torch.tensor(cu, dtype=torch.long)
+        cu_loc = (cu_t // cp).to(device, torch.int32)
+        h_loc = tuple(x // cp for x in cu)
+        m_loc = pack.longest // cp
+        loc = Varlen(cu_loc, cu_loc, m_loc, m_loc, h_loc, h_loc)  # host offsets ride along (cuDNN: no sync)
+        self.vl: dict[str, Varlen] = {"diag": loc, "full": loc}
+        # Halves are slices along dim 0 when the pack holds ONE sequence (zero-copy), else index gathers/scatters.
+        self.dim: Optional[int] = 0 if len(cu) == 2 else None
+        self.c = cu[-1] // (2 * cp) if len(cu) == 2 else 0
+        self.front = self.back = None
+        self.doc_parts: Optional[tuple[DiagPart, DiagPart]] = None
+        if cp > 1:
+            half = cu_t // (2 * cp)  # per-document half-chunk offsets
+            c = half[1:] - half[:-1]
+            j = torch.arange(int(half[-1]))
+            self.front = (j + torch.repeat_interleave(half[:-1], c)).to(device)  # local row of each front token
+            self.back = (j + torch.repeat_interleave(half[1:], c)).to(device)  # local row of each back token
+            cu_half = half.to(device, torch.int32)
+            h_half = tuple(x // (2 * cp) for x in cu)
+            m_half = pack.longest // (2 * cp)
+            self.vl["kv_front"] = Varlen(cu_loc, cu_half, m_loc, m_half, h_loc, h_half)
+            self.vl["q_back"] = Varlen(cu_half, cu_loc, m_half, m_loc, h_half, h_loc)
+            self.doc_parts = _doc_split(cu, cp, device)
+        self.pad_rows = pack.pad_rows(device)
+        # Without a causal mask, real queries see every key of their document: padding keys must go. Each rank's
+        # real keys of a document are a prefix of its part of it, so K/V are compacted to the real rows and every
+        # source rank's compacted offsets describe the blocks. (With a causal mask padding keys are never visible to
+        # real queries: they sit after every real token of their document.)
+        self.keep: Optional[torch.Tensor] = None
+        self.full_from: Optional[list[Varlen]] = None
+        self.rows_from: Optional[list[int]] = None
+        if pack.padded:
+            self.keep = pack.real_rows(device)
+            self.full_from, self.rows_from = [], []
+            for src in range(cp):
+                n = pack.real_local_lens(src)
+                host = [0]
+                for x in n:
+                    host.append(host[-1] + x)
+                cu_k = torch.tensor(host, dtype=torch.int32, device=device)
+                self.full_from.append(Varlen(cu_loc, cu_k, m_loc, max(n, default=0), h_loc, tuple(host)))
+                self.rows_from.append(host[-1])
+
+
 class RingPlan:
     """Static facts of one ring call: layout, causality, scale, and the per-step block shapes.
 
     Step kinds: ``"diag"`` (local block, causal), ``"full"`` (all Q vs all K/V, no mask), ``"kv_front"`` (all Q vs
-    front half of K/V) and ``"q_back"`` (back half of Q vs all K/V).
+    front half of K/V) and ``"q_back"`` (back half of Q vs all K/V). Varlen plans take their per-pack facts from a
+    :class:`RingGeometry` (built here from ``cu`` when none is given); the plan itself is cheap.
     """
 
     def __init__(
         self, *, varlen: bool, causal: bool, scale: float, rank: int, size: int, cu: Optional[tuple[int, ...]] = None,
-        local_len: int = 0, device: Optional[torch.device] = None,
+        local_len: int = 0, device: Optional[torch.device] = None, geometry: Optional[RingGeometry] = None,
     ) -> None:
         self.varlen, self.causal, self.scale, self.rank, self.size = varlen, causal, scale, rank, size
         # Halves are slices along `dim` (dense: dim 1; varlen holding ONE sequence: dim 0, zero-copy) or, for
         # several packed documents, index gathers/scatters (`dim` None).
         self.dim: Optional[int] = 1
         self.c = local_len // 2
+        self.geo: Optional[RingGeometry] = None
+        self.doc_parts: Optional[tuple[DiagPart, DiagPart]] = None
+        self.pad_rows: Optional[torch.Tensor] = None
+        self.compact = False  # K/V travel compacted to their real rows (padding, no causal mask)
         if varlen:
-            assert cu is not None and device is not None
-            cu_loc, cu_half, self.front, self.back = _varlen_tensors(cu, size, device)
-            lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-            m_loc = max(lens) // size
-            self.dim, self.c = (0, cu[-1] // (2 * size)) if len(cu) == 2 else (None, 0)
-            # host copies of the offsets ride along: cuDNN packed blocks need them on the host (no sync)
-            h_loc = tuple(x // size for x in cu)
-            loc = Varlen(cu_loc, cu_loc, m_loc, m_loc, h_loc, h_loc)
-            self._vl = {"diag": loc, "full": loc}
-            if size > 1:
-                m_half = max(lens) // (2 * size)
-                h_half = tuple(x // (2 * size) for x in cu)
-                self._vl["kv_front"] = Varlen(cu_loc, cu_half, m_loc, m_half, h_loc, h_half)
-                self._vl["q_back"] = Varlen(cu_half, cu_loc, m_half, m_loc, h_half, h_loc)
-        # backward's diagonal cut by documents (varlen, >= 2 documents with local tokens), else by heads
-        self.doc_parts = _doc_split(cu, size, device) if varlen and size > 1 else None
+            if geometry is None:
+                assert cu is not None and device is not None
+                geometry = RingGeometry(Pack(tuple(cu), size, rank), device)
+            geo = self.geo = geometry
+            self.dim, self.c, self.front, self.back = geo.dim, geo.c, geo.front, geo.back
+            self.doc_parts = geo.doc_parts
+            self.pad_rows = geo.pad_rows
+            self.compact = geo.keep is not None and not causal
+            if self.compact:
+                self.doc_parts = None  # the diagonal's K rows are compacted: cut it by heads
 
     def kind(self, step: int) -> str:
         if not self.causal:
@@ -156,8 +200,38 @@ class RingPlan:
         src = (self.rank - step) % self.size
         return "kv_front" if src < self.rank else "q_back"
 
-    def varlen_for(self, kind: str) -> Optional[Varlen]:
-        return self._vl[kind] if self.varlen else None
+    def varlen_at(self, step: int) -> Optional[Varlen]:
+        """The varlen description of the block at ``step`` (``None`` for dense plans)."""
+        if not self.varlen:
+            return None
+        if self.compact:
+            return self.geo.full_from[(self.rank - step) % self.size]
+        return self.geo.vl[self.kind(step)]
+
+    def send_kv(self, k: torch.Tensor) -> torch.Tensor:
+        """This rank's K (or V) as it travels: all rows, or its real rows when compacted."""
+        return k.index_select(0, self.geo.keep) if self.compact else k
+
+    def recv_shape(self, src: int, like: torch.Tensor) -> Optional[torch.Size]:
+        """Shape of a K-like buffer of source rank ``src`` (``None``: the same as ``like``)."""
+        if not self.compact:
+            return None
+        return torch.Size((self.geo.rows_from[src % self.size],) + tuple(like.shape[1:]))
+
+    def recv_shapes(self, src: int, like: list[torch.Tensor]) -> Optional[list[torch.Size]]:
+        if not self.compact:
+            return None
+        return [self.recv_shape(src, t) for t in like]
+
+    def expand_kv(self, dk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A compacted dK (or dV) back on all local rows (zero at padding)."""
+        if not self.compact:
+            return dk
+        return torch.zeros_like(like, dtype=dk.dtype).index_copy_(0, self.geo.keep, dk)
+
+    def zero_pad_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (q-like, varlen) with its padding rows zeroed, in place; ``x`` unchanged without padding."""
+        return x if self.pad_rows is None else x.index_fill_(0, self.pad_rows, 0)
 
     # rows of q-like tensors ([b, s, h, d] dense / [t, h, d] varlen) and of lse ([b, h, s] / [h, t])
     def q_back(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +260,7 @@ class RingPlan:
     def diag_parts(self, h: int, h_kv: int) -> list[DiagPart]:
         """The backward's diagonal pieces: by documents (varlen, >= 2 documents), else by heads (``h_kv`` even), else
         one piece (CP1 too). Document pieces are contiguous token ranges: zero-copy views, no head-slice copies."""
-        vl = self.varlen_for(self.kind(0))
+        vl = self.varlen_at(0)
         if self.size == 1:
             return [DiagPart(None, _ALL, _ALL, vl)]
         if self.doc_parts is not None:
@@ -228,12 +302,13 @@ def _forward(
     """
     comm = RingComm(group, plan.rank, plan.size) if plan.size > 1 else None
     out_acc = lse_acc = None
-    kc, vc = k, v
+    kc, vc = plan.send_kv(k), plan.send_kv(v)  # compacted to the real rows for padded packs without a causal mask
     for step in range(plan.size):
         if comm is not None and step + 1 < plan.size:
-            comm.send_recv([kc, vc])  # the next step's K/V travel while this step computes
+            # the next step's K/V travel while this step computes
+            comm.send_recv([kc, vc], recv_shapes=plan.recv_shapes(plan.rank - step - 1, [kc, vc]))
         kind = plan.kind(step)
-        vl = plan.varlen_for(kind)
+        vl = plan.varlen_at(step)
         if kind in ("diag", "full"):
             o, l = block_forward(q, kc, vc, scale=plan.scale, causal=kind == "diag", varlen=vl)
         elif kind == "kv_front":
@@ -241,7 +316,7 @@ def _forward(
         else:  # q_back
             o, l = block_forward(plan.q_back(q), kc, vc, scale=plan.scale, causal=False, varlen=vl)
         if plan.size == 1:  # CP1: one plain kernel call, nothing to merge
-            return o, l
+            return plan.zero_pad_rows(o), l
         if out_acc is None:  # step 0 always covers all of Q
             acc = _acc_dtype(q.dtype)
             out_acc, lse_acc = (o if plan.size == 2 else o.to(acc)), l.to(acc)
@@ -250,7 +325,7 @@ def _forward(
         del o, l
         if comm is not None and step + 1 < plan.size:
             kc, vc = comm.wait()
-    return out_acc.to(q.dtype), lse_acc
+    return plan.zero_pad_rows(out_acc.to(q.dtype)), lse_acc
 
 
 def _backward(
@@ -270,9 +345,16 @@ def _backward(
     rank) the first piece's dQ plus the remote back-half dQ, joined at the end by one concatenation.
     """
     size, rank = plan.size, plan.rank
+    if plan.pad_rows is not None:  # padding rows are no queries: no gradient flows from them
+        dout = dout.index_fill(0, plan.pad_rows, 0)
+    k_full, v_full = k, v
+    if plan.compact:  # K/V travel compacted; a real query row without any real key has lse -inf: make p = 0 there
+        k, v = plan.send_kv(k), plan.send_kv(v)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     if size == 1:  # CP1: one plain kernel call
-        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, causal=plan.kind(0) == "diag",
-                              varlen=plan.varlen_for(plan.kind(0)))
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=plan.scale, causal=plan.kind(0) == "diag",
+                                    varlen=plan.varlen_at(0))
+        return dq, plan.expand_kv(dk, k_full), plan.expand_kv(dv, v_full)
     kv_comm, dkv_comm = RingComm(group, rank, size), RingComm(group, rank, size)
     # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
     # q's dtype, so adding them in q's dtype (computed in fp32, rounded once) loses nothing and saves memory.
@@ -295,7 +377,7 @@ def _backward(
     # Each exchange is posted BEFORE the kernel it overlaps: cuDNN's attention kernels are persistent (one CTA per
     # SM), so an exchange posted behind one gets no SM until it ends (H200, 16k: the K/V hop then started at the end
     # of the diagonal block, also on a high-priority NCCL stream). benchmarks/attention_notes.md §8.
-    kv_comm.send_recv([k, v])
+    kv_comm.send_recv([k, v], recv_shapes=plan.recv_shapes(rank - 1, [k, v]))
     dq0: Optional[torch.Tensor] = diagonal(parts[0])
     dq: Optional[torch.Tensor] = None
     kept: Optional[torch.Tensor] = None  # CP2 q_back rank: the remote back-half dQ, added after the last piece
@@ -303,9 +385,9 @@ def _backward(
     for step in range(1, size):
         kc, vc = kv_comm.wait()
         if step + 1 < size:
-            kv_comm.send_recv([kc, vc])
+            kv_comm.send_recv([kc, vc], recv_shapes=plan.recv_shapes(rank - step - 1, [kc, vc]))
         kind = plan.kind(step)
-        vl = plan.varlen_for(kind)
+        vl = plan.varlen_at(step)
         if kind == "q_back":
             g = block_backward(plan.q_back(dout), plan.q_back(q), kc, vc, plan.q_back(out), plan.lse_back(lse),
                                scale=plan.scale, causal=False, varlen=vl)
@@ -344,7 +426,7 @@ def _backward(
         del gk, gv
         # the previous rank's buffer for the next step (or, after the last step, our own dK/dV) has its shape
         recv_front = plan.sends_front(step, (rank - 1) % size)
-        shape = plan.front_shape(kc) if recv_front else kc.shape
+        shape = plan.front_shape(kc) if recv_front else (plan.recv_shape(rank - 1 - step, kc) or kc.shape)
         assert front == plan.sends_front(step, rank)  # what the next rank expects from us
         dkv_comm.send_recv([bk, bv], recv_shapes=[shape, shape])  # after the last step: to the owner
         del bk, bv
@@ -370,7 +452,7 @@ def _backward(
     else:
         dk.add_(rk)
         dv.add_(rv)
-    return dq, dk, dv
+    return dq, plan.expand_kv(dk, k_full), plan.expand_kv(dv, v_full)
 
 
 def _add_remote(plan: RingPlan, dq: torch.Tensor, gq: torch.Tensor, kind: str) -> None:
@@ -405,12 +487,19 @@ def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tenso
     return own
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its elements fill one block of memory in some dimension order (e.g. the ``[b, s, h, d]``
+    view of an ``sbhd`` tensor), else a contiguous copy: such tensors can be sent as they are (see
+    :class:`~cpscope.attention.comm.RingComm`) and the kernels read their strides."""
+    return t if is_dense(t) else t.contiguous()
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group: Any
     ) -> torch.Tensor:
-        k, v = k.detach().contiguous(), v.detach().contiguous()  # contiguous send buffers
+        k, v = _dense(k.detach()), _dense(v.detach())  # send buffers (no copy for dense views)
         out, lse = _forward(q.detach(), k, v, plan, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.group = plan, group  # the scope resolved in forward; backward never reads the ContextVar
@@ -419,7 +508,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q.detach(), k, v, out, lse, ctx.plan, ctx.group)
+        dq, dk, dv = _backward(_dense(dout), q.detach(), k, v, out, lse, ctx.plan, ctx.group)
         return dq.to(q.dtype), dk, dv, None, None
 
 

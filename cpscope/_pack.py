@@ -1,0 +1,325 @@
+"""Per-pack metadata: what one microbatch's offsets imply for one CP rank, computed once, shared by every layer.
+
+A *pack* is a microbatch's global document offsets (``cu_seqlens``; with padding, the layout offsets and the real
+ones, as TE's ``cu_seqlens_padded`` / ``cu_seqlens``) as seen by CP rank ``rank`` of ``cp``. Validation, the zigzag
+index of the local tokens, their global positions, the padding rows and whatever the attention ring derives from the
+offsets are functions of ``(offsets, cp, rank)`` only: they are computed at the first call of the first layer and
+then looked up, so host time per layer does not grow with the number of documents.
+
+Lifetime. A pack is cached **on its offsets tensor**, weakly, by identity and in-place version: it lives as long as
+that tensor and goes with it, so memory stays flat over a long run with a fresh pack per microbatch. Offsets given
+as Python sequences (or one sequence length, for ``bshd`` / ``sbhd``) go to a small LRU cache instead.
+:func:`cpscope.clear_caches` drops every cache.
+
+Example::
+
+    pack = pack_for(cu_seqlens, cp=2, rank=1)         # validated once; cached on the cu_seqlens tensor
+    idx = pack.indices(x.device)                       # full-tensor index of the local tokens (cached)
+    pos = pack.positions(x.device)                     # their global positions, restarting per document
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ._checks import check_cu_seqlens, host_offsets
+
+__all__ = ["Pack", "pack_for", "dense_pack", "clear_pack_caches"]
+
+Offsets = Union[torch.Tensor, Sequence[int]]
+_MISSING: Any = object()
+
+
+class Pack:
+    """Geometry of one packed microbatch for CP rank ``rank`` of ``cp``: validated offsets and cached derivatives.
+
+    Attributes:
+        cu: global layout offsets (the padded ones when padding is described), a tuple starting at 0.
+        real: global real offsets (TE's ``cu_seqlens`` beside ``cu_seqlens_padded``), or ``None`` when the layout
+            holds no padding.
+        cp, rank: the CP size and this rank's rank in the group.
+        lens, real_lens: per-document layout / real lengths; ``longest`` the longest layout document.
+
+    Derived tensors (:meth:`indices`, :meth:`positions`, ...) are built on first use, per device, and kept for the
+    pack's lifetime; treat them as read-only.
+
+    Raises:
+        ValueError: a document length not divisible by ``2·cp``; real offsets that do not fit the layout.
+
+    Example::
+
+        p = Pack((0, 4, 12), cp=2, rank=1)
+        p.indices(torch.device("cpu"))      # tensor([1, 2, 6, 7, 8, 9])
+    """
+
+    __slots__ = ("cu", "real", "cp", "rank", "lens", "real_lens", "longest", "_memo", "__weakref__")
+
+    def __init__(self, cu: tuple[int, ...], cp: int, rank: int, real: Optional[tuple[int, ...]] = None,
+                 name: str = "cu_seqlens") -> None:
+        check_cu_seqlens(list(cu), cp, name)
+        self.cu, self.cp, self.rank = cu, cp, rank
+        self.lens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
+        self.longest = max(self.lens, default=0)
+        if real is not None:
+            if len(real) != len(cu):
+                raise ValueError(
+                    f"{name} (real offsets) has {len(real) - 1} documents but cu_seqlens_padded (layout offsets) has "
+                    f"{len(cu) - 1}: both must describe the same documents"
+                )
+            real_lens = tuple(b - a for a, b in zip(real[:-1], real[1:]))
+            bad = [(i, r, n) for i, (r, n) in enumerate(zip(real_lens, self.lens)) if r > n]
+            if bad:
+                shown = ", ".join(f"document {i}: {r} real > {n} padded" for i, r, n in bad[:5])
+                raise ValueError(
+                    f"real document lengths must not exceed the padded ones: {shown} ({name}={list(real)}, "
+                    f"cu_seqlens_padded={list(cu)})"
+                )
+            if real_lens == self.lens:
+                real = None
+        self.real = real
+        self.real_lens = self.lens if real is None else real_lens
+        self._memo: dict[Any, Any] = {}
+
+    @property
+    def total(self) -> int:
+        """Tokens of the full (unsharded) layout."""
+        return self.cu[-1]
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens this rank holds."""
+        return self.cu[-1] // self.cp
+
+    @property
+    def padded(self) -> bool:
+        """Whether the layout holds padding tokens (real offsets were given and differ)."""
+        return self.real is not None
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per ``key`` for this pack's lifetime (for consumers' own derived state)."""
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo.setdefault(key, build())
+        return value
+
+    # ---- zigzag index math -------------------------------------------------------------------------------------
+
+    def indices(self, device: torch.device) -> torch.Tensor:
+        """``[local_tokens]`` int64: where each local token sits in the full tensor."""
+        return self.memo(("indices", device), lambda: self._host_index()[0].to(device))
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """``[local_tokens]`` int64: the global position of each local token inside its document."""
+        return self.memo(("positions", device), lambda: (self._host_index()[0] - self._host_index()[1]).to(device))
+
+    def inverse(self, device: torch.device) -> torch.Tensor:
+        """``inv`` with ``full = gathered.index_select(inv)`` where ``gathered`` is the rank-major concatenation."""
+
+        def build() -> torch.Tensor:
+            perm = torch.cat([_zigzag_index(self.cu, self.cp, r)[0] for r in range(self.cp)])
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.numel())
+            return inv.to(device)
+
+        return self.memo(("inverse", device), build)
+
+    def _host_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.memo("host_index", lambda: _zigzag_index(self.cu, self.cp, self.rank))
+
+    # ---- padding -----------------------------------------------------------------------------------------------
+
+    def real_local_lens(self, rank: Optional[int] = None) -> tuple[int, ...]:
+        """Real tokens of each document held by CP rank ``rank`` (default this rank). They are a prefix of that
+        rank's part of the document: padding sits at the end of a document, so a chunk's real tokens are its first
+        ones, and the back chunk holds real tokens only if the front chunk is full."""
+        r = self.rank if rank is None else rank
+        return self.memo(("real_local", r), lambda: _real_local(self.lens, self.real_lens, self.cp, r))
+
+    def local_offsets(self) -> tuple[int, ...]:
+        """Local layout offsets of this rank's tensor (``cu / cp``)."""
+        return self.memo("local_cu", lambda: tuple(x // self.cp for x in self.cu))
+
+    def real_rows(self, device: torch.device, rank: Optional[int] = None) -> torch.Tensor:
+        """``[n]`` int64 local rows of CP rank ``rank``'s real tokens (all rows without padding)."""
+        r = self.rank if rank is None else rank
+
+        def build() -> torch.Tensor:
+            starts = torch.tensor(self.local_offsets()[:-1], dtype=torch.long)
+            n = torch.tensor(self.real_local_lens(r), dtype=torch.long)
+            doc = torch.repeat_interleave(torch.arange(len(n)), n)
+            first = torch.cumsum(n, 0) - n
+            return (starts[doc] + torch.arange(int(n.sum())) - first[doc]).to(device)
+
+        return self.memo(("real_rows", r, device), build)
+
+    def pad_rows(self, device: torch.device) -> Optional[torch.Tensor]:
+        """``[n]`` int64 local rows of this rank's padding tokens, or ``None`` when it holds none."""
+
+        def build() -> Optional[torch.Tensor]:
+            if not self.padded:
+                return None
+            keep = torch.ones(self.local_tokens, dtype=torch.bool)
+            keep[self.real_rows(torch.device("cpu"))] = False
+            rows = torch.nonzero(keep).flatten()
+            return rows.to(device) if rows.numel() else None
+
+        return self.memo(("pad_rows", device), build)
+
+    def __repr__(self) -> str:
+        pad = f", padded ({sum(self.real_lens)} real of {self.total})" if self.padded else ""
+        return f"Pack({len(self.lens)} documents, {self.total} tokens, cp={self.cp}, rank={self.rank}{pad})"
+
+
+def _zigzag_index(cu: tuple[int, ...], cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full-tensor indices of the local tokens, start offset of each local token's document); both [n_local]."""
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    lens = cu_t[1:] - cu_t[:-1]  # [docs]
+    local = lens // cp  # tokens per document on each rank (2 chunks)
+    n_local = int(local.sum())
+    doc = torch.repeat_interleave(torch.arange(len(lens)), local)  # [n_local] document of each local token
+    local_start = torch.cumsum(local, 0) - local  # [docs] offset of each document in the local tensor
+    k = torch.arange(n_local) - local_start[doc]  # offset of the token inside its document's local part
+    start = cu_t[:-1][doc]
+    if cp == 1:
+        return start + k, start
+    c = (local // 2)[doc]
+    second = k >= c
+    chunk_id = torch.where(second, 2 * cp - 1 - rank, rank)
+    idx = start + chunk_id * c + torch.where(second, k - c, k)
+    return idx, start
+
+
+def _real_local(lens: Sequence[int], real_lens: Sequence[int], cp: int, rank: int) -> tuple[int, ...]:
+    if cp == 1:
+        return tuple(real_lens)
+    out = []
+    for n, r in zip(lens, real_lens):
+        c = n // (2 * cp)
+        front = min(c, max(0, r - rank * c))
+        back = min(c, max(0, r - (2 * cp - 1 - rank) * c))
+        out.append(front + back)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Caches
+
+
+class _Entry:
+    """The packs cached on one layout tensor: valid while the tensor lives and keeps its in-place version."""
+
+    __slots__ = ("ref", "version", "packs")
+
+    def __init__(self, ref: "weakref.ref[torch.Tensor]", version: int) -> None:
+        self.ref, self.version = ref, version
+        self.packs: "OrderedDict[Any, tuple[Any, Pack]]" = OrderedDict()
+
+
+_BY_TENSOR: dict[int, _Entry] = {}
+_BY_VALUE: "OrderedDict[Any, Pack]" = OrderedDict()
+_PACKS_PER_TENSOR = 8  # (cp, rank, real offsets) combinations remembered per layout tensor
+_VALUE_CACHE_SIZE = 64  # packs remembered for offsets given as Python sequences / lengths
+_LOCK = threading.RLock()
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter: never cached on
+        return None
+
+
+def pack_for(cu_seqlens: Offsets, cp: int, rank: int, *, cu_seqlens_padded: Optional[Offsets] = None,
+             name: str = "cu_seqlens") -> Pack:
+    """The :class:`Pack` of global offsets for CP rank ``rank`` of ``cp`` (validated once, then cached).
+
+    ``cu_seqlens_padded`` follows TransformerEngine: when given it is the **layout** (where documents sit in the
+    tensors) and ``cu_seqlens`` the **real** offsets (padding excluded); when omitted ``cu_seqlens`` is both.
+
+    Raises:
+        ValueError: malformed offsets, a document not divisible by ``2·cp``, real offsets that do not fit the layout.
+
+    Example::
+
+        b = cpscope.pad_packed_batch(ids, cu_seqlens=cu, cp=2)
+        pack = pack_for(b.cu_seqlens, 2, rank, cu_seqlens_padded=b.cu_seqlens_padded)
+    """
+    layout_src = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    layout_name = name if cu_seqlens_padded is None else "cu_seqlens_padded"
+    real_src = None if cu_seqlens_padded is None else cu_seqlens
+    version = _version(layout_src) if isinstance(layout_src, torch.Tensor) else None
+    if version is None:  # offsets as values: a small LRU
+        layout = host_offsets(layout_src, layout_name)
+        real = None if real_src is None else host_offsets(real_src, name)
+        key = (layout, real, cp, rank)
+        with _LOCK:
+            pack = _BY_VALUE.get(key)
+            if pack is not None:
+                _BY_VALUE.move_to_end(key)
+                return pack
+        pack = Pack(layout, cp, rank, real, layout_name)
+        with _LOCK:
+            _BY_VALUE[key] = pack
+            while len(_BY_VALUE) > _VALUE_CACHE_SIZE:
+                _BY_VALUE.popitem(last=False)
+        return pack
+    entry = _BY_TENSOR.get(id(layout_src))
+    if entry is not None and (entry.ref() is not layout_src or entry.version != version):
+        entry = None
+    real_key: Any = None
+    if real_src is not None:
+        if isinstance(real_src, torch.Tensor) and _version(real_src) is not None:
+            real_key = ("tensor", id(real_src), _version(real_src))
+        else:
+            real_key = ("values", host_offsets(real_src, name))
+    key = (cp, rank, real_key)
+    if entry is not None:
+        hit = entry.packs.get(key)
+        if hit is not None and (real_key is None or real_key[0] == "values" or hit[0]() is real_src):
+            return hit[1]
+    layout = host_offsets(layout_src, layout_name)
+    real = None if real_src is None else host_offsets(real_src, name)
+    pack = Pack(layout, cp, rank, real, layout_name)
+    real_ref = weakref.ref(real_src) if real_key is not None and real_key[0] == "tensor" else None
+    with _LOCK:
+        entry = _BY_TENSOR.get(id(layout_src))
+        if entry is None or entry.ref() is not layout_src or entry.version != version:
+            tid = id(layout_src)
+            entry = _Entry(weakref.ref(layout_src, lambda _, tid=tid: _drop(tid)), version)
+            _BY_TENSOR[tid] = entry
+        entry.packs[key] = (real_ref, pack)
+        while len(entry.packs) > _PACKS_PER_TENSOR:
+            entry.packs.popitem(last=False)
+    return pack
+
+
+def _drop(tid: int) -> None:
+    # A weak-reference callback: it may run inside a garbage collection triggered anywhere, even with _LOCK held
+    # by this thread, so it takes no lock (one dict operation is atomic under the GIL).
+    entry = _BY_TENSOR.get(tid)
+    if entry is not None and entry.ref() is None:
+        _BY_TENSOR.pop(tid, None)
+
+
+def dense_pack(seqlen: int, cp: int, rank: int) -> Pack:
+    """The :class:`Pack` of one sequence of global length ``seqlen`` (``bshd`` / ``sbhd``); cached (LRU)."""
+    return pack_for((0, seqlen), cp, rank, name="sequence length")
+
+
+def clear_pack_caches() -> None:
+    """Drop every cached pack (part of :func:`cpscope.clear_caches`)."""
+    with _LOCK:
+        _BY_TENSOR.clear()
+        _BY_VALUE.clear()
+
+
+def cache_stats() -> dict[str, int]:
+    """Number of cached packs, for tests and memory checks: ``{"tensors": …, "packs": …, "values": …}``."""
+    with _LOCK:
+        entries = list(_BY_TENSOR.values())
+        return {"tensors": len(entries), "packs": sum(len(e.packs) for e in entries),
+                "values": len(_BY_VALUE)}
