@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -87,14 +88,18 @@ class _Pool:
             q.put((tid, fn, args, kwargs))
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         while len(out) + len(errors) < self.world:
-            try:
-                got_tid, rank, ok, value = self.results.get(timeout=timeout)
+            try:  # poll, so that a rank that died (e.g. aborted inside a collective) fails the task at once
+                got_tid, rank, ok, value = self.results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if not dead and time.monotonic() < deadline:
+                    continue
                 missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                why = f"ranks {dead} died" if dead else f"no result within {timeout:.0f}s"
                 raise RankError(
-                    f"{fn.__name__}: ranks {missing} gave no result within {timeout:.0f}s (dead ranks: {dead})"
+                    f"{fn.__name__}: ranks {missing} gave no result ({why})"
                     + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
                 ) from None
             if got_tid != tid:  # a straggler from an earlier, failed task
