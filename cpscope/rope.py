@@ -10,8 +10,10 @@ Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(
 (``rotate_half``). Interleaved: angles are repeated pairwise and the pairs are ``(x[2i], x[2i+1])``. Channels past
 ``rot_dim`` pass through unchanged.
 
-Paths: TE's fused kernel when TransformerEngine is importable and the tensor is on CUDA; otherwise plain torch
-math (``torch.compile``-d on CUDA, eager on CPU).
+Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope._rope_kernel`: one launch, angles read from the table by
+position, ~25 µs of host time), else TE's fused kernel when TransformerEngine is importable, else plain torch math
+``torch.compile``-d; on CPU plain torch math. Everything derived from the offsets (validation, positions) is cached
+per pack (:mod:`cpscope._pack`), so a call costs the same host time whatever the number of documents.
 
 Example::
 
@@ -36,6 +38,7 @@ from ._checks import (
     check_rope_freqs,
     check_tensor_dims,
 )
+from . import _rope_kernel
 from ._pack import Pack, dense_pack, pack_for
 from .scope import _UNSET, resolve_scope
 
@@ -43,7 +46,7 @@ __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 
 logger = logging.getLogger(__name__)
 
-_IMPLS = ("auto", "te", "compiled", "eager")
+_IMPLS = ("auto", "triton", "te", "compiled", "eager")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,7 +188,8 @@ def apply_rotary_pos_emb(
         cu_seqlens: ``thd`` only: the **global** (padded) document offsets, int32, starting at 0.
         interleaved: pairs ``(x[2i], x[2i+1])`` instead of ``(x[i], x[i + rot_dim/2])``.
         group: explicit CP group (``None`` = CP1); default: the active scope.
-        impl: ``"auto"`` (TE fused on CUDA when importable, else torch), ``"te"``, ``"compiled"`` or ``"eager"``.
+        impl: ``"auto"`` (on CUDA: cpscope's Triton kernel, else TE's fused kernel when importable, else the
+            compiled torch math; eager on CPU), ``"triton"``, ``"te"``, ``"compiled"`` or ``"eager"``.
         cu_seqlens_padded: ``thd`` only, TE's convention: the layout offsets when ``cu_seqlens`` holds the real ones
             (positions follow the layout; real tokens get the same positions either way).
 
@@ -209,6 +213,15 @@ def apply_rotary_pos_emb(
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
                       cu_seqlens_padded=cu_seqlens_padded)
+
+    if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
+        if not _rope_kernel.usable(t):
+            raise ValueError(f"impl='triton' needs Triton and a CUDA tensor of fp32/bf16/fp16, got {t.device} {t.dtype}")
+        table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
+        if table.dtype != torch.float32 or table.stride(-1) != 1 or table.device != t.device:
+            table = table.to(device=t.device, dtype=torch.float32).contiguous()
+        return _rope_kernel.rope(t, table, pack.positions(t.device), interleaved=interleaved,
+                                 seq_is_a=qkv_format == "sbhd")
 
     use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
     if use_te:
