@@ -264,7 +264,9 @@ def test_bad_layout():
     _bad(r"must be 4-D for qkv_format='sbhd'.*got shape \(4, 1, 4\)", torch.zeros(4, 1, 4), F16, qkv_format="sbhd")
     _bad(r"must be 3-D for qkv_format='thd'.*got shape \(1, 4, 1, 4\)", torch.zeros(1, 4, 1, 4), F16,
          qkv_format="thd", cu_seqlens=[0, 8])
-    _bad(r"impl must be one of", torch.zeros(1, 4, 1, 4), F16, qkv_format="bshd", impl="triton")
+    _bad(r"impl must be one of", torch.zeros(1, 4, 1, 4), F16, qkv_format="bshd", impl="cuda")
+    _bad(r"impl='triton' needs Triton and a CUDA tensor", torch.zeros(1, 4, 1, 4), F16, qkv_format="bshd",
+         impl="triton")
 
 
 # ----------------------------------------------------------------------------------------------------------------
