@@ -5,7 +5,8 @@ returns this rank's rows of full attention over the whole sequences — document
 with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plain local attention.
 
 Kernels: exact math on CPU (fp32/fp64 scores); on CUDA (fp16/bf16) PyTorch's cuDNN attention for dense blocks
-with equal q and k/v heads, its flash-attention kernels otherwise (GQA, ``thd``).
+(MHA, GQA and MQA: K/V are never expanded), cuDNN's ragged kernels for ``thd`` when the cuDNN frontend is installed
+(else PyTorch's flash-attention varlen kernels). Every block of the ring uses the same kernels as CP1.
 
 Example::
 

@@ -1,4 +1,4 @@
-"""One block of attention with its log-sum-exp: exact math on CPU, flash kernels on CUDA.
+"""One block of attention with its log-sum-exp: exact math on CPU, cuDNN / flash kernels on CUDA.
 
 A *block* is the attention of some local queries against one set of keys/values (the local ones, or ones received
 from another rank). The ring merges blocks through their log-sum-exp (:func:`cpscope.attention._fused.merge_rows_`).
@@ -147,15 +147,16 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
 # CUDA: flash-attention kernels shipped with PyTorch (aten)
 
 _aten = torch.ops.aten
-# Dense blocks with equal q and k/v heads use cuDNN attention (what F.scaled_dot_product_attention picks on Hopper;
-# ~1.8x faster than the flash-attention-2 kernels there, see benchmarks/attention_notes.md); GQA dense blocks and all
-# varlen blocks use flash. Private knob for benchmarks and fallbacks.
+# Dense blocks use cuDNN attention (what F.scaled_dot_product_attention picks on Hopper; ~1.7x faster than the
+# flash-attention-2 kernels there), GQA / MQA included: cuDNN takes K/V with fewer heads as they are (no expanded
+# copies) and returns dK/dV with h_kv heads — H200, 32 q heads x 128, bf16, causal fwd+bwd: 16k 8 k/v heads 14.2 ms
+# vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms (benchmarks/attention_notes.md §10). Private knob for benchmarks.
 _USE_CUDNN = True
 _AUX: dict = {}  # (kernel, device) -> the dense kernels' placeholder outputs (cum_seq_q/k, philox seed/offset)
 
 
 def _use_cudnn(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return _USE_CUDNN and q.shape[-2] == k.shape[-2]
+    return _USE_CUDNN
 
 
 # Packed (varlen) blocks: "flash" (PyTorch's bundled flash-attention-2 varlen kernels) or "cudnn" (cuDNN's ragged

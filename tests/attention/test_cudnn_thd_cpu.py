@@ -94,7 +94,10 @@ class _Graph:
         return 0
 
     # ---- execution: read/write raw CPU memory as cuDNN would
-    def execute(self, pack, workspace, handle=None):
+    def execute(self, pack, workspace, handle=None, tensor_uids=None):
+        if tensor_uids is not None:  # the ordered form: buffers in the order of tensor_uids
+            assert len(set(tensor_uids)) == len(tensor_uids) == len(pack)
+            pack = {uid: t.data_ptr() for uid, t in zip(tensor_uids, pack)}
         for kind, p in self.ops:
             (self._fwd if kind == "fwd" else self._bwd)(p, pack)
 
@@ -182,8 +185,9 @@ def _fake_cudnn():
     return m
 
 
-@pytest.fixture
-def fake(monkeypatch):
+@pytest.fixture(params=["ordered", "mapping"])
+def fake(monkeypatch, request):
+    monkeypatch.setattr(_cudnn_thd, "_ORDERED_EXECUTE", request.param == "ordered")
     cudnn = _fake_cudnn()
     monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
     monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
