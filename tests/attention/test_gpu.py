@@ -1,7 +1,8 @@
-"""GPU parity (2 GPUs, NCCL, bf16): CP2 ring attention vs single-GPU SDPA / per-document SDPA, forward and backward.
+"""GPU parity (NCCL, bf16): cpscope attention vs single-GPU SDPA / per-document SDPA, forward and backward.
 
-Run on a 2-GPU machine: ``python -m pytest tests/attention/test_gpu.py``. ``benchmarks/bench_attention.py --check``
-calls :func:`gpu_parity` directly under ``torchrun --nproc_per_node=2``.
+CP1 on one GPU (bshd / sbhd / thd, MHA / GQA / MQA, padded thd) and the ring's block shapes on one GPU; CP2 on two
+GPUs. ``python -m pytest -m gpu tests/attention/test_gpu.py``. ``benchmarks/bench_attention.py --check`` calls
+:func:`gpu_parity` directly under ``torchrun``.
 """
 from __future__ import annotations
 
@@ -55,19 +56,22 @@ def gpu_parity(fmt: str, causal: bool, h: int = 16, h_kv: int = 8, seq: int = 81
     loc = [x[:, idx].detach().clone() for x in (q, k, v)]
     if fmt == "thd":
         loc = [x[0] for x in loc]
+    elif fmt == "sbhd":
+        loc = [x.transpose(0, 1).contiguous() for x in loc]
     loc = [x.requires_grad_(True) for x in loc]
     kw = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev)} if fmt == "thd" else {}
     cpscope.set_debug_autograd_reads(True)
     with cpscope.runtime_cp(group):
         out = context_parallel_attention(*loc, qkv_format=fmt, causal=causal, **kw)
     dl = dout[:, idx]
-    out.backward(dl[0] if fmt == "thd" else dl)
+    out.backward(dl[0] if fmt == "thd" else (dl.transpose(0, 1).contiguous() if fmt == "sbhd" else dl))
     cpscope.set_debug_autograd_reads(False)
     errs = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in loc)),
                                (ref_out.detach(), *(x.grad for x in ref_in))):
         want = want[:, idx]
-        errs[name] = _rel(got, want[0] if fmt == "thd" else want)
+        want = want[0] if fmt == "thd" else (want.transpose(0, 1) if fmt == "sbhd" else want)
+        errs[name] = _rel(got, want)
     bad = {n: e for n, e in errs.items() if not e <= REL_TOL}
     assert not bad, f"{fmt} causal={causal} heads {h}/{h_kv} rank {rank}: relative errors {errs} > {REL_TOL}"
     return errs
@@ -112,3 +116,96 @@ def test_cp2_parity_varlen_kernels(kernel, causal, h_kv):
         pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
     errs = run_ranks(2, gpu_parity_varlen_kernel, kernel, causal, h_kv, backend="nccl")
     assert all(max(e.values()) <= REL_TOL for e in errs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One GPU: CP1 (what the ring's diagonal block is) and the ring's remote block shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (32, 4), (32, 1)], ids=["mha", "gqa8", "gqa4", "mqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+def test_cp1_parity_one_gpu(fmt, causal, heads):
+    from tests.distributed import run_ranks
+
+    errs = run_ranks(1, gpu_parity, fmt, causal, h=heads[0], h_kv=heads[1], seq=2048, backend="nccl")
+    assert all(max(e.values()) <= REL_TOL for e in errs)
+
+
+def gpu_padded_parity(causal: bool, kernel: str) -> float:
+    """Padded thd (real + layout offsets, a padding-only document) at CP1 vs per-document SDPA on the real tokens;
+    padding rows and their gradients must be zero."""
+    import cpscope
+    from cpscope.attention import blocks
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    real, lay = [700, 0, 333, 1024], [768, 128, 384, 1024]
+    cu_r = torch.tensor([0] + [sum(real[: i + 1]) for i in range(4)], dtype=torch.int32)
+    cu_l = torch.tensor([0] + [sum(lay[: i + 1]) for i in range(4)], dtype=torch.int32)
+    g = torch.Generator(device=dev).manual_seed(7)
+    mk = lambda heads: torch.randn(sum(lay), heads, 128, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(16), mk(4), mk(4), mk(16)
+    old = blocks._VARLEN_KERNEL
+    blocks._VARLEN_KERNEL = kernel
+    try:
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out = cpscope.context_parallel_attention(qq, kk, vv, qkv_format="thd", causal=causal, cu_seqlens=cu_r,
+                                                 cu_seqlens_padded=cu_l, group=None)
+        out.backward(do)
+    finally:
+        blocks._VARLEN_KERNEL = old
+    worst, start = 0.0, 0
+    for n, L in zip(real, lay):
+        if n:
+            sl = slice(start, start + n)
+            ref_in = [x[sl][None].clone().requires_grad_(True) for x in (q, k, v)]
+            ref = _sdpa(*ref_in, causal)
+            ref.backward(do[sl][None])
+            for got, want in zip((out, qq.grad, kk.grad, vv.grad), (ref.detach(), *(x.grad for x in ref_in))):
+                worst = max(worst, _rel(got[sl][None], want))
+        pad = slice(start + n, start + L)
+        for got in (out, qq.grad, kk.grad, vv.grad):
+            assert got[pad].abs().max().item() == 0 if L > n else True, "padding rows must be exactly zero"
+        start += L
+    assert worst <= REL_TOL, f"padded thd causal={causal} kernel={kernel}: relative error {worst}"
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_padded_thd_one_gpu(kernel, causal):
+    from cpscope.attention import _cudnn_thd
+
+    if kernel == "cudnn" and not _cudnn_thd.available(torch.device("cuda", 0)):
+        pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
+    gpu_padded_parity(causal, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_kv", [32, 8, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("kind", ["diag", "kv_front", "q_back"])
+def test_ring_block_shapes_one_gpu(kind, h_kv):
+    """The ring's blocks (diagonal: causal; kv_front: all Q vs the front half of K/V; q_back: the back half of Q vs
+    all K/V) on the dense kernels with GQA, vs fp32 attention with expanded K/V."""
+    from cpscope.attention.blocks import block_backward, block_forward
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(3)
+    s, h, d = 2048, 32, 128
+    mk = lambda n, heads: torch.randn(1, n, heads, d, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(s, h), mk(s, h_kv), mk(s, h_kv), mk(s, h)
+    if kind == "kv_front":
+        k, v = k[:, : s // 2], v[:, : s // 2]
+    elif kind == "q_back":
+        q, do = q[:, s // 2:], do[:, s // 2:]
+    causal = kind == "diag"
+    scale = d ** -0.5
+    out, lse = block_forward(q, k, v, scale=scale, causal=causal)
+    dq, dk, dv = block_backward(do, q, k, v, out, lse, scale=scale, causal=causal)
+    ref_in = [x.float().clone().requires_grad_(True) for x in (q, k, v)]
+    ref = _sdpa(*ref_in, causal)
+    ref.backward(do.float())
+    errs = [_rel(out, ref), _rel(dq, ref_in[0].grad), _rel(dk, ref_in[1].grad), _rel(dv, ref_in[2].grad)]
+    assert dk.shape == k.shape and max(errs) <= REL_TOL, (kind, h_kv, errs)
