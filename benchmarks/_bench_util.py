@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_world", "setup_logging", "sync", "barrier", "agree_max", "Timer", "attempt", "kernel_profile",
-           "classify_kernel", "zigzag_rows", "rel_err", "env_info", "write_json", "fmt", "log"]
+           "classify_kernel", "count_syncs", "zigzag_rows", "rel_err", "env_info", "write_json", "fmt", "log"]
 
 log = logging.getLogger("cpscope.bench")
 
@@ -216,6 +216,23 @@ def kernel_profile(fn: Callable[[], Any], dev: torch.device) -> dict:
     return {"main": main, "classes": classes, "top": top[:6], "all_gpu_us": round(total, 1)}
 
 
+def count_syncs(fn: Callable[[], Any]) -> Optional[int]:
+    """How many synchronising CUDA calls ``fn()`` makes (``torch.cuda.set_sync_debug_mode("warn")``); ``None``
+    without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
 # ------------------------------------------------------------------------------------------------------ numerics
 
 
@@ -234,7 +251,7 @@ def zigzag_rows(cu: Sequence[int], cp: int, rank: int) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``‖a − b‖ / ‖b‖`` in float64 (``inf`` for NaN/inf in ``a``)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     if not torch.isfinite(a).all():
         return float("inf")
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

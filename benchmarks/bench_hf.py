@@ -21,6 +21,7 @@ prepared once, outside the timed step (``shard_batch`` for cpscope). Median of C
 (``_bench_util.Timer``). Under CP2 the gradient all-reduce over the CP group is **not** timed (a data-parallel job
 does it anyway); tokens/s counts the global batch.
 
+CUDA: the host synchronisations of one forward of each (``torch.cuda.set_sync_debug_mode("warn")``) are counted.
 Check (always, unless ``--no-check``): cpscope's loss vs sdpa's on the same weights and batch (CP2: the sum of the
 ranks' losses, each rank's share of the full-batch mean), relative difference ≤ 1e-2, and the relative difference
 of all parameter gradients (CP2: summed over the group), reported (limit 5e-2 in bf16, flagged beyond). Results:
@@ -42,7 +43,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_util import Timer, attempt, barrier, env_info, fmt, init_world, kernel_profile, rel_err, write_json  # noqa
+from _bench_util import (  # noqa: E402
+    Timer, attempt, barrier, count_syncs, env_info, fmt, init_world, kernel_profile, rel_err, write_json,
+)
 
 log = logging.getLogger("cpscope.bench")
 LOSS_TOL, GRAD_TOL = 1e-2, 5e-2
@@ -73,19 +76,23 @@ def _models(transformers: Any, args, kv_heads: int, tokens: int, dev, dtype):
     return ref, mine
 
 
-def _step(model, batch: dict, group: Any = None, bind: bool = False):
+def _forward(model, batch: dict, group: Any = None, bind: bool = False) -> torch.Tensor:
     import cpscope
 
+    if bind:
+        with cpscope.runtime_cp(group):
+            return model(**batch).loss
+    return model(**batch).loss
+
+
+def _step(model, batch: dict, group: Any = None, bind: bool = False):
     def step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        if bind:
-            with cpscope.runtime_cp(group):
-                loss = model(**batch).loss
-        else:
-            loss = model(**batch).loss
+        loss = _forward(model, batch, group, bind)
         loss.backward()
         return loss
 
+    step.batch = batch
     return step
 
 
@@ -122,6 +129,13 @@ def run_config(args, ctx: dict, kv_heads: int, tokens: int) -> dict:
             row[f"{name}_tok_s"] = round(tokens * args.batch / (row[f"{name}_ms"] / 1e3))
     if kernels:
         row["kernels"] = kernels
+    if dev.type == "cuda":  # host synchronisations in one forward (the adapter should add none per layer)
+        fwd = {"sdpa": (ref, full, False), "cpscope_cp1": (mine, steps["cpscope_cp1"].batch, False)}
+        if "cpscope_cp" in steps:
+            fwd["cpscope_cp"] = (mine, steps["cpscope_cp"].batch, True)
+        for name, (model, batch, bind) in fwd.items():
+            row[f"{name}_syncs_fwd"] = attempt(row, f"syncs_{name}", lambda: count_syncs(
+                lambda: _forward(model, batch, group if bind else None, bind)))
     if row.get("sdpa_ms") and row.get("cpscope_cp1_ms"):
         row["cp1_vs_sdpa"] = round(row["cpscope_cp1_ms"] / row["sdpa_ms"], 3)
     if row.get("sdpa_ms") and row.get("cpscope_cp_ms"):
@@ -164,8 +178,8 @@ def print_table(out: dict) -> None:
     hdr = "| heads q/kv | tokens | sdpa ms (tok/s) | cpscope CP1 ms (tok/s) | CP1/sdpa |"
     if world > 1:
         hdr += f" cpscope CP{world} ms (tok/s) | x over sdpa | x over own CP1 |"
-    print(hdr + " loss rel diff (CP1 / CP) | grad rel diff (CP1 / CP) |")
-    print("|" + " --- |" * (hdr.count("|") - 1 + 2))
+    print(hdr + " loss rel diff (CP1 / CP) | grad rel diff (CP1 / CP) | host syncs per forward sdpa / CP1 / CP |")
+    print("|" + " --- |" * (hdr.count("|") - 1 + 3))
     for r in out["rows"]:
         c = r.get("check") or {}
         line = (f"| {r['heads']}/{r['kv_heads']} | {r['tokens']} | {fmt(r.get('sdpa_ms'))} ({r.get('sdpa_tok_s', '-')})"
@@ -178,7 +192,8 @@ def print_table(out: dict) -> None:
         ok = [c.get(f"{n}_ok") for n in ("cpscope_cp1", "cpscope_cp")]
         flag = "" if all(o is not False for o in ok) and c else " FAIL" if c else " (no check)"
         line += (f" {' / '.join('-' if x is None else f'{x:.1e}' for x in lr)} | "
-                 f"{' / '.join('-' if x is None else f'{x:.1e}' for x in gr)}{flag} |")
+                 f"{' / '.join('-' if x is None else f'{x:.1e}' for x in gr)}{flag} | "
+                 f"{' / '.join(str(r.get(f'{n}_syncs_fwd', '-')) for n in ('sdpa', 'cpscope_cp1', 'cpscope_cp'))} |")
         print(line)
     for r in out["rows"]:
         for k, v in (r.get("errors") or {}).items():
@@ -214,6 +229,8 @@ def main() -> None:
         args.intermediate, args.vocab, args.tokens, args.iters, args.warmup = 96, 128, [64, 32], 2, 1
     dev, rank, world, group = init_world(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the CPU mode is a crash test; one thread keeps shared machines usable
     out: dict = {"gpus": world, "env": env_info(dev), "args": vars(args), "dtype": str(dtype), "rows": []}
     try:
         import transformers

@@ -51,7 +51,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -60,7 +59,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _bench_util import attempt, env_info, init_world, setup_logging, sync, write_json  # noqa: E402
+from _bench_util import attempt, count_syncs, env_info, init_world, setup_logging, sync, write_json  # noqa: E402
 
 log = logging.getLogger("cpscope.bench")
 TARGET_MS = 0.3
@@ -196,19 +195,6 @@ class Sleeper:
         torch.cuda._sleep(int(self.cycles_per_ms * ms))
 
 
-def _count_syncs(fn: Callable[[], Any]) -> Optional[int]:
-    if not torch.cuda.is_available():
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
-
-
 def measure(args, dev, make_layer: Callable[[int], Callable[[], Any]], sleeper: Optional[Sleeper]) -> dict:
     """Host ms of the first layer of a fresh pack and of later layers (same pack), medians over ``--packs``."""
     cuda = dev.type == "cuda"
@@ -220,11 +206,11 @@ def measure(args, dev, make_layer: Callable[[int], Callable[[], Any]], sleeper: 
     first, nxt, nxt_idle, valid = [], [], [], []
     res: dict = {}
     if cuda:
-        res["syncs_first"] = _count_syncs(make_layer(20_000))
+        res["syncs_first"] = count_syncs(make_layer(20_000))
         lay = make_layer(20_001)
         lay()
         sync(dev)
-        res["syncs_next"] = _count_syncs(lay)
+        res["syncs_next"] = count_syncs(lay)
         sync(dev)
     for r in range(args.packs):
         layer = make_layer(r + 1)
