@@ -242,6 +242,25 @@ def measure(args, dev, make_layer: Callable[[int], Callable[[], Any]], sleeper: 
     return res
 
 
+def _cprofile(layer: Callable[[], Any], dev, n: int = 20, top: int = 18) -> list[str]:
+    """cProfile of ``n`` later layers (after one first layer): the ``top`` functions by own time, one line each."""
+    import cProfile
+    import pstats
+
+    layer()
+    sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        layer()
+    prof.disable()
+    sync(dev)
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # (file, line, fn) -> (cc, nc, tt, ct)
+    return [f"{tt / n * 1e3:.4f} ms own, {ct / n * 1e3:.4f} ms cum, {nc // n} calls/layer: "
+            f"{os.path.basename(fn[0])}:{fn[1]}({fn[2]})" for fn, (cc, nc, tt, ct, _) in rows]
+
+
 # ----------------------------------------------------------------------------------------------------- main
 
 
@@ -271,6 +290,8 @@ def main() -> None:
                     help="one process: CP2 rows on torch's fake process group (auto: on unless under torchrun)")
     ap.add_argument("--no-stub", action="store_true", help="CPU: keep the real block kernels")
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="DOCS",
+                    help="also cProfile 20 later layers of the DOCS-document pack (CP1 and CP2), top functions")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -345,6 +366,8 @@ def main() -> None:
                     row["floor_next_valid_pct"] = fl["next_valid_pct"]
             if row.get("next_ms") is not None:
                 row["meets_target"] = row["next_ms"] <= TARGET_MS
+            if args.cprofile == nd:
+                row["cprofile_top"] = attempt(row, "cprofile", lambda: _cprofile(make(30_000), dev))
             out["rows"].append(row)
             if rank == 0:
                 log.info("row %s", row)
@@ -367,20 +390,26 @@ def print_table(out: dict, cuda: bool) -> None:
     e = out["env"]
     print(f"\n## Host time per layer (RoPE q, k + attention forward), {e.get('device', 'CPU')}, torch {e['torch']}, "
           f"load {e.get('loadavg')} → {e.get('loadavg_end')}; target ≤ {TARGET_MS} ms (4096 documents)")
-    col = "later layers ms (busy GPU, valid %) | later, idle GPU ms" if cuda else "later layers ms | one more ms"
-    print(f"| CP | docs × tokens | first layer ms | {col} | syncs first/later | floor first/later ms "
+    col = ("later layers ms, median / min (busy GPU, valid %) | later, idle GPU ms" if cuda
+           else "later layers ms, median / min | one more ms")
+    print(f"| CP | docs × tokens | first layer ms, median / min | {col} | syncs first/later | floor first/later ms "
           "| 80-layer forward ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in out["rows"]:
         valid = f" ({r.get('next_valid_pct')}%)" if cuda and r.get("next_valid_pct") is not None else ""
         nxt = r.get("next_ms") if r.get("next_ms") is not None else r.get("next_all_ms")
-        print(f"| {r['mode']} | {r['docs']} × {r['tokens_per_doc']} | {f(r.get('first_ms'))} | {f(nxt)}{valid} | "
+        print(f"| {r['mode']} | {r['docs']} × {r['tokens_per_doc']} | {f(r.get('first_ms'))} / "
+              f"{f(r.get('first_min_ms'))} | {f(nxt)} / {f(r.get('next_min_ms'))}{valid} | "
               f"{f(r.get('next_idle_ms'))} | {r.get('syncs_first', '-')}/{r.get('syncs_next', '-')} | "
               f"{f(r.get('floor_first_ms'))}/{f(r.get('floor_next_ms'))} | {r.get('fwd_80_layers_ms', '-')} |")
     for r in out["rows"]:
         for k, v in (r.get("errors") or {}).items():
             print(f"error: {r['mode']} {r['docs']} docs, {k}: {v.splitlines()[0][:200]}")
+    for r in out["rows"]:
+        if r.get("cprofile_top"):
+            print(f"\ncProfile, {r['mode']}, {r['docs']} documents, per later layer (profiler overhead included):")
+            print("\n".join("  " + line for line in r["cprofile_top"]))
 
 
 if __name__ == "__main__":
