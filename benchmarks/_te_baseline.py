@@ -1,8 +1,8 @@
 """TransformerEngine baselines for the GPU attention benchmark (imported only where TE is installed).
 
 ``DotProductAttention`` single-GPU and CP ``p2p`` (DualChunkSwap = zigzag, the layout cpscope uses), BSHD and THD,
-MHA or GQA (``kv_heads``), bf16, causal, forward + backward; timed with CUDA events, median of ``iters`` after ``warmup`` (the same method as
-``torch_cp_baseline.median_ms``). The CP group is bound with ``set_context_parallel_group`` and an auxiliary stream
+MHA or GQA (``kv_heads``), bf16, causal, forward + backward; timed with CUDA events, median of ``iters`` after
+``warmup`` (the same method as ``torch_cp_baseline.median_ms``), or with a caller's timer (``timer=``). The CP group is bound with ``set_context_parallel_group`` and an auxiliary stream
 from ``cpscope.cp_stream()``.
 """
 from __future__ import annotations

@@ -265,6 +265,8 @@ def run_row(s: Shape, args, ctx: dict) -> dict:
                  "notes": []}
     t0 = time.time()
     kernels: dict = {}
+    if ctx["te"]:
+        from _te_baseline import measure_te_bshd, measure_te_thd
 
     def measure(key: str, make: Callable[[], Callable[[], None]], *, peak: bool = False, profile_key: str = ""):
         def go():
@@ -274,7 +276,6 @@ def run_row(s: Shape, args, ctx: dict) -> dict:
                 row[f"peak_gib_{key}"] = gib
             if args.kernels and profile_key:
                 kernels[profile_key] = attempt(row, f"kernels_{profile_key}", lambda: kernel_profile(step, dev))
-            del step
             return round(ms, 3)
 
         row[f"{key}_ms"] = attempt(row, key, go)
@@ -287,8 +288,6 @@ def run_row(s: Shape, args, ctx: dict) -> dict:
     else:
         measure("varlen", lambda: varlen_step(s, dev, dtype, row["notes"]), peak=True, profile_key="varlen")
     if ctx["te"]:
-        from _te_baseline import measure_te_bshd, measure_te_thd
-
         if s.fmt == "bshd":
             row["te_ms"] = attempt(row, "te", lambda: round(measure_te_bshd(
                 s.total, None, s.h, s.d, kv_heads=s.h_kv, timer=timer), 3))
@@ -304,8 +303,6 @@ def run_row(s: Shape, args, ctx: dict) -> dict:
             if s.h != s.h_kv:
                 row["notes"].append(f"torch context_parallel: k/v expanded to {s.h} heads (its MHA time)")
         if ctx["te"]:
-            from _te_baseline import measure_te_bshd, measure_te_thd
-
             if s.fmt == "bshd":
                 row["te_cp_ms"] = attempt(row, "te_cp", lambda: round(measure_te_bshd(
                     s.total, group, s.h, s.d, kv_heads=s.h_kv, timer=timer), 3))
@@ -488,8 +485,8 @@ def print_tables(out: dict) -> None:
                   f"{_err(r.get('parity_cp'))} |")
     if out.get("blocks"):
         print("\n## Ring blocks of a CP2 rank on one GPU (block_forward/backward) vs the same shape's baseline")
-        print("| case | heads q/kv | block | q×kv tokens | fwd ms | bwd ms | baseline fwd+bwd ms | block/base | kernel "
-              "block / base / CP1 call | same as CP1 |")
+        print("| case | heads q/kv | block | q×kv tokens | fwd ms | bwd ms | baseline fwd+bwd ms | block/base | "
+              "kernel block / base / CP1 call | same as CP1 |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in out["blocks"]:
             bk = (r.get("baseline_kernels") or {}).get("main") or "-"

@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,9 +66,14 @@ def _models(transformers: Any, args, kv_heads: int, tokens: int, dev, dtype):
     """(sdpa model, cpscope model) with identical weights, in train mode, on ``dev``."""
     cfg, cls = _config(transformers, args, kv_heads, tokens)
     torch.manual_seed(0)
+    def build(impl: str):
+        try:
+            return cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+        except TypeError:  # transformers < 4.56 spells it torch_dtype
+            return cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, torch_dtype=dtype)
+
     with torch.device(dev):  # built on the device: random init of ~0.3 B parameters on the host is slow
-        ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=dtype)
-        mine = cls._from_config(copy.deepcopy(cfg), attn_implementation="cpscope", dtype=dtype)
+        ref, mine = build("sdpa"), build("cpscope")
     mine.load_state_dict(ref.state_dict())
     assert ref.config._attn_implementation == "sdpa" and mine.config._attn_implementation == "cpscope"
     ref.train()
@@ -144,7 +149,7 @@ def run_config(args, ctx: dict, kv_heads: int, tokens: int) -> dict:
             row["cp_speedup_own_cp1"] = round(row["cpscope_cp1_ms"] / row["cpscope_cp_ms"], 3)
     if not args.no_check:
         row["check"] = attempt(row, "check", lambda: _check(steps, ref, mine, group, world))
-    del ref, mine, steps
+    ref = mine = steps = None  # free the models before the next configuration
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     row["wall_s"] = round(time.time() - t0, 1)
@@ -182,8 +187,9 @@ def print_table(out: dict) -> None:
     print("|" + " --- |" * (hdr.count("|") - 1 + 3))
     for r in out["rows"]:
         c = r.get("check") or {}
-        line = (f"| {r['heads']}/{r['kv_heads']} | {r['tokens']} | {fmt(r.get('sdpa_ms'))} ({r.get('sdpa_tok_s', '-')})"
-                f" | {fmt(r.get('cpscope_cp1_ms'))} ({r.get('cpscope_cp1_tok_s', '-')}) | {fmt(r.get('cp1_vs_sdpa'))} |")
+        line = (f"| {r['heads']}/{r['kv_heads']} | {r['tokens']} | {fmt(r.get('sdpa_ms'))} "
+                f"({r.get('sdpa_tok_s', '-')}) | {fmt(r.get('cpscope_cp1_ms'))} ({r.get('cpscope_cp1_tok_s', '-')}) | "
+                f"{fmt(r.get('cp1_vs_sdpa'))} |")
         if world > 1:
             line += (f" {fmt(r.get('cpscope_cp_ms'))} ({r.get('cpscope_cp_tok_s', '-')}) | {fmt(r.get('cp_speedup'))}"
                      f" | {fmt(r.get('cp_speedup_own_cp1'))} |")

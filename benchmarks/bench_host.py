@@ -371,7 +371,7 @@ def main() -> None:
             out["rows"].append(row)
             if rank == 0:
                 log.info("row %s", row)
-        del prob
+        prob = None  # free the inputs before the next mode
         if cuda:
             torch.cuda.empty_cache()
     out["env"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None

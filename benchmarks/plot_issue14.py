@@ -117,7 +117,8 @@ def plot_host(ds: dict[str, dict], path: str) -> None:
         for mode in dict.fromkeys(r["mode"] for r in rows):
             rs = [r for r in rows if r["mode"] == mode and r.get("next_ms") is not None]
             if rs:
-                line, = ax.plot([r["docs"] for r in rs], [r["next_ms"] for r in rs], "o-", label=f"{mode}, later layers")
+                line, = ax.plot([r["docs"] for r in rs], [r["next_ms"] for r in rs], "o-",
+                                label=f"{mode}, later layers")
                 ax.plot([r["docs"] for r in rs], [r["first_ms"] for r in rs], "x:", c=line.get_color(),
                         label=f"{mode}, first layer")
         fl = [r for r in rows if r["mode"] == "cp1" and r.get("floor_next_ms") is not None]
