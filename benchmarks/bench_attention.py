@@ -587,6 +587,12 @@ def main() -> None:
         out["env"]["cudnn_frontend_thd"] = bool(_cudnn_thd.available(dev)) if dev.type == "cuda" else False
     except Exception as e:  # noqa: BLE001 - informative only
         out["env"]["cudnn_frontend_thd"] = f"error: {e}"
+    try:  # which varlen_attn this torch has (its GQA / causal arguments changed between 2.9 and 2.12)
+        from torch.nn.attention.varlen import varlen_attn
+
+        out["env"]["varlen_attn"] = f"varlen_attn{inspect.signature(varlen_attn)}; GQA: {_varlen_api()[1]}"
+    except Exception as e:  # noqa: BLE001 - informative only
+        out["env"]["varlen_attn"] = f"unavailable: {e}"
     log.info("world %d, device %s, TE %s, env %s", world, dev, te_status, out["env"])
 
     torch_cp_cache: dict = {}
