@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session in one call, on 2×H200 (device tool). Results land under $OUT.
+# (Issue #8's session. Issue #14's GQA / transformers / host-time measurements: benchmarks/gpu_issue14.sh.)
 #   bash benchmarks/gpu_final.sh            # every GPU test + the attention benchmark
 #   bash benchmarks/gpu_final.sh te         # after TE's five parts were copied to /root/te (see
 #                                           # ../shared/tools/te-gpu/README.md): install TE, the tests that need
