@@ -43,11 +43,16 @@ def _kernel() -> Optional[Any]:
 
     @triton.jit
     def rope_kernel(
-        X, Y, T, P, B, H, rot_half, D,
-        s_xa, s_xb, s_xh, s_ya, s_yb, s_yh, s_t,
-        SEQ_IS_A: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+        X, Y, T, P, B, H, D, s_xa, s_xb, s_xh,  # few runtime arguments: Triton's launch cost grows with them
+        ROT_HALF: tl.constexpr, SEQ_IS_A: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
+        # Y is contiguous [A, B, H, D]; the table T is contiguous [S, 2 * ROT_HALF]
+        rot_half = ROT_HALF
+        s_t = 2 * ROT_HALF
+        s_yh = D
+        s_yb = H * D
+        s_ya = B * s_yb
         tok = tl.program_id(0).to(tl.int64)
         a = tok // B
         b = tok % B
@@ -93,26 +98,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def _as4(t: torch.Tensor) -> torch.Tensor:
-    return t.unsqueeze(0) if t.dim() == 3 else t
-
-
 def _launch(x: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, interleaved: bool, seq_is_a: bool,
             backward: bool) -> torch.Tensor:
-    x4 = _as4(x)
-    if x4.stride(-1) != 1:
-        x4 = x4.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y4 = _as4(y)
-    A, B, H, D = x4.shape
+    if x.dim() == 3:  # [t, h, d] as [1, t, h, d]
+        A, (B, H, D) = 1, x.shape
+        s_a, (s_b, s_h, _) = 0, x.stride()
+    else:
+        A, B, H, D = x.shape
+        s_a, s_b, s_h, _ = x.stride()
     rot = table.shape[-1]
-    block_h = min(_pow2(H), max(1, 4096 // _pow2(rot // 2)))
-    grid = (A * B, -(-H // block_h))
-    _kernel()[grid](
-        x4, y4, table, pos, B, H, rot // 2, D,
-        x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2), table.stride(0),
-        SEQ_IS_A=seq_is_a, INTERLEAVED=interleaved, BACKWARD=backward,
-        BLOCK_H=block_h, BLOCK_R=_pow2(rot // 2), BLOCK_P=_pow2(max(D - rot, 1)),
+    block_r = _pow2(rot // 2)
+    block_h = min(_pow2(H), max(1, 4096 // block_r))
+    _kernel()[(A * B, -(-H // block_h))](
+        x, y, table, pos, B, H, D, s_a, s_b, s_h,
+        ROT_HALF=rot // 2, SEQ_IS_A=seq_is_a, INTERLEAVED=interleaved, BACKWARD=backward,
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=_pow2(max(D - rot, 1)),
     )
     return y
 
@@ -134,5 +137,5 @@ class _Rope(torch.autograd.Function):
 def rope(t: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, *, interleaved: bool, seq_is_a: bool
          ) -> torch.Tensor:
     """RoPE of ``t`` (``[t, h, d]`` or ``[A, B, h, d]``) at positions ``pos`` from ``table`` (``[S, rot_dim]`` fp32,
-    unit stride in ``rot_dim``); differentiable w.r.t. ``t``. Inputs are validated by the caller."""
+    contiguous); differentiable w.r.t. ``t``. Inputs are validated by the caller."""
     return _Rope.apply(t, table, pos, interleaved, seq_is_a)

@@ -218,7 +218,7 @@ def apply_rotary_pos_emb(
         if not _rope_kernel.usable(t):
             raise ValueError(f"impl='triton' needs Triton and a CUDA tensor of fp32/bf16/fp16, got {t.device} {t.dtype}")
         table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
-        if table.dtype != torch.float32 or table.stride(-1) != 1 or table.device != t.device:
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.device != t.device:
             table = table.to(device=t.device, dtype=torch.float32).contiguous()
         return _rope_kernel.rope(t, table, pack.positions(t.device), interleaved=interleaved,
                                  seq_is_a=qkv_format == "sbhd")

@@ -218,12 +218,12 @@ class _Built:
         cudnn = _cudnn_module()
         handle = _handle(device)
         cudnn.set_stream(handle=handle, stream=_stream(device))
-        ws = torch.empty(max(self.workspace, 1), dtype=torch.uint8, device=device)
+        ws = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
         if self.ordered:
             self.graph.execute(tuple(tensors[n] for n in self.names), ws, handle=handle, tensor_uids=self.order)
         else:
             pack = {self.uids[name]: t.data_ptr() for name, t in tensors.items()}
-            self.graph.execute(pack, ws.data_ptr(), handle=handle)
+            self.graph.execute(pack, ws.data_ptr() if ws is not None else 0, handle=handle)
 
 
 _ORDERED_EXECUTE = True  # private knob: the frontend's ordered execute where it exists (benchmarks compare both)
@@ -263,7 +263,8 @@ def _int_tensor(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale: float,
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One packed block: ``(out [t_q, h, d] contiguous, lse [h, t_q] fp32 contiguous)``, like the flash block."""
+    """One packed block: ``(out [t_q, h, d] contiguous, lse [h, t_q] fp32)``, like the flash block; ``lse`` is a
+    transposed view of cuDNN's token-major statistics (the backward reads it back without a copy)."""
     cudnn = _cudnn_module()
     dev = q.device
     meta = _meta(vl, dev)
@@ -306,7 +307,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
         "off_v": _offsets(meta, "k", v.stride(0)), "off_o": _offsets(meta, "q", out.stride(0)),
         "off_s": _offsets(meta, "q", h),
     })
-    return out, stats.t().contiguous()
+    return out, stats.t()  # [h, t] as a view of the token-major statistics: no transpose kernel (host time)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -323,7 +324,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
     t_k = k.shape[0]
-    stats = lse.t().contiguous()  # [t, h] token-major, as the forward wrote it
+    stats = lse.t().contiguous()  # [t, h] token-major, as the forward wrote it (a no-op for the forward's view)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     key = ("bwd", b, s_q, s_k, _pow2(t_q), _pow2(t_k), h, k.shape[1], d, q.stride(), k.stride(), v.stride(),
            out.stride(), dout.stride(), q.dtype, causal, float(scale), dev)
