@@ -42,6 +42,7 @@ __all__ = [
     "pad_packed_batch",
     "PaddedPackedBatch",
     "pad_to_cp_multiple",
+    "real_offsets",
     "clear_index_cache",
 ]
 
@@ -263,6 +264,27 @@ def zigzag_unshard(
 # Padding
 
 
+def real_offsets(real_len: Union[int, Sequence[int]], batch: Optional[int] = None) -> torch.Tensor:
+    """Offsets (int32, from 0) of the real tokens of ``batch`` rows padded at their end: what ``bshd`` / ``sbhd``
+    attention takes as ``cu_seqlens`` to mask padding. ``real_len`` is one length for every row, or one per row.
+
+    Example::
+
+        real_offsets(5, 3)           # tensor([ 0,  5, 10, 15], dtype=torch.int32)
+        real_offsets([5, 8, 0])      # tensor([ 0,  5, 13, 13], dtype=torch.int32)
+    """
+    lens = [real_len] * (batch if batch is not None else 1) if isinstance(real_len, int) else list(real_len)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lens):
+        raise ValueError(f"real lengths must be non-negative ints, got {real_len!r}")
+    if batch is not None and len(lens) != batch:
+        raise ValueError(f"{len(lens)} real lengths for a batch of {batch} rows")
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+
 class PaddedPackedBatch(NamedTuple):
     """Result of :func:`pad_packed_batch`.
 
@@ -310,12 +332,27 @@ def pad_packed_batch(
     ``cp`` defaults to the size of the active group (or ``group=``). ``pad_value`` may be one value or one per
     tensor (e.g. ``(0, -100)`` for input ids and labels). Differentiable w.r.t. the inputs.
 
+    Returns a :class:`PaddedPackedBatch`: the padded tensors, the **layout** offsets ``cu_seqlens_padded`` (what
+    sharding, RoPE and attention index the tensors by) and the **real** offsets ``cu_seqlens``, plus a mask and an
+    index of the real tokens. What to pass where:
+
+    * sharding: ``zigzag_shard(x, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)``;
+    * attention: ``context_parallel_attention(..., cu_seqlens=b.cu_seqlens, cu_seqlens_padded=b.cu_seqlens_padded)``
+      (TE's convention) — padding tokens are then masked: no query sees them, their output rows and gradients are
+      zero. Passing only ``cu_seqlens=b.cu_seqlens_padded`` treats padding as part of each document: the same real
+      rows under a causal mask (padding follows every real token of its document), **different** ones without one;
+    * RoPE: either form (positions follow the layout; real tokens get the same positions);
+    * losses: mask with ``b.real_mask`` or give padding an ignored label (``pad_value=(0, -100)``).
+
     Example::
 
         b = cpscope.pad_packed_batch(ids, labels, cu_seqlens=cu, cp=2, pad_value=(0, -100))
         ids_p, labels_p = b.tensors
         with cpscope.runtime_cp(groups[2]):
             ids_local = cpscope.zigzag_shard(ids_p, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)
+            ...
+            out = cpscope.context_parallel_attention(q, k, v, qkv_format="thd", causal=False,
+                                                     cu_seqlens=b.cu_seqlens, cu_seqlens_padded=b.cu_seqlens_padded)
     """
     cp = _resolve_cp(cp, group)
     cu = cu_seqlens_list(cu_seqlens)
@@ -355,11 +392,16 @@ def pad_to_cp_multiple(
     """Pad ``x`` at the end of ``seq_dim`` to a multiple of ``2·cp`` (``bshd`` / ``sbhd``); returns ``(x, real_len)``.
 
     ``cp`` defaults to the size of the active group (or ``group=``). Returns ``x`` itself when no padding is needed.
+    ``real_len`` is the length before padding. Under a causal mask the padding never reaches a real token; without
+    one, tell attention the real lengths — ``cu_seqlens=real_offsets(real_len, batch)`` — so that padding keys are
+    masked (output rows and gradients at padding are then zero).
 
     Example::
 
         ids, n = cpscope.pad_to_cp_multiple(ids, seq_dim=1, cp=4, pad_value=0)
         labels, _ = cpscope.pad_to_cp_multiple(labels, seq_dim=1, cp=4, pad_value=-100)
+        out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=False,
+                                                 cu_seqlens=cpscope.sharding.real_offsets(n, q.shape[0]))
     """
     cp = _resolve_cp(cp, group)
     seq_dim = check_seq_dim(x, seq_dim)
