@@ -32,10 +32,28 @@ Example::
 from ._packed import PackedSeqInfo, packed_seq_scope, read_packed_seq_params, scope_from_packed_seq_params
 from ._runtime import disable_runtime_cp, enable_runtime_cp
 from ._version import SUPPORTED_MEGATRON_CORE, megatron_core_version
+from .data import (
+    Document,
+    MegatronMicrobatch,
+    documents_from_batch,
+    megatron_forward,
+    prepare_megatron_microbatch,
+    prepare_megatron_microbatches,
+    shard_batch,
+)
+from .scheduler import PlannerScheduler
 
 __all__ = [
     "SUPPORTED_MEGATRON_CORE",
+    "Document",
+    "MegatronMicrobatch",
     "PackedSeqInfo",
+    "PlannerScheduler",
+    "documents_from_batch",
+    "megatron_forward",
+    "prepare_megatron_microbatch",
+    "prepare_megatron_microbatches",
+    "shard_batch",
     "disable_runtime_cp",
     "enable_runtime_cp",
     "megatron_core_version",
