@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from typing import Any, Optional
 
 import torch
@@ -151,10 +150,6 @@ class RingCoreAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"attn_mask_type={getattr(self.attn_mask_type, 'name', self.attn_mask_type)}, " \
                f"softmax_scale={self.softmax_scale:.6g}"
-
-
-def default_softmax_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
 
 
 class TEAttentionMixin:

@@ -295,7 +295,7 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         names.append(name)
     for name, module in modules.items():
         base = getattr(type(module), "_cpscope_base", type(module))
-        if issubclass(base, RotaryEmbedding) and base is RotaryEmbedding:
+        if base is RotaryEmbedding:  # YaRN / multimodal subclasses are refused above
             _swap(module, RotaryTableMixin)
             module.config_cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
         elif issubclass(base, Attention):
