@@ -514,6 +514,47 @@ def test_shard_batch_equals_megatron_get_batch_on_this_cp_rank():
     run_ranks(2, _shard_batch_matches_megatron)
 
 
+def _schedulers_answer_alike() -> None:
+    """No process group: both schedulers on one input; same structure, every sample on an aligned block."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    from cpscope.hybrid import long_tail_lengths
+    from cpscope.integrations.megatron import PlannerScheduler
+
+    class Group:
+        def size(self) -> int:
+            return 16
+
+    pairs = [(100 + i, int(n)) for i, n in enumerate(long_tail_lengths(32, seed=3))]
+    lengths = dict(pairs)
+    ours = PlannerScheduler(16384, Group())
+    for sched in (BalancedCPScheduler(16384, Group()), ours):
+        groups, ids = sched.get_groups_and_subsamples(list(pairs), None)
+        assert len(groups) == len(ids) >= 1 and all(len(g) == 16 for g in groups + ids)
+        seen = set()
+        for g_lens, g_ids in zip(groups, ids):
+            holders: dict[int, list[int]] = {}
+            for r in range(16):
+                assert g_lens[r] == [lengths[s] for s in g_ids[r]]
+                for s in g_ids[r]:
+                    holders.setdefault(s, []).append(r)
+            for s, rs in holders.items():
+                c = len(rs)
+                assert c & (c - 1) == 0 and rs == list(range(rs[0], rs[0] + c)), (type(sched).__name__, s, rs)
+            seen |= set(holders)
+        assert seen == set(lengths), type(sched).__name__
+    plan = ours.last_plan
+    _, ids = ours.get_groups_and_subsamples(list(pairs), None)
+    for r in range(16):  # each rank's order is the plan's order for that rank
+        assert ids[0][r] == [pairs[i][0] for mb in plan.microbatches_for_rank(r) for i in mb.seqs]
+    with pytest.raises(ValueError, match="unique"):
+        ours.get_groups_and_subsamples([(1, 5), (1, 6)], None)
+
+
+def test_planner_scheduler_answers_like_balanced_cp_scheduler():
+    run_ranks(2, _schedulers_answer_alike)  # in the pool: its processes have megatron-core imported already
+
+
 def test_import_does_not_pull_megatron():
     import subprocess
     import sys

@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from ...hybrid import CostModel, Plan, plan_hybrid
 
 __all__ = ["PlannerScheduler"]
@@ -74,7 +76,7 @@ class PlannerScheduler:
 
     def plan(self, seqlens: Sequence[int]) -> Plan:
         """The cpscope :class:`~cpscope.hybrid.Plan` for these sequence lengths."""
-        return plan_hybrid(list(seqlens), self.total_hdp_gpus, self.max_seq_len_per_rank, self.cost,
+        return plan_hybrid(np.asarray(seqlens, dtype=np.int64), self.total_hdp_gpus, self.max_seq_len_per_rank, self.cost,
                            max_cp=self.max_cp)
 
     def get_groups_and_subsamples(
@@ -100,9 +102,10 @@ class PlannerScheduler:
         self.last_plan = plan
         seq_lists: list[list[int]] = [[] for _ in range(n)]
         id_lists: list[list[int]] = [[] for _ in range(n)]
-        for rank in range(n):
-            for mb in plan.microbatches_for_rank(rank):
-                for i in mb.seqs:
-                    seq_lists[rank].append(lengths[i])
-                    id_lists[rank].append(ids[i])
+        for mb in plan.microbatches:  # global execution order: a rank's own order is its members' subsequence
+            mb_lens = [lengths[i] for i in mb.seqs]
+            mb_ids = [ids[i] for i in mb.seqs]
+            for rank in mb.ranks:
+                seq_lists[rank] += mb_lens
+                id_lists[rank] += mb_ids
         return [seq_lists], [id_lists]
