@@ -66,6 +66,7 @@ def _build(spec: str, *, rope_fusion: bool = False, seed: int = 0) -> Any:
         num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
         kv_channels=64, bf16=True, params_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
         apply_rope_fusion=rope_fusion, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
     )
     layer = get_gpt_layer_with_transformer_engine_spec() if spec == "te" else get_gpt_layer_local_spec()
     model = GPTModel(cfg, layer, vocab_size=VOCAB, max_sequence_length=512, position_embedding_type="rope").cuda()
@@ -94,6 +95,23 @@ def _te_modules(model: Any) -> list[Any]:
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     return [m for m in model.modules() if isinstance(m, TEDotProductAttention)]
+
+
+class _te_forward_raises:
+    """Make TransformerEngine's DotProductAttention.forward raise (inside the adapter's per-call binding)."""
+
+    def __enter__(self) -> None:
+        import transformer_engine.pytorch as te
+
+        self.cls, self.saved = te.DotProductAttention, te.DotProductAttention.forward
+
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            raise KeyError("planted")
+
+        self.cls.forward = boom
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls.forward = self.saved
 
 
 def _settings(m: Any) -> tuple:
@@ -152,13 +170,12 @@ def _one_gpu_te_binding(rope_fusion: bool) -> None:
             assert _rel(p.grad, q.grad) < 1e-2, n
         assert seen and all(s == (None, None, None) for s in seen), seen[:4]  # bound CP1, restored to CP1
         assert [_settings(m) for m in te_mods] == built
-    # an exception inside the forward: build-time settings back
-    proj = model.decoder.layers[0].self_attention.linear_proj
-    proj.forward = lambda *a, **k: (_ for _ in ()).throw(KeyError("planted"))
-    with pytest.raises(KeyError):
-        model(ids[None], None, None, packed_seq_params=_psp(cu, local=1))
-    del proj.forward
-    assert [_settings(m) for m in te_mods] == built
+    # an exception inside TE's forward: build-time settings back (bind and restore both happened)
+    seen.clear()
+    with _te_forward_raises():
+        with pytest.raises(KeyError, match="planted"):
+            model(ids[None], None, None, packed_seq_params=_psp(cu, local=1))
+    assert len(seen) == 2 and [_settings(m) for m in te_mods] == built
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     assert TEDotProductAttention.cp_stream is None  # static CP1: Megatron made none; cpscope's comes lazily
@@ -211,6 +228,12 @@ def _two_gpu_parity(spec: str, rope_fusion: bool) -> None:
             else:
                 assert seen[0] == (None, None, None)
             assert [_settings(m) for m in te_mods] == built  # CP1 after CP2 is CP1: nothing left bound
+    if te_mods:  # an exception inside TE during a CP2 call: the build-time (CP1) settings come back
+        local = cpscope.zigzag_shard(ids, seq_dim=0, cu_seqlens=cu, group=g2)
+        seen.clear()
+        with _te_forward_raises(), pytest.raises(KeyError, match="planted"):
+            model(local[None], None, None, packed_seq_params=_psp(cu, group=g2, local=2))
+        assert seen[0][0] is g2 and len(seen) == 2 and [_settings(m) for m in te_mods] == built
 
 
 # ------------------------------------------------------------------------------------------------ tests
