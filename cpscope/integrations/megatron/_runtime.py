@@ -233,8 +233,9 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
     per forward and carried on ``packed_seq_params``, so Megatron's own activation recompute
     (``recompute_granularity``) recomputes with it; without ``packed_seq_params`` recompute is refused.
 
-    Calling it again is a no-op for converted modules; :func:`disable_runtime_cp` undoes it. ``copy.deepcopy``
-    keeps the behaviour; save ``state_dict`` rather than pickling the module object.
+    Calling it again is a no-op for converted modules; :func:`disable_runtime_cp` undoes it. Parameters and
+    ``state_dict`` keys are unchanged (save ``state_dict``, not the module object). Do not run one model
+    concurrently in two threads with different scopes (the per-call bindings live on its modules).
 
     Args:
         model: a megatron-core module (``GPTModel``, ``TransformerBlock``, ``TransformerLayer``, or a wrapper whose
