@@ -309,7 +309,7 @@ def _binding_and_restore() -> None:
         (local2, _psp(cu, group=g2, local=1), "local_cp_size=1 contradicts the CP group"),
         (local2, _psp(cu, group=single, local=2), "local_cp_size=2 contradicts the CP group"),
         (local2, _psp(cu, local=2), r"local_cp_size=2 contradicts the CP group: got None"),
-        (ids, _psp(cu, group=g2), "local"),  # full tokens given to a CP2 microbatch
+        (ids, _psp(cu, group=g2), "holds 20 local tokens"),  # full tokens given to a CP2 microbatch
         (local2, _psp(cu, group=g2, max_seqlen=8), "max_seqlen_q=8"),
         (local2[:9], _psp(torch.tensor([0, 10, 18], dtype=torch.int32), group=g2), "document 0 has length 10"),
     ]

@@ -5,8 +5,9 @@
    ``packed_seq_params.cp_group``, else the static one —, sizes the table with the static
    ``config.context_parallel_size``, moves its ``inv_freq`` to ``torch.cuda.current_device()`` and selects rows
    through pinned memory (so it cannot run on a CPU-only machine). :class:`RotaryTableMixin` builds the same table
-   (Megatron's own ``get_freqs_non_repeated``, TE's layout), on CUDA exactly when Megatron would, and selects the rows
-   with :func:`cpscope.zigzag_positions` for the scope bound by the entry forward.
+   (Megatron's own ``get_freqs_non_repeated``, TE's layout) on the device of the model's input (Megatron's rule —
+   the current CUDA device — when it runs without an entry forward) and selects the rows with
+   :func:`cpscope.zigzag_positions` for the scope bound by the entry forward.
 2. The **application**: ``Attention.forward`` calls ``apply_rotary_pos_emb(..., cp_group=self.pg_collection.cp)``,
    the static group (the bug Megatron-LM PR #6821 fixes after 0.19.2): under ``thd`` a CP2 microbatch on a model
    built with CP1 fails in ``torch.split`` (unfused) or reads past the tensor (fused). :class:`AttentionRopeMixin`
@@ -71,8 +72,11 @@ class RotaryTableMixin:
         resolved and bound is used, so a size-1 group, ``None`` and the enclosing scope all mean what they say.
         """
         scope = capture_scope()  # bound by the entry forward (this module is never recomputed: it is not in a layer)
-        if self.inv_freq.device.type == "cpu" and torch.cuda.is_available():  # type: ignore[attr-defined]
-            self.inv_freq = self.inv_freq.to(torch.cuda.current_device())  # as Megatron's get_emb, on a GPU host
+        target = self.__dict__.get("_cpscope_device")  # the device of the model's input, set by the entry forward
+        if target is None and self.inv_freq.device.type == "cpu" and torch.cuda.is_available():  # type: ignore[attr-defined]
+            target = torch.device("cuda", torch.cuda.current_device())  # Megatron's get_emb rule
+        if target is not None and self.inv_freq.device != target:  # type: ignore[attr-defined]
+            self.inv_freq = self.inv_freq.to(target)  # type: ignore[attr-defined]
         cp = 1 if packed_seq else scope.size
         key = (max_seq_len, offset, cp, scope.rank if cp > 1 else 0, self.inv_freq.device)  # type: ignore[attr-defined]
         cache = self.__dict__.setdefault("_cpscope_tables", {})

@@ -87,6 +87,7 @@ class EntryMixin:
     _cpscope_signature: inspect.Signature
     _cpscope_static: CPScope  # the model's static (build-time) CP scope, from its pg_collection.cp
     _cpscope_recompute: bool
+    _cpscope_rotary: list  # the RotaryTableMixin modules below this entry
 
     @classmethod
     def _cpscope_prepare(cls, base: type) -> dict[str, Any]:
@@ -115,6 +116,10 @@ class EntryMixin:
         else:
             _check_packed(psp, arguments, scope)
             arguments["packed_seq_params"] = with_scope(psp, scope)
+        _, first = _first_tensor(arguments, "input_ids", "decoder_input", "hidden_states")
+        if first is not None:
+            for rotary in self._cpscope_rotary:  # a placement hint (no scope): build RoPE tables where the model runs
+                rotary.__dict__["_cpscope_device"] = first.device
         with scope.bind():
             return super().forward(*call.args, **call.kwargs)  # type: ignore[misc]
 
@@ -310,6 +315,8 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         else:
             continue
         names.append(name)
+    for _, entry in entries:
+        entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
     logger.debug("enable_runtime_cp: converted %d modules", len(names))
     return sorted(set(names))
 
@@ -353,8 +360,8 @@ def disable_runtime_cp(model: nn.Module) -> list[str]:
         base = getattr(type(module), "_cpscope_base", None)
         if base is not None:
             module.__class__ = base
-            for attr in ("_cpscope_static", "_cpscope_recompute", "config_cp_size", "_cpscope_tables",
-                         "_cpscope_collections"):
+            for attr in ("_cpscope_static", "_cpscope_recompute", "_cpscope_rotary", "config_cp_size",
+                         "_cpscope_tables", "_cpscope_collections", "_cpscope_device"):
                 module.__dict__.pop(attr, None)
             names.append(name)
     return sorted(set(names))
