@@ -9,9 +9,10 @@ Each submodule imports its library only when it is itself imported (or, for Tran
 * :mod:`cpscope.integrations.te` — :class:`~cpscope.integrations.te.ScopedDotProductAttention` binds the active
   group to a TransformerEngine ``DotProductAttention`` for each forward and restores its build-time settings;
   :func:`~cpscope.integrations.te.te_apply_rotary_pos_emb` calls TE's (fused) RoPE with the active CP size / rank.
-* :mod:`cpscope.integrations.megatron` — :func:`~cpscope.integrations.megatron.packed_seq_scope` turns a
-  Megatron-style ``PackedSeqParams`` (``cp_group``, ``local_cp_size``) into a cpscope scope, as a decorator on a
-  ``forward(..., packed_seq_params=...)`` or as a context manager.
+* :mod:`cpscope.integrations.megatron` — :func:`~cpscope.integrations.megatron.enable_runtime_cp` makes a
+  megatron-core 0.19.2 model follow each microbatch's CP group (imports megatron-core only when called); the data
+  bridge and :class:`~cpscope.integrations.megatron.PlannerScheduler` (Megatron's scheduler interface);
+  :func:`~cpscope.integrations.megatron.packed_seq_scope` turns a ``PackedSeqParams`` into a cpscope scope.
 
 Example::
 

@@ -154,3 +154,23 @@ def _conventions_and_decorator():
 
 def test_conventions_and_decorator_2_ranks():
     run_ranks(2, _conventions_and_decorator)
+
+
+def _validates_against_the_enclosing_scope():
+    g2 = cpscope.new_cp_groups([1, 2])[2]
+    six = torch.tensor([0, 6, 10], dtype=torch.int32)  # fine for CP1, not for CP2 (6 % 4 != 0)
+    psp = PackedSeqParams("thd", six, six)  # names no group: the enclosing scope runs it
+    assert read_packed_seq_params(psp).scope is None  # CP1 outside every scope: valid
+    with cpscope.runtime_cp(g2):
+        with pytest.raises(ValueError, match="document 0 has length 6"):
+            read_packed_seq_params(psp)
+        assert read_packed_seq_params(PackedSeqParams("thd", six, six, local_cp_size=1)).scope.size == 1
+        assert read_packed_seq_params(psp, enclosing=cpscope.scope.CP1).scope is None
+    with pytest.raises(ValueError, match="document 0 has length 6"):
+        read_packed_seq_params(psp, enclosing=cpscope.scope.scope_for(g2))
+    with cpscope.build_time_cp(g2), pytest.raises(ValueError, match="document 0 has length 6"):
+        read_packed_seq_params(psp)  # outside every runtime scope: the build-time group
+
+
+def test_read_packed_seq_params_validates_against_the_enclosing_scope():
+    run_ranks(2, _validates_against_the_enclosing_scope)

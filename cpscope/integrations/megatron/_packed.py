@@ -1,4 +1,4 @@
-"""Megatron-style ``PackedSeqParams`` → cpscope scope.
+"""Megatron-style ``PackedSeqParams`` → cpscope scope (no Megatron import).
 
 Megatron's hybrid / dynamic CP carries the microbatch's CP group on its ``PackedSeqParams`` (fields ``cp_group``
 and ``local_cp_size``, next to ``qkv_format``, ``cu_seqlens_q`` and ``cu_seqlens_q_padded``). This module reads such
@@ -10,7 +10,8 @@ an object — any object with those attributes; Megatron itself is never importe
   positional) that binds that scope for the call; with ``packed_seq_params=None`` the current scope is left as is.
   Also usable as a context manager factory: ``with packed_seq_scope.bind(psp): ...``.
 * :func:`read_packed_seq_params` → :class:`PackedSeqInfo`: the scope plus the **global** ``cu_seqlens`` cpscope's
-  ``thd`` functions take, validated against the scope.
+  ``thd`` functions take, validated against the scope that will run them: the one the object names, else the
+  enclosing one (the innermost :func:`cpscope.runtime_cp`, else the build-time group).
 
 CP1 has two conventions and both are accepted: ``cp_group=None`` and a size-1 group (``local_cp_size`` 1 or unset).
 A contradiction — ``local_cp_size=1`` with a group of 2, or ``local_cp_size=2`` with no group — raises
@@ -34,8 +35,8 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar, overload
 
 import torch
 
-from .._checks import check_cu_seqlens, cu_seqlens_list
-from ..scope import CPScope, scope_for
+from ..._checks import check_cu_seqlens, cu_seqlens_list
+from ...scope import CPScope, capture_scope, scope_for
 
 __all__ = ["PackedSeqInfo", "scope_from_packed_seq_params", "read_packed_seq_params", "packed_seq_scope"]
 
@@ -95,12 +96,16 @@ class PackedSeqInfo(NamedTuple):
     max_seqlen: Optional[int]
 
 
-def read_packed_seq_params(packed_seq_params: Any, *, validate: bool = True) -> PackedSeqInfo:
+def read_packed_seq_params(
+    packed_seq_params: Any, *, validate: bool = True, enclosing: Optional[CPScope] = None
+) -> PackedSeqInfo:
     """Read a ``PackedSeqParams``-like object into a :class:`PackedSeqInfo` (scope + global ``cu_seqlens``).
 
     With ``validate`` (default) and a ``thd`` layout, every document of ``cu_seqlens`` must be divisible by 2·cp for
-    the scope's CP size (copies ``cu_seqlens`` to the host once), and ``cu_seqlens_q`` / ``cu_seqlens_kv`` must agree
-    (cpscope does self-attention).
+    the CP size that will actually run — the scope the object names, or, when it names none, the ``enclosing``
+    scope (default: :func:`cpscope.capture_scope`, i.e. the innermost ``runtime_cp`` or the build-time group) —
+    (copies ``cu_seqlens`` to the host once), and ``cu_seqlens_q`` / ``cu_seqlens_kv`` must agree (cpscope does
+    self-attention).
 
     Raises:
         ValueError: see :func:`scope_from_packed_seq_params`; documents not divisible by 2·cp; q/kv offsets differ.
@@ -126,7 +131,11 @@ def read_packed_seq_params(packed_seq_params: Any, *, validate: bool = True) -> 
                     f"packed_seq_params: q offsets {cu_list} differ from kv offsets {kv_list}; cpscope's context "
                     "parallel attention is self-attention over the same documents"
                 )
-        check_cu_seqlens(cu_list, 1 if scope is None else scope.size)
+        if scope is not None:
+            runs = scope
+        else:
+            runs = capture_scope() if enclosing is None else enclosing
+        check_cu_seqlens(cu_list, runs.size)
     return PackedSeqInfo(scope, fmt, cu, getattr(packed_seq_params, "max_seqlen_q", None))
 
 

@@ -1,0 +1,184 @@
+"""Megatron's core attention under the microbatch's scope: cpscope's ring for the local spec, TE bound per call.
+
+* **Local spec** — Megatron's ``DotProductAttention`` refuses CP (``context_parallel_size == 1`` asserted at build)
+  and packed sequences (``packed_seq_params is None`` asserted in forward). :class:`RingCoreAttention` takes its
+  place: the same call (``query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params``),
+  ``sbhd`` ``[s, b, h, d]`` → ``[s, b, h·d]`` and ``thd`` ``[t, h, d]`` → ``[t, h·d]``, computed by
+  :func:`cpscope.attention.attention_with_scope` with the carried scope (grouped-query attention natively, causal
+  or not, document-masked in ``thd``). It has no parameters, so the model's ``state_dict`` is unchanged.
+* **TE spec** — :class:`TEAttentionMixin` replaces ``TEDotProductAttention.forward``: it binds the carried scope to
+  the module with :func:`cpscope.integrations.te.bind_te_cp` (group, global ranks and :func:`cpscope.cp_stream`,
+  created lazily — 0.19.2 creates its stream only when the static CP size is > 1) for the call and restores the
+  build-time settings afterwards, also on exceptions. Megatron's own per-call re-binding from
+  ``packed_seq_params.cp_group`` (which never restores, so a later microbatch that names no group kept CP2) is
+  bypassed by handing it a copy without ``cp_group`` / ``local_cp_size``.
+
+Padding (``cu_seqlens_q_padded``): :func:`attention_offsets` is the one place that decides which offsets the ring
+gets. Until cpscope's attention takes TE's pair (``cu_seqlens`` real + ``cu_seqlens_padded`` layout) it passes the
+layout offsets; that is exact for causal attention (padding sits at the end of each document, after every real
+token) and refused for non-causal attention over padded documents (real rows would attend to the padding).
+
+Example::
+
+    attention.core_attention = RingCoreAttention.replacing(attention.core_attention)   # what enable_runtime_cp does
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ...attention import attention_with_scope
+from ...scope import CPScope
+from ._carrier import consumer_scope
+
+__all__ = ["RingCoreAttention", "TEAttentionMixin", "attention_offsets", "is_causal"]
+
+# Megatron's AttnMaskType names (megatron.core.transformer.enums): which ones mean causal.
+_CAUSAL = {"causal", "padding_causal", "causal_bottom_right"}
+_FULL = {"no_mask", "padding"}
+
+
+def is_causal(attn_mask_type: Any) -> bool:
+    """Whether a Megatron ``AttnMaskType`` (or its name) asks for causal attention; ``arbitrary`` is refused."""
+    name = getattr(attn_mask_type, "name", attn_mask_type)
+    if name in _CAUSAL:
+        return True
+    if name in _FULL:
+        return False
+    raise ValueError(
+        f"attn_mask_type={attn_mask_type!r}: cpscope's ring attention builds causal / document masks itself; "
+        f"supported mask types are {sorted(_CAUSAL | _FULL)}"
+    )
+
+
+def attention_offsets(packed_seq_params: Any, *, causal: bool) -> dict[str, Any]:
+    """The offsets keyword(s) for :func:`cpscope.attention.attention_with_scope` from a ``thd`` ``PackedSeqParams``.
+
+    Today: ``{"cu_seqlens": <layout offsets>}`` — ``cu_seqlens_q_padded`` when set, else ``cu_seqlens_q``. When
+    cpscope's attention takes ``cu_seqlens_padded`` this becomes ``{"cu_seqlens": cu_seqlens_q,
+    "cu_seqlens_padded": cu_seqlens_q_padded}`` (TE's convention) and the refusal below goes away.
+
+    Raises:
+        ValueError: non-causal attention over documents whose real and padded offsets differ.
+    """
+    real = packed_seq_params.cu_seqlens_q
+    padded = packed_seq_params.cu_seqlens_q_padded
+    if padded is None or padded is real:
+        return {"cu_seqlens": real}
+    if not causal and not torch.equal(torch.as_tensor(real).cpu(), torch.as_tensor(padded).cpu()):
+        raise ValueError(
+            "non-causal attention over padded documents (cu_seqlens_q != cu_seqlens_q_padded): cpscope's ring "
+            "cannot mask the padding yet, real rows would attend to it; use causal attention or unpadded documents"
+        )
+    return {"cu_seqlens": padded}
+
+
+class RingCoreAttention(nn.Module):
+    """Megatron's core-attention call computed by cpscope's ring attention over the carried scope.
+
+    Built from the module it replaces (:meth:`replacing`), it keeps that module's mask type, effective softmax
+    scale and heads. Refuses (``ValueError``, before any communication) what the ring does not do: an explicit
+    ``attention_mask`` tensor (the ring builds causal / document masks itself: build batches without one, e.g.
+    ``create_attention_mask_in_dataloader=False``), ``attention_bias``, ``arbitrary`` masks.
+
+    Example::
+
+        attn.core_attention = RingCoreAttention.replacing(attn.core_attention)
+        out = attn.core_attention(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    """
+
+    def __init__(self, attn_mask_type: Any, softmax_scale: float, layer_number: int = 1) -> None:
+        super().__init__()
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = float(softmax_scale)
+        self.layer_number = layer_number
+        self.__dict__["_cpscope_replaced"] = None  # the original module (not a submodule: state_dict unchanged)
+
+    @classmethod
+    def replacing(cls, core: nn.Module) -> "RingCoreAttention":
+        """A ring replacement for Megatron's local ``DotProductAttention`` ``core`` (kept for :meth:`original`)."""
+        scale = float(core.softmax_scale)
+        if getattr(core.config, "apply_query_key_layer_scaling", False):
+            scale *= max(1, core.layer_number)  # Megatron divides by the layer coefficient and the softmax multiplies
+        new = cls(core.attn_mask_type, scale, getattr(core, "layer_number", 1))
+        new.train(core.training)
+        new.__dict__["_cpscope_replaced"] = core
+        return new
+
+    def original(self) -> Optional[nn.Module]:
+        """The module this one replaced (restored by ``disable_runtime_cp``)."""
+        return self.__dict__.get("_cpscope_replaced")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Any = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+        **_unused: Any,
+    ) -> torch.Tensor:
+        scope = consumer_scope(packed_seq_params)
+        causal = is_causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type)
+        if attention_mask is not None:
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} given to cpscope's ring attention, which "
+                "builds the causal / document mask itself; pass attention_mask=None (Megatron: "
+                "create_attention_mask_in_dataloader=False)"
+            )
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by cpscope's ring attention")
+        return self._run(query, key, value, scope, causal, packed_seq_params)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, causal: bool,
+             psp: Any) -> torch.Tensor:
+        if psp is not None and getattr(psp, "qkv_format", None) == "thd":  # [t, h, d]
+            out = attention_with_scope(
+                q, k, v, scope, qkv_format="thd", causal=causal, max_seqlen=psp.max_seqlen_q,
+                softmax_scale=self.softmax_scale, **attention_offsets(psp, causal=causal),
+            )
+            return out.reshape(out.shape[0], -1)  # [t, h*d]
+        out = attention_with_scope(q, k, v, scope, qkv_format="sbhd", causal=causal, softmax_scale=self.softmax_scale)
+        return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, h*d]
+
+    def extra_repr(self) -> str:
+        return f"attn_mask_type={getattr(self.attn_mask_type, 'name', self.attn_mask_type)}, " \
+               f"softmax_scale={self.softmax_scale:.6g}"
+
+
+class TEAttentionMixin:
+    """``TEDotProductAttention.forward`` bound to the carried scope for the call (see the module docstring)."""
+
+    _cpscope_signature: inspect.Signature
+
+    @classmethod
+    def _cpscope_prepare(cls, base: type) -> dict[str, Any]:
+        sig = inspect.signature(base.forward)
+        return {"_cpscope_signature": sig.replace(parameters=list(sig.parameters.values())[1:])}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from ..te import bind_te_cp  # cpscope's TE glue: imports TransformerEngine only when it runs TE code
+
+        call = self._cpscope_signature.bind(*args, **kwargs)
+        psp = call.arguments.get("packed_seq_params")
+        scope = consumer_scope(psp)
+        if psp is not None:
+            te_psp = copy.copy(psp)
+            te_psp.cp_group = None  # Megatron's forward would re-bind from these and never restore
+            te_psp.local_cp_size = None
+            if scope.size > 1 and te_psp.qkv_format == "thd":
+                if te_psp.cu_seqlens_q_padded is None:  # TE needs the layout offsets under CP
+                    te_psp.cu_seqlens_q_padded = te_psp.cu_seqlens_q
+                if te_psp.cu_seqlens_kv_padded is None:
+                    te_psp.cu_seqlens_kv_padded = te_psp.cu_seqlens_kv
+            call.arguments["packed_seq_params"] = te_psp
+        query = call.arguments.get("query")
+        device = query.device if isinstance(query, torch.Tensor) else None
+        with bind_te_cp(self, scope, device=device):  # type: ignore[arg-type]
+            return super().forward(*call.args, **call.kwargs)  # type: ignore[misc]
