@@ -14,9 +14,8 @@
   bypassed by handing it a copy without ``cp_group`` / ``local_cp_size``.
 
 Padding (``cu_seqlens_q_padded``): :func:`attention_offsets` is the one place that decides which offsets the ring
-gets. Until cpscope's attention takes TE's pair (``cu_seqlens`` real + ``cu_seqlens_padded`` layout) it passes the
-layout offsets; that is exact for causal attention (padding sits at the end of each document, after every real
-token) and refused for non-causal attention over padded documents (real rows would attend to the padding).
+gets: TE's pair (``cu_seqlens`` real + ``cu_seqlens_padded`` layout), so padding is masked with or without a
+causal mask.
 
 Example::
 
@@ -58,23 +57,16 @@ def is_causal(attn_mask_type: Any) -> bool:
 def attention_offsets(packed_seq_params: Any, *, causal: bool) -> dict[str, Any]:
     """The offsets keyword(s) for :func:`cpscope.attention.attention_with_scope` from a ``thd`` ``PackedSeqParams``.
 
-    Today: ``{"cu_seqlens": <layout offsets>}`` — ``cu_seqlens_q_padded`` when set, else ``cu_seqlens_q``. When
-    cpscope's attention takes ``cu_seqlens_padded`` this becomes ``{"cu_seqlens": cu_seqlens_q,
-    "cu_seqlens_padded": cu_seqlens_q_padded}`` (TE's convention) and the refusal below goes away.
-
-    Raises:
-        ValueError: non-causal attention over documents whose real and padded offsets differ.
+    TE's convention, which Megatron follows: with ``cu_seqlens_q_padded`` set, ``{"cu_seqlens": cu_seqlens_q,
+    "cu_seqlens_padded": cu_seqlens_q_padded}`` — the ring masks the padding (no query sees it, its rows and
+    gradients are zero), with or without a causal mask; else ``{"cu_seqlens": cu_seqlens_q}``. ``causal`` is kept
+    for callers; the offsets do not depend on it.
     """
     real = packed_seq_params.cu_seqlens_q
     padded = packed_seq_params.cu_seqlens_q_padded
     if padded is None or padded is real:
         return {"cu_seqlens": real}
-    if not causal and not torch.equal(torch.as_tensor(real).cpu(), torch.as_tensor(padded).cpu()):
-        raise ValueError(
-            "non-causal attention over padded documents (cu_seqlens_q != cu_seqlens_q_padded): cpscope's ring "
-            "cannot mask the padding yet, real rows would attend to it; use causal attention or unpadded documents"
-        )
-    return {"cu_seqlens": padded}
+    return {"cu_seqlens": real, "cu_seqlens_padded": padded}
 
 
 class RingCoreAttention(nn.Module):
