@@ -151,7 +151,10 @@ def wrap_model(cfg: TrainConfig, model: GPT, device: torch.device) -> torch.nn.M
     """Compile the blocks (``cfg.compile``), then wrap: DDP, or FSDP2 on every block and the root (collective)."""
     if cfg.compile:
         for block in model.blocks:
-            block.compile(backend=cfg.compile_backend)  # in place: parameter names and FSDP hooks unchanged
+            if cfg.checkpoint:  # checkpoint outside, compile inside: Dynamo does not trace the scope re-entry
+                block._forward = torch.compile(block._forward, backend=cfg.compile_backend)
+            else:
+                block.compile(backend=cfg.compile_backend)  # in place: parameter names and FSDP hooks unchanged
     if cfg.wrap == "ddp":
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -163,8 +166,11 @@ def wrap_model(cfg: TrainConfig, model: GPT, device: torch.device) -> torch.nn.M
         mp = FSDP_MP[cfg.fsdp_mp]
         policy = (MixedPrecisionPolicy() if mp is None else
                   MixedPrecisionPolicy(param_dtype=getattr(torch, mp[1]), reduce_dtype=getattr(torch, mp[2])))
+        # A block's floating inputs include the fp32 RoPE angle table: FSDP2 would cast it to param_dtype (bf16
+        # angles are off by up to 128 rad at position 60k). The hidden states arrive in param_dtype anyway.
+        block_policy = dataclasses.replace(policy, cast_forward_inputs=False)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     elif cfg.wrap != "none":
         raise ValueError(f"wrap must be one of {WRAPS}, got {cfg.wrap!r}")
