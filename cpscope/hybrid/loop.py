@@ -280,7 +280,8 @@ def run_microbatches(
 
     The loss backpropagated for a microbatch is ``loss_fn(output, labels) / num_targets`` where ``loss_fn``
     returns the **sum** of per-token losses over the local real targets and ``num_targets`` is the global count
-    (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards.
+    (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards
+    — or use :func:`run_step`, which does both and also drives DDP and FSDP2.
 
     Returns:
         This rank's summed (un-normalised) loss, a float64 scalar tensor on the loss's device (no host sync);

@@ -308,9 +308,9 @@ class FSDPSync(GradientSync):
        group once (FSDP's own reduce-scatter, overlapped with that backward). That backward is the rank's last
        microbatch when it is CP1; otherwise — a CP microbatch last, or no microbatch at all — :func:`run_step`
        runs one empty CP1 microbatch after the others (``needs_backward``). A reduce-scatter must never run inside a
-       ring microbatch's backward: a rank blocked in it would stall a CP peer that still exchanges keys and values
-       with it in an earlier-synced microbatch — a deadlock that a schedule as simple as "rank 2 runs only the CP4
-       microbatch, rank 0 runs CP4 then CP2" produces.
+       ring microbatch's backward: the ring's members for which that microbatch is not the last go on to the next
+       layer's ring exchange, which waits for the rank blocked in the reduce-scatter — a deadlock that a schedule as
+       simple as "rank 2 runs only the CP4 microbatch, rank 0 runs CP4 then CP2" produces.
     3. ``end_step``: every module ``reshard()``-ed (the sharded gradients are ready for the optimizer) and its own
        settings — ``reshard_after_forward`` / ``_backward``, gradient sync, divide factor — restored.
 
@@ -319,14 +319,17 @@ class FSDPSync(GradientSync):
     working set — the price of ranks that run different numbers of microbatches without waiting for each other.
     Communication is the minimum: one all-gather and one reduce-scatter per parameter group per step.
 
-    Only a one-dimensional mesh (plain FSDP, no HSDP) is supported.
+    Only a one-dimensional mesh (plain FSDP, no HSDP) is supported, and every trainable parameter must be FSDP's
+    (``fully_shard`` on the root too), else ``ValueError``.
 
     Example::
 
-        for block in model.blocks:
-            fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        fully_shard(model)
-        result = run_step(model, mbs, sync=FSDPSync(model))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:  # blocks get the fp32 RoPE table as an input: do not cast it to bf16
+            fully_shard(block, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
+        fully_shard(model, mp_policy=policy)
+        sync = FSDPSync(model)
+        result = run_step(model, mbs, sync=sync)
     """
 
     needs_backward = True
@@ -350,6 +353,14 @@ class FSDPSync(GradientSync):
         ranks = {tuple(dist.get_process_group_ranks(mm.get_group())) for mm in meshes}
         if len(ranks) > 1:
             raise ValueError(f"FSDPSync: the FSDP modules are sharded over different groups of ranks {sorted(ranks)}")
+        from torch.distributed.tensor import DTensor
+
+        plain = [n for n, p in root.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"FSDPSync: {len(plain)} trainable parameter(s) are not sharded by FSDP2 (e.g. {plain[:3]}), so no "
+                f"reduce-scatter would sum their gradients; apply fully_shard to the root module too"
+            )
         super().__init__(model, model, group)
         self._fsdp = fsdp
         self._roots = _roots(root)

@@ -300,6 +300,11 @@ def _refusals():
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(ValueError, match=r"1-D device mesh.*2-D mesh \(2, 2\).*HSDP"):
         gradient_sync(hsdp)
+    half = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(half[0])  # the root and half[1] are not sharded: their gradients would never be summed
+    with pytest.raises(ValueError, match=r"2 trainable parameter\(s\) are not sharded by FSDP2 \(e.g. \['1.weight', "
+                                         r"'1.bias'\]\).*fully_shard to the root"):
+        gradient_sync(half)
     assert isinstance(gradient_sync(DDP(torch.nn.Linear(4, 4))), DDPSync)
     shard = torch.nn.Linear(4, 4)
     fully_shard(shard)
