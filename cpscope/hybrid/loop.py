@@ -225,8 +225,8 @@ def prepare_microbatches(
         planned_ranks = [int(r) for r in mb.ranks]
         if ranks is not None:
             planned_ranks = [int(ranks[r]) for r in planned_ranks]
-        actual = group_ranks(group)
-        if actual != planned_ranks:
+        actual = group_ranks(group)  # torch's member order (ascending); a plan's block is a set of ranks
+        if sorted(actual) != sorted(planned_ranks):
             raise ValueError(
                 f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
                 f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "

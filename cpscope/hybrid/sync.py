@@ -370,7 +370,8 @@ class FSDPSync(GradientSync):
         saved = []
         for m in self._fsdp:
             state = m._get_fsdp_state()
-            saved.append((state, {"_auto_reshard_after_forward": state._auto_reshard_after_forward}))
+            if hasattr(state, "_auto_reshard_after_forward"):  # set_reshard_after_forward clears it
+                saved.append((state, {"_auto_reshard_after_forward": state._auto_reshard_after_forward}))
             for g in _param_groups(m):
                 saved.append((g, {k: getattr(g, k) for k in _GROUP_SETTINGS if hasattr(g, k)}))
         self._saved = saved
