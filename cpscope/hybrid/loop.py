@@ -390,13 +390,15 @@ def run_step(
     **none included**. ``sync`` (default :func:`~cpscope.hybrid.sync.gradient_sync` of ``model``, built per call:
     pass one built once to skip the checks) decides how: a plain module's gradients are summed after the last
     backward, ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once,
-    FSDP2 modules are unsharded once and reduce-scatter once, in the last backward (see
-    :mod:`cpscope.hybrid.sync`). Afterwards every parameter's gradient (sharded under FSDP2) is the gradient of the
-    global per-token mean loss — the single-process gradient of the whole global batch. Call the optimizer next.
+    FSDP2 modules are unsharded once and reduce-scatter once, in one CP1 backward at the end — the last
+    microbatch when it is CP1, else an added :func:`empty_microbatch` (see :mod:`cpscope.hybrid.sync`). Afterwards
+    every parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
+    single-process gradient of the whole global batch. Call the optimizer next.
 
     ``forward(module, mb)`` runs under ``runtime_cp(mb.group)`` and receives ``sync.module`` (for DDP its inner
-    ``.module``); ``loss_fn(output, labels)`` returns the **sum** of the per-token losses. ``num_targets`` defaults
-    to :func:`global_num_targets` over ``sync.group`` (one all-reduce).
+    ``.module``) and, under FSDP2, possibly the empty microbatch; ``loss_fn(output, labels)`` returns the **sum** of
+    the per-token losses. ``num_targets`` defaults to :func:`global_num_targets` over ``sync.group`` (one
+    all-reduce).
 
     Raises:
         ValueError: ``sync`` was built for another model; ``num_targets`` not positive; what
@@ -420,7 +422,8 @@ def run_step(
     if num_targets is None:
         num_targets = global_num_targets(mbs, group=sync.group, device=sync.device)
     elif num_targets <= 0:
-        raise ValueError(f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
+        raise ValueError(
+            f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
     total = torch.zeros((), dtype=torch.float64, device=sync.device)
     # A sync inside a backward (FSDP2's reduce-scatters) must not interleave with a ring: a rank waiting in a
     # reduce-scatter would stall a CP peer still exchanging keys and values with it in that microbatch's backward.
