@@ -5,6 +5,9 @@ The model never sees a process group: :func:`cpscope.apply_rotary_pos_emb` and
 Inputs are packed ``thd``: ``input_ids`` ``[T_local]`` (this rank's zigzag tokens), ``cu_seqlens`` the **global**
 padded document offsets, ``max_seqlen`` the longest global document. Under CP1 it is an ordinary GPT.
 
+``GPTConfig(checkpoint=True)`` checkpoints every block with :func:`cpscope.checkpoint` (its recompute in backward
+re-enters the CP scope of the forward).
+
 Example::
 
     model = GPT(GPTConfig(vocab_size=256, hidden=64, n_layers=2, n_heads=4))
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cpscope
 from cpscope.attention import context_parallel_attention
 from cpscope.rope import RotaryEmbedding, apply_rotary_pos_emb
 
@@ -35,6 +39,7 @@ class GPTConfig:
     n_kv_heads: Optional[int] = None  # < n_heads: grouped-query attention
     mlp_ratio: int = 4
     rope_base: float = 10000.0
+    checkpoint: bool = False  # activation checkpointing of every block (cpscope.checkpoint: recompute in scope)
 
     @property
     def head_dim(self) -> int:
@@ -52,6 +57,15 @@ class GPTConfig:
             )
 
 
+@torch.compiler.disable  # under torch.compile the CP part stays eager: scope read, index math, ring collectives
+def _rope_and_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, freqs: torch.Tensor,
+                        cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    q = apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens)  # global positions
+    k = apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu_seqlens)
+    return context_parallel_attention(q, k, v, qkv_format="thd", causal=True, cu_seqlens=cu_seqlens,
+                                      max_seqlen=max_seqlen)  # [t, h, d]
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: RMSNorm → QKV → RoPE → CP attention → proj; RMSNorm → MLP."""
 
@@ -67,16 +81,17 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        if self.cfg.checkpoint and torch.is_grad_enabled():  # the recompute re-enters this forward's CP scope
+            return cpscope.checkpoint(self._forward, x, freqs, cu_seqlens, max_seqlen)
+        return self._forward(x, freqs, cu_seqlens, max_seqlen)
+
+    def _forward(self, x: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         d, h, hkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
         q, k, v = self.qkv(self.norm1(x)).split([h * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)  # [t, heads, d]
-        q = apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens)  # global positions
-        k = apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu_seqlens)
-        o = context_parallel_attention(
-            q, k, v, qkv_format="thd", causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
-        )  # [t, h, d]
+        o = _rope_and_attention(q, k, v, freqs, cu_seqlens, max_seqlen)  # [t, h, d]
         x = x + self.proj(o.reshape(t, h * d))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 

@@ -6,15 +6,24 @@ loop (:mod:`cpscope.hybrid.loop`) packs, pads, shards and binds each microbatch'
 loss is normalised by the global number of targets and gradients are summed over the world, so every mode
 computes the same update as one process training on the whole batch.
 
+Each step is one :func:`cpscope.hybrid.loop.run_step`: the model may be a plain module (gradients summed by hand),
+wrapped in ``DistributedDataParallel`` (``--ddp``) or sharded by FSDP2 (``--fsdp``); the ranks run different numbers
+of microbatches (some none) and the gradients are synchronised once per step either way
+(:mod:`cpscope.hybrid.sync`).
+
 Run it (4 ranks, gloo on CPU; NCCL when at least 4 GPUs are visible)::
 
     python examples/train_hybrid.py                      # spawns 4 ranks itself
     torchrun --nproc_per_node=4 examples/train_hybrid.py
+    python examples/train_hybrid.py --ddp                # the model wrapped in DistributedDataParallel
+    python examples/train_hybrid.py --fsdp               # every block and the root sharded with fully_shard
+    python examples/train_hybrid.py --fsdp --fsdp-mp bf16 --no-reshard-after-forward --checkpoint
     python examples/train_hybrid.py --mode static2       # every document at CP2 (2 groups of 2)
     python examples/train_hybrid.py --mode single        # one process, no CP, whole batch: the reference
 
-Options: ``--mode hybrid|static2|static4|single``, ``--steps``, ``--seed``, ``--save-weights PATH`` and the
-model / data sizes (``--help``).
+Options: ``--mode hybrid|static2|static4|single``, ``--ddp`` / ``--fsdp`` (``--fsdp-mp none|bf16|fp32``,
+``--no-reshard-after-forward``), ``--checkpoint``, ``--compile``, ``--steps``, ``--seed``, ``--save-weights PATH``
+and the model / data sizes (``--help``).
 """
 from __future__ import annotations
 
@@ -35,18 +44,17 @@ if __package__ in (None, ""):  # run as a script: make `gpt` (next to this file)
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import CostModel, long_tail_lengths, padded_length, plan_hybrid, plan_static  # noqa: E402
-from cpscope.hybrid.loop import (  # noqa: E402
-    LocalMicrobatch,
-    allreduce_gradients,
-    allreduce_sum,
-    global_num_targets,
-    prepare_microbatches,
-    run_microbatches,
-)
+from cpscope.hybrid.loop import LocalMicrobatch, prepare_microbatches, run_step  # noqa: E402
+from cpscope.hybrid.sync import gradient_sync  # noqa: E402
 from _launch import launch, rank_device  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 MODES = ("hybrid", "static2", "static4", "single")
+WRAPS = ("none", "ddp", "fsdp")
+# FSDP2 mixed precision: "bf16" is the usual policy (bf16 compute, fp32 reduction, fp32 master weights); "fp32" is the
+# same policy one precision up (fp32 compute, fp64 reduction, fp64 master weights), exact enough to compare with
+# fp32 training in one process.
+FSDP_MP = {"none": None, "bf16": ("float32", "bfloat16", "float32"), "fp32": ("float64", "float32", "float64")}
 WORLD = 4
 # A cost model for the tiny CPU demo: per-token work dominates, ring steps cost a little. The plan's CP sizes are
 # driven mostly by `capacity` (tokens per rank per microbatch): documents longer than it must be split.
@@ -72,6 +80,13 @@ class TrainConfig:
     optimizer: str = "sgd"  # SGD + momentum 0.9; or "adamw"
     lr: float = 1.0
     dtype: str = "float32"
+    wrap: str = "none"  # "ddp": DistributedDataParallel; "fsdp": FSDP2 (fully_shard on every block and the root)
+    fsdp_mp: str = "none"  # FSDP2 MixedPrecisionPolicy: "none", "bf16" or "fp32" (see FSDP_MP)
+    reshard_after_forward: bool = True  # FSDP2's setting (the hybrid step keeps parameters unsharded regardless)
+    checkpoint: bool = False  # activation checkpointing of every block (cpscope.checkpoint)
+    compile: bool = False  # torch.compile every block
+    compile_backend: str = "inductor"
+    lengths: Optional[tuple[tuple[int, ...], ...]] = None  # explicit document lengths, one tuple per step (cycled)
 
 
 @dataclass
@@ -80,6 +95,7 @@ class TrainResult:
     tokens: int  # real tokens trained on (global, all steps)
     seconds: float  # wall time of the steps (no start-up)
     seen: list[list[dict[str, Any]]] = field(default_factory=list)  # per step: this rank's microbatches
+    empty: list[int] = field(default_factory=list)  # per step: empty microbatches this rank ran (FSDP2, no work)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # final weights (CPU)
 
 
@@ -94,13 +110,16 @@ def make_documents(cfg: TrainConfig, step: int) -> list[torch.Tensor]:
     with a random start and stride and 5 % random tokens: predicting the next token needs the previous two,
     i.e. attention, so the loss falls as the model learns.
     """
-    lengths = long_tail_lengths(
-        cfg.docs_per_step, seed=cfg.seed * 100_003 + step, median=cfg.median_len, sigma=cfg.sigma,
-        min_len=cfg.min_len, max_len=cfg.max_len, granularity=1,
-    )
+    if cfg.lengths is not None:
+        lengths = list(cfg.lengths[step % len(cfg.lengths)])
+    else:
+        lengths = long_tail_lengths(
+            cfg.docs_per_step, seed=cfg.seed * 100_003 + step, median=cfg.median_len, sigma=cfg.sigma,
+            min_len=cfg.min_len, max_len=cfg.max_len, granularity=1,
+        ).tolist()
     g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
     docs = []
-    for n in lengths.tolist():
+    for n in lengths:
         start = torch.randint(cfg.vocab_size, (1,), generator=g)
         stride = torch.randint(1, 8, (1,), generator=g)
         doc = (start + stride * torch.arange(n)) % cfg.vocab_size
@@ -123,8 +142,50 @@ def make_plan(cfg: TrainConfig, lengths: list[int], world: int):
 def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     gcfg = GPTConfig(vocab_size=cfg.vocab_size, hidden=cfg.hidden, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                     n_kv_heads=cfg.n_kv_heads)
-    return GPT(gcfg).to(device=device, dtype=getattr(torch, cfg.dtype))
+                     n_kv_heads=cfg.n_kv_heads, checkpoint=cfg.checkpoint)
+    dtype = cfg.dtype if cfg.wrap != "fsdp" or FSDP_MP[cfg.fsdp_mp] is None else FSDP_MP[cfg.fsdp_mp][0]
+    return GPT(gcfg).to(device=device, dtype=getattr(torch, dtype))
+
+
+def wrap_model(cfg: TrainConfig, model: GPT, device: torch.device) -> torch.nn.Module:
+    """Compile the blocks (``cfg.compile``), then wrap: DDP, or FSDP2 on every block and the root (collective)."""
+    if cfg.compile:
+        for block in model.blocks:
+            if cfg.checkpoint:  # checkpoint outside, compile inside: Dynamo does not trace the scope re-entry
+                block._forward = torch.compile(block._forward, backend=cfg.compile_backend)
+            else:
+                block.compile(backend=cfg.compile_backend)  # in place: parameter names and FSDP hooks unchanged
+    if cfg.wrap == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.wrap == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = FSDP_MP[cfg.fsdp_mp]
+        policy = (MixedPrecisionPolicy() if mp is None else
+                  MixedPrecisionPolicy(param_dtype=getattr(torch, mp[1]), reduce_dtype=getattr(torch, mp[2])))
+        # A block's floating inputs include the fp32 RoPE angle table: FSDP2 would cast it to param_dtype (bf16
+        # angles are off by up to 128 rad at position 60k). The hidden states arrive in param_dtype anyway.
+        block_policy = dataclasses.replace(policy, cast_forward_inputs=False)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    elif cfg.wrap != "none":
+        raise ValueError(f"wrap must be one of {WRAPS}, got {cfg.wrap!r}")
+    return model
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as full CPU tensors (FSDP2's sharded parameters are gathered: collective)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    out = {}
+    for k, v in inner.state_dict().items():
+        if hasattr(v, "full_tensor"):  # DTensor
+            v = v.full_tensor()
+        out[k] = v.detach().to("cpu", copy=True)
+    return out
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -154,17 +215,27 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
                          f"got a world of {world}")
     if cfg.mode != "single" and world != WORLD:
         raise ValueError(f"mode={cfg.mode!r} uses CP1/CP2/CP4 groups over {WORLD} ranks, got a world of {world}")
+    if cfg.wrap not in WRAPS or cfg.fsdp_mp not in FSDP_MP:
+        raise ValueError(f"wrap must be one of {WRAPS} and fsdp_mp one of {tuple(FSDP_MP)}, got {cfg.wrap!r}, "
+                         f"{cfg.fsdp_mp!r}")
+    if cfg.wrap != "none" and not dist.is_initialized():
+        raise ValueError(f"wrap={cfg.wrap!r} needs torch.distributed (a world of 1 is fine)")
     device = device or torch.device("cpu")
     groups = cpscope.new_cp_groups([1, 2, 4]) if world > 1 else {1: None}  # collective, once
-    model = build_model(cfg, device)
+    model = wrap_model(cfg, build_model(cfg, device), device)
     opt = build_optimizer(cfg, model)
+    sync = gradient_sync(model)  # ManualSync / DDPSync / FSDPSync: gradients synchronised once per step
 
     seen_step: list[dict[str, Any]] = []
+    empty_step = [0]
 
     def forward(m: GPT, mb: LocalMicrobatch) -> torch.Tensor:
         # What the scope really is inside the forward: what RoPE and attention read.
-        seen_step.append({"cp": cpscope.cp_size(), "cp_rank": cpscope.cp_rank(), "docs": mb.seqs,
-                          "local_tokens": int(mb.input_ids.numel())})
+        if mb.seqs:
+            seen_step.append({"cp": cpscope.cp_size(), "cp_rank": cpscope.cp_rank(), "docs": mb.seqs,
+                              "local_tokens": int(mb.input_ids.numel())})
+        else:  # the empty microbatch of a rank without work (FSDP2 reduce-scatters in a backward)
+            empty_step[0] += 1
         return m(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
 
     result = TrainResult(losses=[], tokens=0, seconds=0.0)
@@ -178,16 +249,17 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
         docs = make_documents(cfg, step)
         plan = make_plan(cfg, [d.numel() for d in docs], world)
         mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
-        n_targets = global_num_targets(mbs, device=device)  # real targets of the whole global batch
         opt.zero_grad(set_to_none=True)
-        seen_step = []
-        local_loss = run_microbatches(model, mbs, num_targets=n_targets, forward=forward)
-        allreduce_gradients(model)  # SUM: each target's loss counted once over the world
+        seen_step, empty_step[0] = [], 0
+        # Loss / (real targets of the whole global batch); gradients summed over the world once, after the last
+        # microbatch, whatever the wrapper.
+        step_result = run_step(model, mbs, sync=sync, forward=forward)
         opt.step()
-        loss = float(allreduce_sum(local_loss, device=device).item()) / n_targets
+        loss = step_result.global_loss()
         result.losses.append(loss)
         result.tokens += sum(d.numel() for d in docs)
         result.seen.append(seen_step)
+        result.empty.append(empty_step[0])
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", mbs=len(mbs))
             bar.update()
@@ -196,7 +268,7 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
     result.seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    result.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    result.state = full_state(model)
     return result
 
 
@@ -207,9 +279,14 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
 def summarize(cfg: TrainConfig, results: list[TrainResult], backend: str) -> str:
     r0 = results[0]
     world = len(results)
+    wrap = {"none": "plain module", "ddp": "DistributedDataParallel",
+            "fsdp": f"FSDP2 (mixed precision {cfg.fsdp_mp}, reshard_after_forward={cfg.reshard_after_forward})"}
+    extras = "".join(f", {name}" for name, on in (("checkpointed blocks", cfg.checkpoint),
+                                                  ("compiled blocks", cfg.compile)) if on)
     lines = [
         f"mode={cfg.mode} ranks={world} backend={backend} steps={cfg.steps} model: {cfg.n_layers} layers, "
-        f"hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads or cfg.n_heads} kv), {cfg.optimizer}",
+        f"hidden {cfg.hidden}, {cfg.n_heads} heads ({cfg.n_kv_heads or cfg.n_heads} kv), {cfg.optimizer}, "
+        f"{wrap[cfg.wrap]}{extras}",
         "What each rank saw (CP size bound in forward, CP rank, documents, local tokens per microbatch):",
     ]
     for step in range(len(r0.losses)):
@@ -217,7 +294,9 @@ def summarize(cfg: TrainConfig, results: list[TrainResult], backend: str) -> str
         for rank, res in enumerate(results):
             mbs = " ".join(f"CP{s['cp']}[r{s['cp_rank']}]{list(s['docs'])}:{s['local_tokens']}"
                            for s in res.seen[step])
-            lines.append(f"    rank {rank}: {mbs or '-'}")
+            if res.empty and res.empty[step]:
+                mbs += " (one empty microbatch)"
+            lines.append(f"    rank {rank}: {mbs.strip() or '-'}")
     lines.append("step  loss      microbatches by CP size (counted once per group)")
     for step, loss in enumerate(r0.losses):
         counts: dict[int, int] = {}
@@ -263,14 +342,30 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     p.add_argument("--layers", type=int, default=TrainConfig.n_layers)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=TrainConfig.optimizer)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--ddp", action="store_true", help="wrap the model in DistributedDataParallel")
+    w.add_argument("--fsdp", action="store_true", help="shard every block and the root with FSDP2 (fully_shard)")
+    p.add_argument("--fsdp-mp", choices=tuple(FSDP_MP), default="none",
+                   help="FSDP2 MixedPrecisionPolicy: bf16 = bf16 compute, fp32 reduce; fp32 = fp32 compute, fp64 "
+                        "reduce and masters")
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2 reshard_after_forward=False")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block")
     a = p.parse_args(argv)
+    if (a.fsdp_mp != "none" or a.no_reshard_after_forward) and not a.fsdp:
+        p.error("--fsdp-mp and --no-reshard-after-forward need --fsdp")
     cfg = TrainConfig(mode=a.mode, steps=a.steps, seed=a.seed, docs_per_step=a.docs_per_step, max_len=a.max_len,
-                      capacity=a.capacity, hidden=a.hidden, n_layers=a.layers, optimizer=a.optimizer, lr=a.lr)
+                      capacity=a.capacity, hidden=a.hidden, n_layers=a.layers, optimizer=a.optimizer, lr=a.lr,
+                      wrap="ddp" if a.ddp else "fsdp" if a.fsdp else "none", fsdp_mp=a.fsdp_mp,
+                      reshard_after_forward=not a.no_reshard_after_forward, checkpoint=a.checkpoint,
+                      compile=a.compile)
     return cfg, a
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     cfg, a = parse_args(argv)
+    if cfg.mode == "single" and cfg.wrap != "none":
+        raise SystemExit("--mode single is the reference without torch.distributed: drop --ddp / --fsdp")
     if cfg.mode == "single":  # the reference: one process, no torch.distributed, CP1, whole batch
         torch.set_num_threads(os.cpu_count() or 1)
         res = train(cfg, progress=True)

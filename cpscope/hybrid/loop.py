@@ -4,10 +4,15 @@ One training step of hybrid CP, on every rank::
 
     plan = plan_hybrid(lengths, n_ranks=world, capacity=cap)            # same plan on every rank
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)   # pack → pad → shard
-    n_targets = global_num_targets(mbs)                                 # real targets of the WHOLE batch
-    loss_sum = run_microbatches(model, mbs, num_targets=n_targets)      # forward/backward, each in its scope
-    allreduce_gradients(model)                                          # SUM over the world
-    optimizer.step()
+    result = run_step(model, mbs)            # forward/backward each microbatch in its scope; gradients synced once
+    optimizer.step(); optimizer.zero_grad()
+    loss = result.global_loss()              # the global per-token loss (collective)
+
+:func:`run_step` counts the real targets of the whole global batch (:func:`global_num_targets`), runs every
+microbatch (:func:`run_microbatches`) and synchronises the gradients **once**, however many microbatches each rank
+ran — none included — through the :class:`~cpscope.hybrid.sync.GradientSync` that suits the model: a plain
+module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.hybrid.sync`). The pieces stay usable on their own for
+a hand-written loop: ``run_microbatches`` then ``allreduce_gradients(model)`` is the plain-module step.
 
 Each step, spelled out:
 
@@ -33,14 +38,17 @@ loss normalisation
     values back to their owners — the world-sum of the parameter gradients (:func:`allreduce_gradients`) is the
     gradient of that mean: the single-rank gradient of the same global batch, whatever the CP sizes.
 
-Example::
+Example (the loop without :func:`run_step`, plain module)::
 
     groups = cpscope.new_cp_groups([1, 2, 4])
-    for mb in prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups):
+    mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
+    n_targets = global_num_targets(mbs)
+    for mb in mbs:
         with cpscope.runtime_cp(mb.group):
             logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
             loss = token_loss_sum(logits, mb.labels) / n_targets
         loss.backward()
+    allreduce_gradients(model)                                          # SUM over the world
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ from .._checks import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import runtime_cp, scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
+from .sync import GradientSync, allreduce_gradients, allreduce_sum, gradient_sync
 
 __all__ = [
     "IGNORE_INDEX",
@@ -68,6 +77,9 @@ __all__ = [
     "global_num_targets",
     "token_loss_sum",
     "run_microbatches",
+    "run_step",
+    "StepResult",
+    "empty_microbatch",
     "allreduce_gradients",
     "allreduce_sum",
 ]
@@ -213,8 +225,8 @@ def prepare_microbatches(
         planned_ranks = [int(r) for r in mb.ranks]
         if ranks is not None:
             planned_ranks = [int(ranks[r]) for r in planned_ranks]
-        actual = group_ranks(group)
-        if actual != planned_ranks:
+        actual = group_ranks(group)  # torch's member order (ascending); a plan's block is a set of ranks
+        if sorted(actual) != sorted(planned_ranks):
             raise ValueError(
                 f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
                 f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "
@@ -227,24 +239,6 @@ def prepare_microbatches(
             )
         )
     return out
-
-
-def allreduce_sum(value: Union[int, float, torch.Tensor], *, group: Optional[dist.ProcessGroup] = None,
-                  device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
-    """Sum a scalar (or tensor) over ``group`` (default: the world); float64 for floats, int64 for ints.
-
-    Note: here, as in ``torch.distributed``, ``group=None`` means the **world**, not CP1 — to reduce over a
-    microbatch's CP group, skip the call when ``mb.group is None``.
-
-    ``device`` must suit the backend (a CUDA device for NCCL). Without ``torch.distributed`` it returns the value.
-    """
-    t = torch.as_tensor(value).detach().clone()
-    t = t.to(torch.int64 if not t.is_floating_point() else torch.float64)
-    if device is not None:
-        t = t.to(device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
 
 
 def global_num_targets(
@@ -286,7 +280,8 @@ def run_microbatches(
 
     The loss backpropagated for a microbatch is ``loss_fn(output, labels) / num_targets`` where ``loss_fn``
     returns the **sum** of per-token losses over the local real targets and ``num_targets`` is the global count
-    (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards.
+    (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards
+    — or use :func:`run_step`, which does both and also drives DDP and FSDP2.
 
     Returns:
         This rank's summed (un-normalised) loss, a float64 scalar tensor on the loss's device (no host sync);
@@ -312,36 +307,142 @@ def run_microbatches(
     return total
 
 
-def allreduce_gradients(
-    model_or_params: Union[torch.nn.Module, Iterable[torch.nn.Parameter]],
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    average: bool = False,
-) -> None:
-    """Sum (or average) the gradients of every parameter over ``group`` (default: the world), in place.
+def empty_microbatch(
+    *, device: Optional[Union[torch.device, str]] = None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX
+) -> LocalMicrobatch:
+    """A microbatch with no target: one CP1 document of 2 padding tokens, every label ``ignore_index``.
 
-    With :func:`run_microbatches`' normalisation the **sum** is the gradient of the global per-token loss; use
-    ``average=True`` only with a loss normalised per rank. A parameter without ``.grad`` (no local token reached
-    it) takes part as zeros, so every rank issues the same collectives. Gradients are flattened into one buffer
-    per (device, dtype) — one ``all_reduce`` each. Without ``torch.distributed`` it does nothing.
+    :func:`run_step` runs it when the gradient sync happens inside a backward (FSDP2) and this rank's last
+    microbatch is not CP1 (or it has none): its forward and a backward of **zero** output gradients let FSDP
+    reduce-scatter after every ring of the step, without changing any gradient. A custom ``forward`` must accept it
+    (``mb.num_targets == 0``, ``mb.seqs == ()``).
+
+    Example::
+
+        mb = empty_microbatch(device="cuda")
+        logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)   # [2, vocab]
     """
-    params = list(model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params)
-    params = [p for p in params if p.requires_grad]
-    if not dist.is_initialized():
-        return
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p)
-    world = dist.get_world_size(group)
-    for (_device, _dtype), ps in sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        if average:
-            flat /= world
-        offset = 0
-        for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+    ids = torch.full((2,), pad_id, dtype=torch.long, device=device)
+    labels = torch.full((2,), ignore_index, dtype=torch.long, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.int32)  # host, like every LocalMicrobatch
+    return LocalMicrobatch(cp=1, group=None, input_ids=ids, labels=labels, cu_seqlens=cu, max_seqlen=2,
+                           num_targets=0, seqs=())
+
+
+def _grad_tensors(out: Any) -> list[torch.Tensor]:
+    """The floating tensors of a forward's output (tensor, mapping or sequence of them) that require grad."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _grad_tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _grad_tensors(v)]
+    return []
+
+
+def _run_empty(module: Any, forward: Callable[[Any, LocalMicrobatch], Any], device: torch.device) -> None:
+    """Forward the empty microbatch and backpropagate zeros: every parameter gets a zero gradient contribution."""
+    mb = empty_microbatch(device=device)
+    with runtime_cp(None, local_cp_size=1):
+        out = forward(module, mb)
+    tensors = _grad_tensors(out)
+    if not tensors:
+        raise RuntimeError(
+            f"run_step: the forward of the empty microbatch returned no tensor that requires grad "
+            f"({type(out).__name__}); the gradient sync needs one backward on every rank"
+        )
+    torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :func:`run_step` returns on every rank.
+
+    Attributes:
+        loss_sum: this rank's summed (un-normalised) loss, a float64 scalar on the model's device (no host sync).
+        num_targets: real targets of the global batch (the loss's denominator).
+        num_microbatches: real microbatches this rank ran (an empty one is not counted).
+        group: the data-parallel group (``None``: the world) of the sync.
+    """
+
+    loss_sum: torch.Tensor
+    num_targets: int
+    num_microbatches: int
+    group: Optional[dist.ProcessGroup]
+
+    def global_loss(self) -> float:
+        """The global per-token loss; collective over ``group`` (every rank calls it), one host sync."""
+        return float(allreduce_sum(self.loss_sum, group=self.group).item()) / self.num_targets
+
+
+def run_step(
+    model: torch.nn.Module,
+    microbatches: Iterable[LocalMicrobatch],
+    *,
+    sync: Optional[GradientSync] = None,
+    num_targets: Optional[int] = None,
+    forward: Callable[[Any, LocalMicrobatch], torch.Tensor] = _default_forward,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+) -> StepResult:
+    """One training step's forward and backward of every microbatch of this rank, gradients synchronised once.
+
+    Collective over the data-parallel group: every rank calls it, with its own microbatches — any number,
+    **none included**. ``sync`` (default :func:`~cpscope.hybrid.sync.gradient_sync` of ``model``, built per call:
+    pass one built once to skip the checks) decides how: a plain module's gradients are summed after the last
+    backward, ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once,
+    FSDP2 modules are unsharded once and reduce-scatter once, in one CP1 backward at the end — the last
+    microbatch when it is CP1, else an added :func:`empty_microbatch` (see :mod:`cpscope.hybrid.sync`). Afterwards
+    every parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
+    single-process gradient of the whole global batch. Call the optimizer next.
+
+    ``forward(module, mb)`` runs under ``runtime_cp(mb.group)`` and receives ``sync.module`` (for DDP its inner
+    ``.module``) and, under FSDP2, possibly the empty microbatch; ``loss_fn(output, labels)`` returns the **sum** of
+    the per-token losses. ``num_targets`` defaults to :func:`global_num_targets` over ``sync.group`` (one
+    all-reduce).
+
+    Raises:
+        ValueError: ``sync`` was built for another model; ``num_targets`` not positive; what
+            :func:`~cpscope.hybrid.sync.gradient_sync` refuses.
+
+    Example::
+
+        sync = gradient_sync(ddp_model)                   # once
+        for step in range(steps):
+            mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
+            result = run_step(ddp_model, mbs, sync=sync)
+            optimizer.step(); optimizer.zero_grad()
+            print(result.global_loss())
+    """
+    mbs = list(microbatches)
+    if sync is None:
+        sync = gradient_sync(model)
+    elif sync.model is not model:
+        raise ValueError(f"run_step: sync was built for {sync.model.__class__.__name__} object "
+                         f"{id(sync.model):#x}, not for the model passed ({id(model):#x})")
+    if num_targets is None:
+        num_targets = global_num_targets(mbs, group=sync.group, device=sync.device)
+    elif num_targets <= 0:
+        raise ValueError(
+            f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
+    total = torch.zeros((), dtype=torch.float64, device=sync.device)
+    # A sync inside a backward (FSDP2's reduce-scatters) must not interleave with a ring: a rank waiting in a
+    # reduce-scatter would stall a CP peer still exchanging keys and values with it in that microbatch's backward.
+    # So it rides on the last microbatch only when that is CP1, else on an extra empty (CP1) microbatch.
+    inline = bool(mbs) and (not sync.needs_backward or mbs[-1].cp == 1)
+    head = mbs[:-1] if inline else mbs
+    sync.begin_step()
+    try:
+        if head:
+            total = total + run_microbatches(sync.module, head, num_targets=num_targets, forward=forward,
+                                             loss_fn=loss_fn)
+        sync.before_last_microbatch()
+        if inline:
+            total = total + run_microbatches(sync.module, mbs[-1:], num_targets=num_targets, forward=forward,
+                                             loss_fn=loss_fn)
+        elif sync.needs_backward:
+            _run_empty(sync.module, forward, sync.device)
+    except BaseException:
+        sync.abort_step()
+        raise
+    sync.end_step()
+    return StepResult(loss_sum=total, num_targets=num_targets, num_microbatches=len(mbs), group=sync.group)

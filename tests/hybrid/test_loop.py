@@ -130,6 +130,24 @@ def test_prepare_microbatch_cp_contradicting_group_raises():
         prepare_microbatch([torch.arange(8)], cp=2, group=None)
 
 
+def test_hybrid_package_is_the_planner_only_and_old_loop_names_point_to_the_loop():
+    import subprocess
+
+    code = ("import sys, cpscope.hybrid; "
+            "print([m in sys.modules for m in ('cpscope.hybrid.loop', 'cpscope.hybrid.sync')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[False, False]", out
+    import cpscope.hybrid
+
+    with pytest.warns(DeprecationWarning, match=r"cpscope.hybrid.run_microbatches moved: import it from "
+                                                r"cpscope.hybrid.loop"):
+        from cpscope.hybrid import run_microbatches as old
+    assert old is run_microbatches
+    with pytest.raises(AttributeError, match="no attribute 'run_step'"):
+        cpscope.hybrid.run_step  # noqa: B018 - new names live in the loop module only
+
+
 def test_run_microbatches_needs_a_positive_count():
     with pytest.raises(ValueError, match="got 0"):
         run_microbatches(lambda *a, **k: None, [], num_targets=0)
@@ -213,12 +231,17 @@ def _allreduce_gradients_sums_and_fills_missing():
     me = dist.get_rank()
     a = torch.nn.Parameter(torch.zeros(3))
     b = torch.nn.Parameter(torch.zeros(2, 2))
+    c = torch.nn.Parameter(torch.zeros(2))  # no gradient on any rank: stays None (an optimizer skips it)
+    d = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))  # another dtype, and buckets of one tensor each
     a.grad = torch.full((3,), float(me + 1))
+    d.grad = torch.full((5,), 0.5, dtype=torch.float64)
     if me % 2 == 0:  # b has no grad on odd ranks: it must count as zeros, not hang or be skipped
         b.grad = torch.ones(2, 2) * me
-    allreduce_gradients([a, b])
+    allreduce_gradients([a, b, c, d], bucket_bytes=16)
     assert a.grad.tolist() == [10.0] * 3
     assert b.grad.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert c.grad is None
+    assert d.grad.tolist() == [2.0] * 5 and d.grad.dtype == torch.float64
     return True
 
 
