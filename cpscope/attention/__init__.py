@@ -21,11 +21,12 @@ from typing import Any, Optional
 import torch
 
 from ..scope import _UNSET, CPScope, resolve_scope
+from ._dispatch import resolve_variant, run_variant, set_auto_chooser
 from ._inputs import check_attention_inputs
 from .module import ContextParallelAttention
 from .ring import RingPlan, ring_attention
 
-__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention"]
+__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser"]
 
 # How bshd/sbhd run: with the dense kernels (default; cuDNN attention on CUDA) or as packed varlen blocks (each
 # batch row one zigzag-sharded "document"; flash varlen on CUDA). Private knob: tests cover both routes on CPU.
@@ -42,6 +43,7 @@ def context_parallel_attention(
     cu_seqlens: Optional[Any] = None,
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    comm: Optional[str] = None,
     group: Any = _UNSET,
 ) -> torch.Tensor:
     """Local rows of full attention for local zigzag q/k/v, over the active CP group (or ``group=``).
@@ -55,6 +57,9 @@ def context_parallel_attention(
             ``cu_seqlens[-1] / cp`` tokens, every document zigzag-sharded on its own.
         max_seqlen: optional; checked to be at least the longest global sequence / document.
         softmax_scale: default ``1 / sqrt(d)``.
+        comm: the communication variant — ``"p2p"`` (zigzag ring), ``"all_gather"``, ``"a2a"`` (Ulysses; heads
+            must divide by cp), ``"a2a+p2p"`` / ``"a2a+p2p:N"`` (all-to-all in inner groups of N, ring across),
+            ``"auto"``; ``None``: what the active scope carries, else ``"p2p"``. Every variant gives the same rows.
         group: explicit CP group (``None`` = CP1); default: the active scope.
 
     Returns:
@@ -73,7 +78,7 @@ def context_parallel_attention(
     scope = resolve_scope(group)
     return attention_with_scope(
         q, k, v, scope, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        softmax_scale=softmax_scale,
+        softmax_scale=softmax_scale, comm=comm,
     )
 
 
@@ -88,6 +93,7 @@ def attention_with_scope(
     cu_seqlens: Optional[Any] = None,
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    comm: Optional[str] = None,
 ) -> torch.Tensor:
     """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read).
 
@@ -103,6 +109,9 @@ def attention_with_scope(
         q, k, v, qkv_format=qkv_format, cp=scope.size, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
     )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal, cu=cu)  # comm= / scope.comm
+    if variant.name != "p2p":
+        return run_variant(variant, q, k, v, scope, qkv_format=qkv_format, causal=causal, cu=cu, scale=scale)
     if qkv_format == "thd":
         plan = RingPlan(varlen=True, causal=causal, scale=scale, rank=scope.rank, size=scope.size, cu=cu,
                         device=q.device)
