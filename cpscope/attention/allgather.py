@@ -96,6 +96,19 @@ class AllGatherPlan:
             blocks = [_Block("A", 0, size, False), _Block("B", 0, size, False)]
         self.blocks = [b for b in blocks if b.hi > b.lo]
 
+    @classmethod
+    def of(cls, how: Packed, *, rank: int, size: int, causal: bool, scale: float,
+           device: torch.device) -> "AllGatherPlan":
+        """The plan for packed tensors (``how``): the dense kernels for one dense row, else varlen."""
+        return cls(causal=causal, scale=scale, rank=rank, size=size, cu=how.cu, dense=how.rows == 1, device=device)
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``[t, h, d]`` as this plan computes on it (``[1, t, h, d]`` when dense; a view)."""
+        return x.unsqueeze(0) if self.dense else x
+
+    def outer(self, x: torch.Tensor) -> torch.Tensor:
+        return x[0] if self.dense else x
+
     # key sets of the gathered buffers: [cp, c, h, d] (dense) or [cp * t_half, h, d] (varlen)
     def keys(self, g: torch.Tensor, blk: _Block) -> torch.Tensor:
         rp = self.ring
@@ -237,10 +250,7 @@ def all_gather_attention(
 
     Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than calling this directly.
     """
-    dense = how.rows == 1
-    plan = AllGatherPlan(causal=causal, scale=scale, rank=scope.rank, size=scope.size, cu=how.cu, dense=dense,
-                         device=q.device)
-    if dense:  # [t, h, d] -> [1, t, h, d]: the dense kernels
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    plan = AllGatherPlan.of(how, rank=scope.rank, size=scope.size, causal=causal, scale=scale, device=q.device)
+    q, k, v = (plan.inner(x) for x in (q, k, v))
     out = _AllGatherAttention.apply(q, k, v, plan, GroupCollectives(scope.group, scope.size, scope.rank))
-    return out[0] if dense else out
+    return plan.outer(out)
