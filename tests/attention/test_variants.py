@@ -70,8 +70,8 @@ def check(group, comm, fmt: str, causal: bool, h: int, h_kv: int, *, batch: int 
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in loc)), ref):
         want = _to_layout(want[:, idx], fmt)
         err = (got.double() - want).abs().max().item() if want.numel() else 0.0
-        assert err <= tol, f"{comm} {name}: max abs err {err:.3g} > {tol} ({fmt}, causal={causal}, cp={cp}, rank={r}, " \
-                           f"heads {h}/{h_kv}, batch {batch}, cu={cu})"
+        assert err <= tol, f"{comm} {name}: max abs err {err:.3g} > {tol} ({fmt}, causal={causal}, cp={cp}, " \
+                           f"rank={r}, heads {h}/{h_kv}, batch {batch}, cu={cu})"
         worst = max(worst, err)
     return worst
 
@@ -349,3 +349,28 @@ def _te() -> None:
 
 def test_te_adapter_passes_the_variant():
     run_ranks(4, _te)
+
+
+def _compiled() -> list[float]:
+    """A compiled module with a variant (the collectives stay eager behind ``torch.compiler.disable``)."""
+    groups = cpscope.new_cp_groups([2])
+    errs = []
+    for comm in ("all_gather", "a2a"):
+        attn = ContextParallelAttention(qkv_format="thd", comm=comm)
+        f = torch.compile(lambda q, k, v, cu: attn(q, k, v, cu_seqlens=cu) * 2, backend="eager")
+        cu = [0, 8, 24]
+        q, k, v, dout = _case("thd", 4, 2, 9, cu, 0)
+        ref = _reference(q, k, v, 2 * dout, True, cu, None)
+        idx = zigzag_index(cu, 2, dist.get_rank())
+        loc = [t[0, idx].float().requires_grad_(True) for t in (q, k, v)]
+        with cpscope.runtime_cp(groups[2]):
+            out = f(*loc, torch.tensor(cu, dtype=torch.int32))
+        out.backward(dout[0, idx].float())
+        for got, want in zip((out / 2, *(t.grad for t in loc)), ref):
+            errs.append((got.double() - want[0, idx]).abs().max().item())
+    return errs
+
+
+def test_compiled_module_with_a_variant():
+    for errs in run_ranks(2, _compiled):
+        assert len(errs) == 8 and max(errs) <= TOL[torch.float32], errs
