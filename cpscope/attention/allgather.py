@@ -153,7 +153,7 @@ def forward(
     """``(out, lse)`` of the local rows; ``out`` in q's dtype, ``lse`` in the accumulation dtype."""
     gathered = _post_gathers(k, v, plan, coll)  # before any kernel
     out = lse = None
-    for blk in plan.blocks:
+    for j, blk in enumerate(plan.blocks):
         if blk.src == "local":
             kk, vv = k, v
         else:
@@ -165,7 +165,10 @@ def forward(
         else:
             merge_rows_(out, lse, o, l, rows=plan.ring.back_rows() if blk.back else None)
         del o, l, kk, vv
-    for p in (*gathered["A"], *gathered["B"]):  # a source without blocks on this rank
+        if blk.src != "local" and all(b.src != blk.src for b in plan.blocks[j + 1:]):
+            for p in gathered.pop(blk.src):  # this source's gathered K/V are done with
+                p.wait()
+    for p in (p for ps in gathered.values() for p in ps):  # a source without blocks on this rank
         p.wait()
     return out.to(q.dtype), lse
 
@@ -212,7 +215,7 @@ def backward(
         if src not in grads:  # no block of this rank sees that source: it still joins the reduce-scatter
             kg, vg = (p.wait() for p in gathered[src])
             grads[src] = [kg.new_zeros(kg.shape), vg.new_zeros(vg.shape)]
-        for p in gathered[src]:
+        for p in gathered.pop(src):  # its gathered K/V are done with
             p.wait()
         scattered[src] = [coll.reduce_scatter(x) for x in grads.pop(src)]  # before the next kernel
     for p in parts[1:]:
