@@ -120,6 +120,7 @@ def check_comm(comm: Optional[str]) -> Optional[str]:
         return comm
     raise ValueError(f"comm must be one of {COMM_CHOICES} or 'a2a+p2p:N' (N > 1 the inner size), got {comm!r}")
 
+
 # The one piece of state: which scope is active in *this* context (thread / asyncio task). None = unbound.
 _ACTIVE: ContextVar[Optional[CPScope]] = ContextVar("cpscope_active_cp_scope", default=None)
 # The build-time (static) scope. Process-wide on purpose: it is configuration fixed when the model is built,
