@@ -374,3 +374,40 @@ def _compiled() -> list[float]:
 def test_compiled_module_with_a_variant():
     for errs in run_ranks(2, _compiled):
         assert len(errs) == 8 and max(errs) <= TOL[torch.float32], errs
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+def test_packed_blocks_through_the_cudnn_wrapper(comm, monkeypatch):
+    """The variants' varlen block descriptors through cpscope's cuDNN packed-block wrapper (the GPU's default route
+    for thd), against the fake cuDNN frontend of test_cudnn_thd_cpu, on 4 virtual ranks in bf16."""
+    from cpscope.attention import _cudnn_thd, blocks
+    from tests.attention.test_cudnn_thd_cpu import _fake_cudnn
+
+    cudnn = _fake_cudnn()
+    monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
+    monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
+    monkeypatch.setattr(_cudnn_thd, "_handle", lambda device: object())
+    cpu_forward, cpu_backward = blocks._cpu_forward, blocks._cpu_backward
+    routed = []
+
+    def forward(q, k, v, scale, causal, vl):
+        if vl is None:
+            return cpu_forward(q, k, v, scale, causal, vl)
+        routed.append(vl)
+        return _cudnn_thd.forward(q, k, v, vl, scale=scale, causal=causal)
+
+    def backward(dout, q, k, v, out, lse, scale, causal, vl):
+        if vl is None:
+            return cpu_backward(dout, q, k, v, out, lse, scale, causal, vl)
+        return _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=scale, causal=causal)
+
+    monkeypatch.setattr(blocks, "_cpu_forward", forward)
+    monkeypatch.setattr(blocks, "_cpu_backward", backward)
+    _cudnn_thd.clear_cache()
+    try:
+        for causal in (True, False):
+            check_virtual(comm, 4, "thd", causal=causal, heads=(8, 4), lens=[16, 0, 48, 32], d=8,
+                          dtype=torch.bfloat16, tol=2e-2)
+    finally:
+        _cudnn_thd.clear_cache()
+    assert routed  # the wrapper ran
