@@ -62,23 +62,31 @@ class CPScope:
             out = block(x)
     """
 
-    __slots__ = ("group", "size", "rank")
+    __slots__ = ("group", "size", "rank", "comm")
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
+    comm: Optional[str]  # the attention communication variant this scope carries (None: the default, "p2p")
 
-    def __init__(self, group: Optional[dist.ProcessGroup], size: int, rank: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], size: int, rank: int, comm: Optional[str] = None) -> None:
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "comm", comm)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("CPScope is immutable")
 
     def __repr__(self) -> str:
+        comm = "" if self.comm is None else f", comm={self.comm!r}"
         if self.group is None:
-            return "CPScope(CP1)"
-        return f"CPScope(size={self.size}, rank={self.rank}, group={self.group!r})"
+            return f"CPScope(CP1{comm})"
+        return f"CPScope(size={self.size}, rank={self.rank}, group={self.group!r}{comm})"
+
+    def with_comm(self, comm: Optional[str]) -> "CPScope":
+        """This binding carrying the attention communication variant ``comm`` (see :func:`check_comm`)."""
+        comm = check_comm(comm)
+        return self if comm == self.comm else CPScope(self.group, self.size, self.rank, comm)
 
     @property
     def is_cp1(self) -> bool:
@@ -99,6 +107,19 @@ class CPScope:
 
 
 CP1 = CPScope(None, 1, 0)
+
+# Attention communication variants a scope may carry (cpscope.attention._dispatch runs them); "a2a+p2p:N" too.
+COMM_CHOICES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
+
+
+def check_comm(comm: Optional[str]) -> Optional[str]:
+    """``comm`` if it names a variant (or is None), else ``ValueError`` listing the choices."""
+    if comm is None or comm in COMM_CHOICES:
+        return comm
+    if isinstance(comm, str) and comm.startswith("a2a+p2p:") and comm[8:].isdigit() and int(comm[8:]) > 1:
+        return comm
+    raise ValueError(f"comm must be one of {COMM_CHOICES} or 'a2a+p2p:N' (N > 1 the inner size), got {comm!r}")
+
 
 # The one piece of state: which scope is active in *this* context (thread / asyncio task). None = unbound.
 _ACTIVE: ContextVar[Optional[CPScope]] = ContextVar("cpscope_active_cp_scope", default=None)
@@ -188,9 +209,13 @@ class runtime_cp:
         group: the CP group for this microbatch; ``None`` or a size-1 group means CP1.
         local_cp_size: optional cross-check (Megatron's convention). ``1`` requires CP1; ``n > 1`` requires a group
             of size ``n``. A contradiction raises ``ValueError`` naming both values.
+        comm: the attention communication variant of this microbatch (``"p2p"``, ``"all_gather"``, ``"a2a"``,
+            ``"a2a+p2p"``, ``"a2a+p2p:N"``, ``"auto"``), used where attention is called with ``comm=None``;
+            default ``"p2p"``. Backward and recompute use the variant of their forward.
 
     Raises:
-        ValueError: this rank is not a member of ``group``, or ``local_cp_size`` contradicts ``group``.
+        ValueError: this rank is not a member of ``group``, ``local_cp_size`` contradicts ``group``, or ``comm``
+            is not a variant.
 
     Example::
 
@@ -203,11 +228,15 @@ class runtime_cp:
 
     __slots__ = ("_scope", "_tokens")
 
-    def __init__(self, group: Optional[dist.ProcessGroup], *, local_cp_size: Optional[int] = None) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], *, local_cp_size: Optional[int] = None, comm: Optional[str] = None
+    ) -> None:
         if group is None and local_cp_size is None:
             self._scope = CP1
         else:
             self._scope = scope_for(group, local_cp_size)
+        if comm is not None:
+            self._scope = self._scope.with_comm(comm)
         self._tokens: list = []
 
     @classmethod

@@ -2,7 +2,8 @@
 ranks, against an independent float64 full-sequence reference cut per rank.
 
 Hypothesis draws a case in the pytest process (document lengths including 0, exactly 2·cp and long ones; padded
-or not; cp ∈ {1, 2, 4} inside a 4-rank pool; causal or full; MHA, GQA, MQA; bshd, sbhd, thd); every rank of the
+or not; cp ∈ {1, 2, 4} inside a 4-rank pool; causal or full; MHA, GQA, MQA; bshd, sbhd, thd; every communication
+variant the case allows); every rank of the
 pool runs it and checks its own slice, so a failing case shrinks like any Hypothesis example. The reference
 imports nothing of cpscope: its own zigzag index, its own RoPE, plain float64 softmax attention per document.
 
@@ -45,6 +46,7 @@ class Case:
     seq: int  # dense: global sequence length (multiple of 2·cp)
     seed: int
     lay: tuple[int, ...] = ()  # thd: layout (padded) document lengths, multiples of 2·cp, >= real
+    comm: str = "p2p"  # the communication variant
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,7 +145,8 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
             loc = [cpscope.zigzag_shard(t, seq_dim=0, **shard_kw).requires_grad_(True) for t in full]
             rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format="thd", **kw)
             rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format="thd", **kw)
-            out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", causal=case.causal, **kw)
+            out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", causal=case.causal,
+                                                     comm=case.comm, **kw)
             do = cpscope.zigzag_shard(dout_l, seq_dim=0, cu_seqlens=cu_lay)
             outs, grads = out, None
         else:
@@ -158,7 +161,7 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
             rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format=case.layout)
             rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format=case.layout)
             out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format=case.layout, causal=case.causal,
-                                                     **kw)
+                                                     comm=case.comm, **kw)
             dl = dout_l.view(b, S, h, D)
             do = cpscope.zigzag_shard(dl if sd == 1 else dl.transpose(0, 1).contiguous(), seq_dim=sd)
 
@@ -264,7 +267,15 @@ def cases(draw) -> Case:
         seq = m * draw(st.integers(1, 3))
         b = draw(st.integers(1, 2))
         real = [draw(st.integers(0, seq)) if padded else seq for _ in range(b)]
-    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay))
+    comms = ["p2p", "auto"]
+    if not (padded and not causal):  # padding without a causal mask: only the ring masks it
+        comms.append("all_gather")
+        if heads[0] % cp == 0 and heads[1] % cp == 0:
+            comms.append("a2a")
+        if cp == 4 and heads[1] % 2 == 0:
+            comms.append("a2a+p2p:2")
+    comm = draw(st.sampled_from(comms))
+    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay), comm)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -279,7 +290,7 @@ def test_fuzz_shard_rope_attention_vs_float64(case):
 @pytest.mark.parametrize("plant", ["zigzag", "ring"])
 def test_planted_bugs_are_caught(plant):
     """The checker is not blind: a wrong zigzag chunk order and a reversed ring both produce mismatches."""
-    case = Case(4, "thd", True, (4, 2), (16, 8, 24), False, 0, 7, (16, 8, 24))
+    case = Case(4, "thd", True, (4, 2), (16, 8, 24), False, 0, 7, (16, 8, 24), "p2p")
     assert all(r is None for r in run_ranks(WORLD, _run, case, timeout=60))
     results = run_ranks(WORLD, _run_planted, case, plant, timeout=60)
     assert any(r is not None for r in results), f"planted {plant} bug went unnoticed"

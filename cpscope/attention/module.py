@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import scope as _scope_mod
-from ..scope import _ACTIVE, CPScope, capture_scope
+from ..scope import _ACTIVE, CPScope, capture_scope, check_comm
 
 __all__ = ["ContextParallelAttention"]
 
@@ -38,6 +38,7 @@ class ContextParallelAttention(nn.Module):
         qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
         causal: causal mask.
         softmax_scale: default ``1 / sqrt(d)``.
+        comm: communication variant (see :func:`cpscope.context_parallel_attention`); ``None``: the scope's.
 
     Example::
 
@@ -46,9 +47,11 @@ class ContextParallelAttention(nn.Module):
             out = attn(q, k, v, cu_seqlens=cu)     # local zigzag [t_local, h, d]; cu: global offsets
     """
 
-    def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None) -> None:
+    def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None,
+                 comm: Optional[str] = None) -> None:
         super().__init__()
         self.qkv_format, self.causal, self.softmax_scale = qkv_format, causal, softmax_scale
+        self.comm = check_comm(comm)
         self._build_scope: CPScope = capture_scope()
 
     @property
@@ -90,8 +93,9 @@ class ContextParallelAttention(nn.Module):
         scope = self.active_scope()
         return attention_with_scope(
             q, k, v, scope, qkv_format=self.qkv_format, causal=self.causal, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, softmax_scale=self.softmax_scale,
+            max_seqlen=max_seqlen, softmax_scale=self.softmax_scale, comm=self.comm,
         )
 
     def extra_repr(self) -> str:
-        return f"qkv_format={self.qkv_format!r}, causal={self.causal}, build_scope={self._build_scope!r}"
+        comm = "" if self.comm is None else f", comm={self.comm!r}"
+        return f"qkv_format={self.qkv_format!r}, causal={self.causal}{comm}, build_scope={self._build_scope!r}"

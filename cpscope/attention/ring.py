@@ -159,6 +159,15 @@ class RingGeometry:
                 self.rows_from.append(host[-1])
 
 
+def _geometry(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> RingGeometry:
+    """The geometry of offsets given as values (callers without a pack: the collective variants, tests), through the
+    pack cache's bounded LRU — so repeated calls with the same offsets build it once."""
+    from .._pack import pack_for
+
+    pack = pack_for(cu, cp, rank)
+    return pack.memo(("ring", device), lambda: RingGeometry(pack, device))
+
+
 class RingPlan:
     """Static facts of one ring call: layout, causality, scale, and the per-step block shapes.
 
@@ -183,7 +192,7 @@ class RingPlan:
         if varlen:
             if geometry is None:
                 assert cu is not None and device is not None
-                geometry = RingGeometry(Pack(tuple(cu), size, rank), device)
+                geometry = _geometry(tuple(cu), size, rank, device)
             geo = self.geo = geometry
             self.dim, self.c, self.front, self.back = geo.dim, geo.c, geo.front, geo.back
             self.doc_parts = geo.doc_parts
@@ -199,6 +208,10 @@ class RingPlan:
             return "diag"
         src = (self.rank - step) % self.size
         return "kv_front" if src < self.rank else "q_back"
+
+    def varlen_for(self, kind: str) -> Optional[Varlen]:
+        """The varlen description of a block kind (unpadded plans; ``None`` for dense plans)."""
+        return self.geo.vl[kind] if self.varlen else None
 
     def varlen_at(self, step: int) -> Optional[Varlen]:
         """The varlen description of the block at ``step`` (``None`` for dense plans)."""

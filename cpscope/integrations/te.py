@@ -84,6 +84,7 @@ logger = logging.getLogger(__name__)
 #:
 #:     assert all(hasattr(te_attn, name) for name in CP_SETTINGS)   # what a TE-like module must have
 CP_SETTINGS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
+_TE_COMMS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _LBS = "load_balancing_strategy"
 
 StreamProvider = Callable[[Optional[torch.device]], Any]
@@ -137,14 +138,15 @@ def bind_te_cp(
     Args:
         module: a TE ``DotProductAttention`` (or anything with its ``set_context_parallel_group`` and attributes).
         scope: the scope to bind (``resolve_scope(group)``); CP1 binds ``cp_group=None``.
-        cp_comm_type: TE's CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``); default the module's own.
+        cp_comm_type: TE's CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"`` — bound as TE's
+            pair of groups — or ``"auto"``); default the variant ``scope`` carries, else the module's own.
         stream_provider: ``provider(device)`` → the CUDA stream for CP communication; default
             :func:`cpscope.cp_stream`.
         device: passed to ``stream_provider``.
 
     Raises:
-        ValueError: CP > 1 and the provider returned ``None`` (no CUDA stream for ``device``), or ``cp_comm_type`` is
-            ``"a2a+p2p"`` (that needs a pair of groups; cpscope binds one).
+        ValueError: CP > 1 and the provider returned ``None`` (no CUDA stream for ``device``), or a variant the
+            module's heads / the CP size cannot run (``"a2a"``, ``"a2a+p2p"``).
 
     Example::
 
@@ -152,15 +154,15 @@ def bind_te_cp(
             out = te_attn(q, k, v)
     """
     saved = te_cp_settings(module)
-    comm = saved["cp_comm_type"] if cp_comm_type is None else cp_comm_type
+    comm = cp_comm_type if cp_comm_type is not None else scope.comm if scope.comm is not None else saved["cp_comm_type"]
+    cp_group = scope.group
     if scope.size == 1:
+        comm = comm if comm in _TE_COMMS else saved["cp_comm_type"]  # TE ignores it without CP
         bound: dict[str, Any] = {"cp_group": None, "cp_global_ranks": None, "cp_stream": None, "cp_comm_type": comm}
     else:
-        if comm == "a2a+p2p":
-            raise ValueError(
-                f"cp_comm_type='a2a+p2p' needs a pair of groups [a2a, p2p]; cpscope binds one group of size "
-                f"{scope.size}: pass cp_comm_type='p2p', 'all_gather' or 'a2a'"
-            )
+        from ..attention._dispatch import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
+
+        cp_group, comm = te_binding(scope, comm, module)
         stream = stream_provider(device)
         if stream is None:
             raise ValueError(
@@ -168,7 +170,7 @@ def bind_te_cp(
                 f"None) while binding a CP group of size {scope.size}; TransformerEngine context parallelism needs "
                 "CUDA tensors and a stream (cpscope.cp_stream() returns one on a CUDA device)"
             )
-        bound = {"cp_group": scope.group, "cp_global_ranks": group_ranks(scope.group), "cp_stream": stream,
+        bound = {"cp_group": cp_group, "cp_global_ranks": group_ranks(scope.group), "cp_stream": stream,
                  "cp_comm_type": comm}
     # cpscope's layout is TE's default DUAL_CHUNK_SWAP, which set_context_parallel_group applies when not given.
     _apply(module, bound)

@@ -1,0 +1,207 @@
+"""Which communication variant runs a call, and running it: the one place that knows all the variants.
+
+Variants (``comm=``): ``"p2p"`` (the zigzag ring, the default), ``"all_gather"``, ``"a2a"`` (Ulysses), ``"a2a+p2p"``
+(hierarchical; ``"a2a+p2p:N"`` names the inner size) and ``"auto"``. ``None`` means what the active scope carries
+(``runtime_cp(group, comm=...)``), else ``"p2p"``. The variant is resolved once, in forward; each variant's autograd
+function keeps what it needs on ``ctx``, so backward and recompute use the variant of their forward. Under CP1 every
+variant is the same local attention and runs as such.
+
+``"auto"`` asks :func:`choose_variant`, whose rule is replaceable: :func:`set_auto_chooser` installs a function of a
+:class:`VariantQuery` (the hook for a fitted cost model). It must be deterministic — every rank of the group asks
+it with the same query and must get the same answer. The default rule (:func:`default_rule`):
+
+1. heads divide by ``cp`` (q and k/v): ``"a2a"`` — balanced by heads whatever the documents, and its traffic per
+   rank does not grow with ``cp``;
+2. else few k/v heads (``h >= 4 * h_kv``, GQA / MQA): ``"all_gather"`` — gathering K/V costs little;
+3. else ``"p2p"``.
+
+Example::
+
+    with cpscope.runtime_cp(groups[4], comm="auto"):
+        out = cpscope.context_parallel_attention(q, k, v)         # a2a for 32/8 heads, all_gather for 32/2
+    cpscope.attention.set_auto_chooser(lambda query: "p2p")       # e.g. a calibrated cost model
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from ..scope import COMM_CHOICES, CPScope, check_comm
+from ._exchange import packed, unpacked
+from .allgather import all_gather_attention
+from .hierarchical import check_inner_size, hierarchical_attention
+from .ulysses import a2a_attention, check_heads
+
+__all__ = ["VARIANTS", "VariantQuery", "Variant", "default_rule", "choose_variant", "set_auto_chooser",
+           "resolve_variant", "run_variant", "te_binding"]
+
+logger = logging.getLogger(__name__)
+
+VARIANTS = ("p2p", "all_gather", "a2a", "a2a+p2p")
+assert set(VARIANTS) | {"auto"} == set(COMM_CHOICES)
+
+
+@dataclass(frozen=True)
+class VariantQuery:
+    """What ``"auto"`` knows about a call (the same on every rank of the group).
+
+    ``heads`` / ``kv_heads``: q and k/v heads of the call (per tensor-parallel rank); ``seq_lens``: global lengths of
+    the sequences (``thd``: the documents; dense: one per batch row; empty where unknown, e.g. when the TE adapter
+    binds a module before its forward).
+    """
+
+    cp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv_format: str
+    causal: bool
+    seq_lens: tuple[int, ...] = ()
+    dtype: Optional[torch.dtype] = None
+    device_type: str = "cuda"
+
+
+class Variant(NamedTuple):
+    """A resolved choice: the variant's name and, for ``"a2a+p2p"``, the inner size."""
+
+    name: str
+    inner: Optional[int] = None
+
+
+def default_rule(query: VariantQuery) -> str:
+    """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring)."""
+    if query.cp == 1:
+        return "p2p"
+    if query.heads % query.cp == 0 and query.kv_heads % query.cp == 0:
+        return "a2a"
+    if query.heads >= 4 * query.kv_heads:
+        return "all_gather"
+    return "p2p"
+
+
+_chooser: Callable[[VariantQuery], str] = default_rule
+
+
+def set_auto_chooser(fn: Optional[Callable[[VariantQuery], str]]) -> Callable[[VariantQuery], str]:
+    """Install the function ``"auto"`` asks (``None``: the default rule); returns the previous one.
+
+    Process-wide configuration, like the build-time group: set it once at start-up on every rank. ``fn(query)``
+    returns one of ``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``, ``"a2a+p2p:N"`` and must be
+    deterministic.
+
+    Example::
+
+        previous = set_auto_chooser(my_cost_model.best_variant)
+    """
+    global _chooser
+    old, _chooser = _chooser, (default_rule if fn is None else fn)
+    return old
+
+
+def choose_variant(query: VariantQuery) -> str:
+    """The variant ``"auto"`` picks for ``query`` (the installed chooser; default :func:`default_rule`)."""
+    name = _chooser(query)
+    try:
+        check_comm(name)
+    except ValueError as e:
+        raise ValueError(f"the auto chooser {_chooser!r} returned {name!r}, not a variant: {e}") from None
+    if name == "auto":
+        raise ValueError(f"the auto chooser {_chooser!r} returned 'auto'; it must name a variant")
+    return name
+
+
+def _query(q: torch.Tensor, k: torch.Tensor, *, scope: CPScope, qkv_format: str, causal: bool,
+           cu: Optional[tuple[int, ...]]) -> VariantQuery:
+    if qkv_format == "thd":
+        lens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
+    else:
+        b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
+        lens = (s * scope.size,) * b
+    return VariantQuery(scope.size, q.shape[-2], k.shape[-2], q.shape[-1], qkv_format, causal, lens, q.dtype,
+                        q.device.type)
+
+
+def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: torch.Tensor, *, qkv_format: str,
+                    causal: bool, cu: Optional[tuple[int, ...]]) -> Variant:
+    """The variant of this call (after the shared input checks, before any collective).
+
+    Raises:
+        ValueError: an unknown ``comm``; a variant these heads / this CP size cannot run (with what would work).
+    """
+    spec = check_comm(comm) if comm is not None else (scope.comm or "p2p")
+    if scope.size == 1:  # every variant is the same local attention
+        return Variant("p2p")
+    if spec == "auto":
+        spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu))
+        logger.debug("comm='auto' chose %r (cp=%d, heads %d/%d, %s)", spec, scope.size, q.shape[-2], k.shape[-2],
+                     qkv_format)
+    name, _, inner = spec.partition(":")
+    h, h_kv = q.shape[-2], k.shape[-2]
+    if name == "a2a":
+        check_heads(h, h_kv, scope.size, variant="a2a", cp=scope.size)
+    if name == "a2a+p2p":
+        return Variant(name, check_inner_size(int(inner) if inner else None, scope.size, h, h_kv))
+    return Variant(name)
+
+
+def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, *,
+                qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float) -> torch.Tensor:
+    """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout."""
+    qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
+    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale}
+    if variant.name == "a2a+p2p":
+        kw["inner"] = variant.inner
+    out = _RUNNERS[variant.name](qp, kp, vp, **kw)
+    return unpacked(out, how)
+
+
+def _te_heads(module: Any) -> Optional[tuple[int, int]]:
+    """(q heads, k/v heads) per tensor-parallel rank of a TE attention module, where it says."""
+    h, g = getattr(module, "num_attention_heads", None), getattr(module, "num_gqa_groups", None)
+    if not isinstance(h, int) or not isinstance(g, int):
+        return None
+    tp = getattr(module, "tp_size", 1) or 1
+    return h // tp, g // tp
+
+
+def te_binding(scope: CPScope, comm: str, module: Any) -> tuple[Any, str]:
+    """TE's ``(cp_group, cp_comm_type)`` for a CP > 1 ``scope`` and a requested variant.
+
+    ``"auto"`` is resolved from the module's heads (``num_attention_heads`` / ``num_gqa_groups`` per TP rank;
+    ``"p2p"`` where it does not say), ``"a2a+p2p[:N]"`` becomes TE's pair ``[a2a_group, p2p_group]`` (the
+    hierarchical groups of :mod:`cpscope.attention.hierarchical`, TE's numbering). Other names pass through.
+
+    Raises:
+        ValueError: an unknown variant; ``"a2a"`` / ``"a2a+p2p"`` with heads (or a CP size) they cannot shard.
+    """
+    name, _, inner = check_comm(comm).partition(":")
+    heads = _te_heads(module)
+    if name == "auto":
+        if heads is None:
+            return scope.group, "p2p"
+        hd = getattr(module, "hidden_size_per_attention_head_k", getattr(module, "hidden_size_per_attention_head", 0))
+        query = VariantQuery(scope.size, heads[0], heads[1], int(hd or 0), str(getattr(module, "qkv_format", "")),
+                             "causal" in str(getattr(module, "attn_mask_type", "causal")))
+        name, _, inner = choose_variant(query).partition(":")
+    if name == "a2a" and heads is not None:
+        check_heads(heads[0], heads[1], scope.size, variant="a2a", cp=scope.size)
+    if name != "a2a+p2p":
+        return scope.group, name
+    if heads is None and not inner:
+        check_inner_size(None, scope.size, scope.size, scope.size)  # a CP size without proper divisors: its error
+        raise ValueError(f"cp_comm_type='a2a+p2p' for a module whose heads cpscope cannot read: name the inner size, "
+                         f"e.g. 'a2a+p2p:2' (CP size {scope.size})")
+    h, h_kv = heads if heads is not None else (0, 0)  # unknown heads: TE checks them itself
+    n = check_inner_size(int(inner) if inner else None, scope.size, h, h_kv)
+    from .hierarchical import hierarchical_groups
+
+    return list(hierarchical_groups(scope.group, n)), "a2a+p2p"
+
+
+# name -> runner, looked up per call (a test may wrap one to see which variant ran)
+_RUNNERS: dict[str, Callable[..., torch.Tensor]] = {
+    "all_gather": all_gather_attention, "a2a": a2a_attention, "a2a+p2p": hierarchical_attention,
+}

@@ -1,0 +1,146 @@
+"""Hierarchical (USP-style, TE's ``a2a+p2p``) CP attention: all-to-all inside inner groups, the zigzag ring across.
+
+The CP group of size ``cp = inner * outer`` is seen as a grid: group rank ``g = o * inner + i`` is rank ``i`` of the
+inner (all-to-all) group ``o`` — ``inner`` consecutive group ranks, e.g. the GPUs of one node — and rank ``o`` of the
+outer group ``i`` (ranks ``i, i + inner, ...``); TE uses the same numbering (``cp_rank = inner * p2p_rank +
+a2a_rank``).
+
+Why no re-sharding is needed: rank ``g`` holds chunks ``g`` and ``2cp-1-g`` of every sequence. The inner group ``o``
+together holds chunks ``o*inner .. (o+1)*inner - 1`` and their mirror images — exactly outer rank ``o``'s zigzag
+shard for a ring of size ``outer`` (chunks ``o`` and ``2*outer-1-o`` of ``2*outer`` super-chunks). And inside that
+shard, inner rank ``i`` holds sub-chunks ``i`` and ``2*inner-1-i``: the zigzag layout of the shard over ``inner``
+ranks. So the Ulysses exchange over the inner group, with the outer-local offsets ``cu // outer``, delivers each rank
+the outer ring's local layout for ``h/inner`` heads; the ring (:mod:`cpscope.attention.ring`) runs across the outer
+group; the reverse exchange brings the rows home. One autograd function (:mod:`cpscope.attention.ulysses`) does all.
+
+Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups for a CP group, from the registry
+(``cpscope.groups.hierarchical_cp_groups``) when it exists, else from a private stand-in here (created on first use,
+collectively over the members of the CP group, with ``new_group(..., use_local_synchronization=True)``; cached).
+
+Inner size: ``comm="a2a+p2p:N"`` names it; plain ``"a2a+p2p"`` takes :func:`default_inner_size` (the largest
+proper divisor of ``cp`` that divides both head counts, at most 8 — one node of 8 GPUs).
+
+Example::
+
+    with cpscope.runtime_cp(groups[8], comm="a2a+p2p:4"):      # 2 x 4: all-to-all in 4s, ring of 2
+        out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd")
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..groups import group_ranks
+from ..scope import CPScope
+from ._exchange import GroupCollectives, Packed
+from .ulysses import UlyssesPlan, check_heads, run
+
+__all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hierarchical_attention"]
+
+_MAX_DEFAULT_INNER = 8
+_GROUPS: dict[tuple[Any, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_LOCK = threading.Lock()
+
+
+def default_inner_size(cp: int, heads: int, kv_heads: int) -> Optional[int]:
+    """The largest ``n`` with ``1 < n < cp``, ``n | cp``, ``n | heads``, ``n | kv_heads`` and ``n <= 8``; else None.
+
+    Example::
+
+        default_inner_size(8, 32, 8)     # 4
+        default_inner_size(4, 16, 1)     # None: MQA has one k/v head to shard
+    """
+    ok = [n for n in range(2, min(cp - 1, _MAX_DEFAULT_INNER) + 1)
+          if cp % n == 0 and heads % n == 0 and kv_heads % n == 0]
+    return max(ok) if ok else None
+
+
+def check_inner_size(inner: Optional[int], cp: int, heads: int, kv_heads: int) -> int:
+    """The inner size to use (``inner`` or the default), or ``ValueError`` naming the sizes that would work."""
+    if inner is None:
+        inner = default_inner_size(cp, heads, kv_heads)
+        if inner is None:
+            divisors = [n for n in range(2, cp) if cp % n == 0]
+            raise ValueError(
+                f"comm='a2a+p2p' needs an inner size n with 1 < n < cp, n dividing cp={cp} and both head counts "
+                f"(q {heads}, k/v {kv_heads}); proper divisors of cp: {divisors or 'none'}. Use comm='a2a' (all-to-all "
+                f"over the whole group), 'all_gather' or 'p2p', or name the size as 'a2a+p2p:N'"
+            )
+        return inner
+    if not 1 < inner < cp or cp % inner:
+        raise ValueError(
+            f"comm='a2a+p2p:{inner}': the inner size must divide the CP size {cp} and lie strictly between 1 and "
+            f"{cp} (use comm='a2a' for an all-to-all over the whole group, 'p2p' for the ring alone)"
+        )
+    check_heads(heads, kv_heads, inner, variant="a2a+p2p", cp=cp)
+    return inner
+
+
+def _expected(group: dist.ProcessGroup, inner: int) -> tuple[list[int], list[int]]:
+    ranks = group_ranks(group)
+    g = ranks.index(dist.get_rank())
+    o, i = divmod(g, inner)
+    return ranks[o * inner:(o + 1) * inner], ranks[i::inner]
+
+
+def _stand_in_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Private stand-in for the registry's hierarchical groups: this rank's inner and outer group, created once.
+
+    Collective over the members of ``group`` only (local synchronisation): every member creates its inner group,
+    then its outer group, so the creations pair up without a deadlock.
+    """
+    key = (group, inner)
+    with _LOCK:
+        hit = _GROUPS.get(key)
+    if hit is not None:
+        return hit
+    in_ranks, out_ranks = _expected(group, inner)
+    pair = (dist.new_group(in_ranks, use_local_synchronization=True),
+            dist.new_group(out_ranks, use_local_synchronization=True))
+    with _LOCK:
+        return _GROUPS.setdefault(key, pair)
+
+
+def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(inner_group, outer_group)`` of this rank for the CP ``group`` split into inner groups of ``inner`` ranks.
+
+    Collective over the members of ``group`` the first time (cached after). Uses the registry's
+    ``cpscope.groups.hierarchical_cp_groups(group, inner)`` when it exists, and checks that its groups follow the
+    numbering above (inner: consecutive group ranks; outer: every ``inner``-th).
+
+    Raises:
+        ValueError: the registry's groups are numbered otherwise.
+
+    Example::
+
+        inner_g, outer_g = hierarchical_groups(groups[8], 4)    # on global rank 5: ranks [4..7] and [1, 5]
+    """
+    from .. import groups as registry
+
+    make = getattr(registry, "hierarchical_cp_groups", None)
+    pair = make(group, inner) if make is not None else _stand_in_groups(group, inner)
+    want = _expected(group, inner)
+    got = (group_ranks(pair[0]), group_ranks(pair[1]))
+    if got != want:
+        raise ValueError(
+            f"hierarchical CP groups of a group with ranks {group_ranks(group)} and inner size {inner} must be inner "
+            f"{want[0]} and outer {want[1]} on this rank (TE's numbering), got inner {got[0]} and outer {got[1]}"
+        )
+    return pair
+
+
+@torch.compiler.disable  # collectives and a custom Function: always eager
+def hierarchical_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
+    inner: int,
+) -> torch.Tensor:
+    """``a2a+p2p`` attention on validated packed ``[t, h, d]`` tensors (``inner`` checked by
+    :func:`check_inner_size`). Use :func:`cpscope.context_parallel_attention` with ``comm="a2a+p2p"``."""
+    inner_g, outer_g = hierarchical_groups(scope.group, inner)
+    o, i = divmod(scope.rank, inner)
+    outer = scope.size // inner
+    plan = UlyssesPlan(causal=causal, scale=scale, how=how, inner=(i, inner), outer=(o, outer), device=q.device)
+    return run(q, k, v, plan, GroupCollectives(inner_g, inner, i), outer_g)
