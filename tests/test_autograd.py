@@ -1,8 +1,9 @@
-"""The scope survives autograd: debug mode, scope-preserving checkpoint, microbatches, backward on other threads.
+"""The scope survives autograd: the backward read check, scope-preserving checkpoint, microbatches, other threads.
 
-Layered: pure tests (no process group; fake ``CPScope`` objects stand in for groups) for the debug mode, the
-recompute binding and ``Microbatch``; then 4-rank gloo tests with the real ring attention + RoPE against a float64
-full-sequence reference cut per rank, in schedules that separate a microbatch's forward from its backward.
+Layered: pure tests (no process group; fake ``CPScope`` objects stand in for groups) for the backward read check
+(on by default), the recompute binding and ``MicrobatchScope``; then 4-rank gloo tests with the real ring
+attention + RoPE against a float64 full-sequence reference cut per rank, in schedules that separate a microbatch's
+forward from its backward.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import cpscope
-from cpscope.checkpoint import checkpoint, reentered, scope_context_fn, scoped
-from cpscope.microbatch import Microbatch
-from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope, set_debug_autograd_reads
+from cpscope.microbatch import MicrobatchScope
+from cpscope.recompute import checkpoint, reentered, scope_context_fn, scoped
+from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope
 from tests.distributed import run_ranks
 
 # Stand-ins for real groups in pure tests: the scope machinery never calls into them.
@@ -29,11 +30,10 @@ S4 = CPScope(object(), 4, 3)
 
 @pytest.fixture
 def debug_reads():
-    set_debug_autograd_reads(True)
-    try:
-        yield
-    finally:
-        set_debug_autograd_reads(False)
+    """The backward read check is on by default: tests using this fixture rely on it (and leave it on)."""
+    assert cpscope.backward_read_check_enabled()
+    yield
+    cpscope.set_backward_read_check(True)
 
 
 class _ReadsScopeInBackward(torch.autograd.Function):
@@ -79,7 +79,7 @@ def _in_thread(fn: Callable[[], Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Debug mode: reading the ContextVar inside backward raises
+# The backward read check (default on): reading the ContextVar inside backward raises
 
 
 def test_debug_mode_catches_function_backward_read(debug_reads):
@@ -144,11 +144,13 @@ def test_debug_mode_off_and_correct_patterns_pass(debug_reads):
     with S2.bind():  # a different scope bound during backward changes nothing
         (y.sum() + h.sum()).backward()
     assert torch.equal(x.grad, torch.full((3,), 8.0))
-    set_debug_autograd_reads(False)
     x.grad = None
     with S2.bind():
         y = _ReadsScopeInBackward.apply(x)
-    y.sum().backward()  # debug off: no error (and, outside every scope, the buggy op sees CP1 -- a wrong grad)
+    with cpscope.allow_scope_reads_in_backward():  # the expert opt-out, restored on exit
+        assert not cpscope.backward_read_check_enabled()
+        y.sum().backward()  # no error (and, outside every scope, the buggy op sees CP1 -- a wrong grad)
+    assert cpscope.backward_read_check_enabled()
     assert torch.equal(x.grad, torch.ones(3))
 
 
@@ -260,17 +262,17 @@ def test_nested_checkpoint_and_bad_arguments(debug_reads):
     with pytest.raises(ValueError, match="CPScope"):
         scoped(lambda: None, 2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CPScope"):
-        Microbatch(None)  # type: ignore[arg-type]
+        MicrobatchScope(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="callable"):
         scope_context_fn(3)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Microbatch (pure)
+# MicrobatchScope (pure)
 
 
 def test_microbatch_carries_scope_through_interleaved_schedule(debug_reads):
-    a, b = Microbatch(S2), Microbatch(S4)
+    a, b = MicrobatchScope(S2), MicrobatchScope(S4)
     xa = torch.ones(3, requires_grad=True)
     xb = torch.ones(3, requires_grad=True)
     hook_seen: list[int] = []
@@ -292,7 +294,7 @@ def test_microbatch_carries_scope_through_interleaved_schedule(debug_reads):
     b.backward(yb.sum())
     assert torch.equal(xa.grad, torch.full((3,), 2.0)) and torch.equal(xb.grad, torch.full((3,), 4.0))
     assert hook_seen == [2] and b_bound == [S4]
-    assert Microbatch.capture().scope is CP1 and Microbatch.of(None).scope is CP1
+    assert MicrobatchScope.capture().scope is CP1 and MicrobatchScope.of(None).scope is CP1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,7 +347,7 @@ class _Mb:
     def __init__(self, seed: int, group: Any) -> None:
         g = torch.Generator().manual_seed(seed)
         self.full = [torch.randn(B, L, H, D, generator=g, dtype=torch.float64) for _ in range(4)]  # q k v w
-        self.group, self.mb = group, Microbatch.of(group)
+        self.group, self.mb = group, MicrobatchScope.of(group)
         self.seen: list = []
 
     def forward(self, mode: str, freqs: torch.Tensor) -> None:
@@ -380,7 +382,7 @@ class _Mb:
 
 def _interleaved(mode: str, sizes: tuple[int, int]) -> list:
     """Forward A (CP sizes[0]), forward B (CP sizes[1]); backward A outside any scope, backward B under CP1."""
-    set_debug_autograd_reads(True)  # proves nothing in backward / recompute reads the ContextVar unbound
+    assert cpscope.backward_read_check_enabled()  # proves nothing in backward / recompute reads the ContextVar
     groups = cpscope.new_cp_groups([1, 2, 4])
     freqs = _ref_freqs(D, L)
     a, b = _Mb(1, groups[sizes[0]]), _Mb(2, groups[sizes[1]])
@@ -406,8 +408,8 @@ def test_interleaved_microbatches_grads_match_reference(mode, sizes):
 
 
 def _backward_on_thread() -> None:
-    """Checkpointed A under CP2, B under CP4; A's backward (with recompute) runs on another thread, debug mode on."""
-    set_debug_autograd_reads(True)
+    """Checkpointed A under CP2, B under CP4; A's backward (with recompute) runs on another thread, check on."""
+    assert cpscope.backward_read_check_enabled()
     groups = cpscope.new_cp_groups([1, 2, 4])
     freqs = _ref_freqs(D, L)
     a, b = _Mb(3, groups[2]), _Mb(4, groups[4])
@@ -457,21 +459,17 @@ def test_cuda_recompute_on_device_thread_sees_captured_scope(debug_reads, use_re
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
 
 
-def test_module_read_in_plain_checkpoint_recompute_is_caught_in_debug_mode():
-    """ContextParallelAttention with nothing bound: a recompute in backward must still trip the debug check."""
+def test_module_read_in_plain_checkpoint_recompute_is_caught_by_default():
+    """ContextParallelAttention with nothing bound: a recompute in backward must still trip the default check."""
     import torch.utils.checkpoint as tuc
 
     from cpscope.attention import ContextParallelAttention
 
     attn = ContextParallelAttention(qkv_format="bshd", causal=True)
     q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    cpscope.set_debug_autograd_reads(True)
-    try:
-        out = tuc.checkpoint(lambda a, b, c: attn(a, b, c), q, k, v, use_reentrant=False)
-        with pytest.raises(cpscope.ScopeReadInBackwardError):
-            out.sum().backward()
-    finally:
-        cpscope.set_debug_autograd_reads(False)
+    out = tuc.checkpoint(lambda a, b, c: attn(a, b, c), q, k, v, use_reentrant=False)
+    with pytest.raises(cpscope.ScopeReadInBackwardError, match="cpscope.checkpoint"):
+        out.sum().backward()
 
 
 def test_scoped_wrapper_called_concurrently_from_threads_keeps_each_binding():

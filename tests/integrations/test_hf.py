@@ -8,6 +8,8 @@ does not reach the ring (e.g. the default ``1/sqrt(d)``) fails the comparisons.
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import cpscope  # noqa: E402
-from cpscope.checkpoint import scope_context_fn  # noqa: E402
+from cpscope.recompute import scope_context_fn  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
 from tests.attention._reference import zigzag_index  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -84,17 +86,43 @@ def _reference(ref, batch, packed: bool):
     return out.logits.detach(), loss.detach(), grads
 
 
-def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=False):
-    cpscope.set_debug_autograd_reads(True)  # backward must never read the active scope
+def _enable_checkpointing(model, mode: str) -> None:
+    """transformers' own activation checkpointing, as users turn it on; ``mode`` picks the call and its kwargs."""
+    model.train()
+    if mode == "hf_default":  # the call users make first: HF's default kwargs ({"use_reentrant": False} in 5.x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated alias of activation_checkpointing_enable
+            model.gradient_checkpointing_enable()
+        return
+    kwargs = {
+        "context_fn": {"use_reentrant": False, "context_fn": scope_context_fn()},  # the explicit, documented way
+        "reentrant": {"use_reentrant": True},
+        "non_reentrant": {"use_reentrant": False},
+    }[mode]
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _count_attention_calls(model) -> list[int]:
+    """A counter of attention module calls (forward and, with checkpointing, the recompute in backward)."""
+    calls = [0]
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=None):
+    assert cpscope.backward_read_check_enabled()  # on by default: backward must never read the active scope
     groups = cpscope.new_cp_groups(sorted(set(sizes)))
     model, ref = _models(family)
     if checkpointing:  # recompute in backward (outside the scope) must re-enter the forward's scope
-        model.train()
-        kwargs = {"use_reentrant": False, "context_fn": scope_context_fn()}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        _enable_checkpointing(model, checkpointing)
+    calls = _count_attention_calls(model)
+    layers = len(model.model.layers)
     batch = _batch(packed)
     ref_logits, ref_loss, ref_grads = _reference(ref, batch, packed)
     cu = [0] + torch.cumsum(torch.tensor(DOCS), 0).tolist() if packed else [0, SEQ]
@@ -107,7 +135,9 @@ def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=Fals
         rank = cpscope.scope.scope_for(group).rank
         idx = zigzag_index(cu, size, rank)
         torch.testing.assert_close(out.logits, ref_logits[:, idx].float(), atol=1e-4, rtol=1e-4)
-        out.loss.backward()  # outside the scope: the ring kept its group on ctx
+        calls[0] = 0
+        out.loss.backward()  # outside the scope: the ring kept its group on ctx, the recompute re-enters CP<size>
+        assert calls[0] == (layers if checkpointing else 0), calls  # really recomputed (or not) in backward
         loss = out.loss.detach().clone()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         if group is not None:
@@ -131,7 +161,47 @@ def test_llama_matches_reference_4_ranks(packed):
 
 
 def test_llama_with_activation_checkpointing_2_ranks():
-    assert run_ranks(2, _decoder_matches_reference, [2, 1], True, "llama", True) == [True, True]
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], True, "llama", "context_fn") == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["hf_default", "reentrant", "non_reentrant"])
+def test_llama_with_transformers_own_checkpointing_2_ranks(mode):
+    """``model.gradient_checkpointing_enable()`` as is, CP2 then CP1, backward outside the scope: the single-rank
+    (float64 reference) logits and gradients. Before cpscope wrapped transformers' checkpoint function, the CP2
+    recompute ran CP1 attention on one rank's shards and the ring's backward hung."""
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], False, "llama", mode) == [True, True]
+
+
+def test_qwen2_packed_with_transformers_own_checkpointing_2_ranks():
+    assert run_ranks(2, _decoder_matches_reference, [2], True, "qwen2", "reentrant") == [True, True]
+
+
+def _unwrapped_checkpointing_raises_on_every_rank(use_reentrant: bool):
+    """Without the wrapper (torch's checkpoint installed by hand), the recompute's scope read raises on every rank,
+    at the same point (before any collective): an error, never a hang or a wrong gradient."""
+    groups = cpscope.new_cp_groups([2])
+    model, _ = _models()
+    _enable_checkpointing(model, "non_reentrant")
+    plain = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=use_reentrant)
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = plain
+    with cpscope.runtime_cp(groups[2]):
+        out = model(**cphf.shard_batch(_batch(False)))
+    with pytest.raises(cpscope.ScopeReadInBackwardError, match="read inside autograd backward"):
+        out.loss.backward()
+    # ... and the documented one call fixes a model set up that way.
+    assert cphf.enable_scoped_recompute(model) >= len(model.model.layers)
+    assert all(isinstance(layer._gradient_checkpointing_func, cphf.ScopedCheckpointFunction)
+               for layer in model.model.layers)
+    with cpscope.runtime_cp(groups[2]):
+        out = model(**cphf.shard_batch(_batch(False)))
+    out.loss.backward()
+    return True
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_unwrapped_checkpointing_raises_on_every_rank_2_ranks(use_reentrant):
+    assert run_ranks(2, _unwrapped_checkpointing_raises_on_every_rank, use_reentrant, timeout=120) == [True, True]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
