@@ -358,6 +358,12 @@ class _Mb:
             self.leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             if mode == "plain":
                 out = _block(*self.leaves, freqs, self.seen)
+            elif mode == "torch_context_fn":  # torch's own checkpoint with cpscope's documented context_fn
+                out = torch_checkpoint.checkpoint(_block, *self.leaves, freqs, self.seen, use_reentrant=False,
+                                                  context_fn=scope_context_fn())
+            elif mode.startswith("torch_plain"):  # torch's checkpoint as is: the recompute reads the scope
+                out = torch_checkpoint.checkpoint(_block, *self.leaves, freqs, None,
+                                                  use_reentrant=(mode == "torch_plain_reentrant"))
             else:
                 out = checkpoint(_block, *self.leaves, freqs, self.seen, use_reentrant=(mode == "reentrant"))
             self.out = out
@@ -400,7 +406,9 @@ def _interleaved(mode: str, sizes: tuple[int, int]) -> list:
 
 
 @pytest.mark.parametrize(
-    "mode,sizes", [("plain", (2, 4)), ("checkpoint", (2, 4)), ("reentrant", (4, 2)), ("checkpoint", (2, 1))]
+    "mode,sizes",
+    [("plain", (2, 4)), ("checkpoint", (2, 4)), ("reentrant", (4, 2)), ("checkpoint", (2, 1)),
+     ("torch_context_fn", (4, 2))],
 )
 def test_interleaved_microbatches_grads_match_reference(mode, sizes):
     calls = 1 if mode == "plain" else 2
@@ -425,6 +433,101 @@ def _backward_on_thread() -> None:
 
 def test_backward_on_another_thread_uses_forward_groups():
     run_ranks(4, _backward_on_thread)
+
+
+def _plain_torch_checkpoint_raises(mode: str) -> str:
+    """torch.utils.checkpoint without cpscope's help, backward outside the scope: the recompute's first scope read
+    (RoPE, before any collective) raises on every rank -- never a CP1 recompute of CP2 shards, never a hang."""
+    groups = cpscope.new_cp_groups([2])
+    freqs = _ref_freqs(D, L)
+    a = _Mb(5, groups[2])
+    a.forward(mode, freqs)
+    with pytest.raises(ScopeReadInBackwardError, match="read inside autograd backward") as err:
+        a.mb.backward(a.loss)
+    return type(err.value).__name__
+
+
+@pytest.mark.parametrize("mode", ["torch_plain_non_reentrant", "torch_plain_reentrant"])
+def test_plain_torch_checkpoint_raises_on_every_rank(mode):
+    assert run_ranks(2, _plain_torch_checkpoint_raises, mode, timeout=120) == ["ScopeReadInBackwardError"] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Legitimate paths that must not trip the (default-on) check
+
+
+def test_double_backward_through_scoped_checkpoint(debug_reads):
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, dtype=torch.float64, requires_grad=True)
+    with S2.bind():
+        y = checkpoint(_recording(seen), x)  # 2 sin(x)
+    h = x * 1.0
+    h.register_hook(scoped(lambda g: g * cpscope.cp_size(), S4))  # a scoped hook in the first backward
+    (g,) = torch.autograd.grad(y.sum() + h.sum(), x, create_graph=True)  # 2 cos(x) + 4, outside every scope
+    torch.testing.assert_close(g, 2 * x.detach().cos() + 4)
+    g.sum().backward()  # the second backward: d/dx sum(2 cos x) = -2 sin x
+    torch.testing.assert_close(x.grad, -2 * x.detach().sin())
+    assert set(seen) == {S2} and len(seen) >= 2
+
+
+def test_compiled_module_with_scoped_checkpoint(debug_reads):
+    seen: list[CPScope] = []
+
+    class Block(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return checkpoint(_recording(seen), t * 2) + 1
+
+    block = torch.compile(Block(), backend="eager")
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    with S2.bind():
+        y = block(x)
+    y.sum().backward()  # the recompute runs in backward, outside every scope
+    assert seen[-1] is S2 and set(seen) == {S2}
+    torch.testing.assert_close(x.grad, 4 * torch.cos(2 * x.detach()))
+
+
+def test_explicit_binding_inside_backward_is_allowed(debug_reads):
+    # A hook (or custom recompute) that binds a scope itself inside backward reads what it chose: allowed. A read
+    # without a binding of its own -- even with the caller's scope bound around backward -- raises.
+    x = torch.ones(3, requires_grad=True)
+    sizes: list[int] = []
+
+    def binds(g: torch.Tensor) -> torch.Tensor:
+        with S4.bind():
+            sizes.append(cpscope.cp_size())
+            with cpscope.runtime_cp(None):
+                sizes.append(cpscope.cp_size())
+            sizes.append(S2.run(cpscope.cp_size))
+        return g
+
+    y = x * 2
+    y.register_hook(binds)
+    y.sum().backward()
+    assert sizes == [4, 1, 2]
+    y = x * 2
+    y.register_hook(lambda g: g * cpscope.cp_size())
+    with S2.bind(), pytest.raises(ScopeReadInBackwardError, match="set_backward_read_check"):
+        y.sum().backward()
+
+
+def test_backward_read_check_switches_and_deprecated_alias():
+    assert cpscope.backward_read_check_enabled()
+    assert cpscope.set_backward_read_check(False) is True and not cpscope.backward_read_check_enabled()
+    assert cpscope.set_backward_read_check(True) is False
+
+    @cpscope.allow_scope_reads_in_backward()
+    def opted_out() -> bool:
+        return cpscope.backward_read_check_enabled()
+
+    assert opted_out() is False and cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="turns it OFF"):
+        cpscope.set_debug_autograd_reads(False)
+    assert not cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="on by default"):
+        cpscope.set_debug_autograd_reads(True)
+    assert cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="MicrobatchScope"):
+        assert cpscope.Microbatch is MicrobatchScope
 
 
 # ----------------------------------------------------------------------------------------------------------------
