@@ -1,4 +1,4 @@
-"""Cost of a runtime_cp scope: enter + current_cp_group() + exit, as a ratio to a bare ContextVar set/reset.
+"""Cost of a runtime_cp scope and of a scope read, with the backward read check on and off.
 
 Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH]
 
@@ -8,6 +8,14 @@ Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same pro
   * none   — ``with runtime_cp(None): current_cp_group()``
   * reuse  — the same ``runtime_cp`` object entered repeatedly (decorator-like reuse)
 Reports ns per iteration (median of the repeats) and the ratio to the floor. Target: ≤ 2x.
+
+Then the cost of one scope read — what every CP consumer (sharding, RoPE, attention, the modules, the HF / TE
+adapters) pays once per call — inside a bound CP2 scope, check on (the default) vs off, same run, interleaved:
+  * read_floor          — a bare ``var.get()``
+  * capture_on / _off   — ``capture_scope()`` (what ``resolve_scope()`` and the adapters call)
+  * cp_size_on / _off   — ``cp_size()``
+  * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
+Reports ns per read, the ratio on / off and the check's cost in ns per read (on − off).
 """
 from __future__ import annotations
 
@@ -63,16 +71,34 @@ def _measure(args, group):
         with reuse:
             current()
 
-    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}
-    samples = {k: [] for k in cases}
-    for _ in range(args.repeats):  # interleave so drift hits every case alike
-        for name, fn in cases.items():
-            t = timeit.timeit(fn, number=args.number)
-            samples[name].append(t / args.number * 1e9)
+    attn = cpscope.ContextParallelAttention()
+    active = attn.active_scope
+    capture, size = cpscope.capture_scope, cpscope.cp_size
+    # name: (callable, backward read check on?); the read cases run inside one bound CP2 scope
+    cases = {"floor": (floor, True), "cp2": (cp2, True), "none": (none, True), "reuse_cp2": (reused, True)}
+    reads = {
+        "read_floor": (_VAR.get, True),
+        "capture_on": (capture, True), "capture_off": (capture, False),
+        "cp_size_on": (size, True), "cp_size_off": (size, False),
+        "module_on": (active, True), "module_off": (active, False),
+    }
+    samples = {k: [] for k in (*cases, *reads)}
+    with runtime_cp(group):
+        _VAR.set(group)
+        for _ in range(args.repeats):  # interleave so drift hits every case alike
+            for name, (fn, check) in (*cases.items(), *reads.items()):
+                cpscope.set_backward_read_check(check)
+                t = timeit.timeit(fn, number=args.number)
+                samples[name].append(t / args.number * 1e9)
+        cpscope.set_backward_read_check(True)
     med = {k: statistics.median(v) for k, v in samples.items()}
+    pairs = ("capture", "cp_size", "module")
     return {
-        "ns_per_iter": {k: round(v, 1) for k, v in med.items()},
-        "ratio_to_floor": {k: round(v / med["floor"], 3) for k, v in med.items() if k != "floor"},
+        "ns_per_iter": {k: round(med[k], 1) for k in cases},
+        "ratio_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
+        "read_ns": {k: round(med[k], 1) for k in reads},
+        "read_check_ratio_on_off": {p: round(med[f"{p}_on"] / med[f"{p}_off"], 3) for p in pairs},
+        "read_check_cost_ns": {p: round(med[f"{p}_on"] - med[f"{p}_off"], 1) for p in pairs},
         "repeats": args.repeats,
         "number": args.number,
     }
@@ -90,6 +116,11 @@ def _worker(rank, world, port, args):
         print(f"{'case':<12}{'ns/iter':>10}{'x floor':>10}")
         for k, v in result["ns_per_iter"].items():
             print(f"{k:<12}{v:>10.1f}{result['ratio_to_floor'].get(k, 1.0):>10.2f}")
+        print(f"{'read':<12}{'on ns':>10}{'off ns':>10}{'on/off':>10}{'cost ns':>10}")
+        for p in ("capture", "cp_size", "module"):
+            r = result["read_ns"]
+            print(f"{p:<12}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
+                  f"{result['read_check_ratio_on_off'][p]:>10.3f}{result['read_check_cost_ns'][p]:>10.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

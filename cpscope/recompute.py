@@ -81,7 +81,7 @@ class reentered:
                 f"reentered: expected a CPScope (from cpscope.capture_scope()), got {type(scope).__name__}: {scope!r}"
             )
         self.scope = scope
-        self._tokens: list[tuple[Any, Any]] = []
+        self._tokens: list[Any] = []
 
     def __enter__(self) -> CPScope:
         self._tokens.append(_bind(self.scope))

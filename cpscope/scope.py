@@ -180,24 +180,31 @@ _BOUND_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_bound_in_graph_task"
 # The build-time (static) scope. Process-wide on purpose: it is configuration fixed when the model is built,
 # never the per-microbatch group (that one lives only in _ACTIVE).
 _build_time: CPScope = CP1
-# Facts of each group seen, computed once: id(group) -> its CPScope. The scope refers to the group weakly and its
-# weak reference's callback drops the entry when the group dies, so the cache never keeps a destroyed group alive.
-_SCOPES: dict[int, CPScope] = {}
+# Facts of each group seen, computed once: id(group) -> (weak reference to the group, its CPScope). Nothing here
+# holds the group strongly (a CPScope refers to its group weakly too) and the weak reference's callback drops the
+# entry when the group dies, so the cache never keeps a destroyed group (and its communicators) alive.
+_SCOPES: dict[int, tuple[Callable[[], Any], CPScope]] = {}
 
 
-def _bind(scope: CPScope) -> tuple[Any, Any]:
-    """Bind ``scope`` in this context; returns the tokens for :func:`_unbind`."""
+def _bind(scope: CPScope) -> Any:
+    """Bind ``scope`` in this context; returns the token(s) for :func:`_unbind`.
+
+    Outside backward (the common case) that is one ContextVar token; inside a backward pass a pair, the second
+    marking the binding as made inside it (an enclosing marker cannot exist outside backward, so none is reset).
+    ``runtime_cp.__enter__`` / ``__exit__`` inline the same logic (this is the hot path).
+    """
     task = _current_graph_task_id()
-    if task == -1:  # the common case: a forward binding; an enclosing in-backward marker cannot exist here
-        return _ACTIVE.set(scope), None
+    if task == -1:
+        return _ACTIVE.set(scope)
     return _ACTIVE.set(scope), _BOUND_IN_TASK.set(task)
 
 
-def _unbind(tokens: tuple[Any, Any]) -> None:
-    active, marker = tokens
-    if marker is not None:
-        _BOUND_IN_TASK.reset(marker)
-    _ACTIVE.reset(active)
+def _unbind(tokens: Any) -> None:
+    if type(tokens) is tuple:
+        _BOUND_IN_TASK.reset(tokens[1])
+        _ACTIVE.reset(tokens[0])
+    else:
+        _ACTIVE.reset(tokens)
 
 
 def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] = None) -> CPScope:
@@ -213,9 +220,8 @@ def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] =
     if group is None:
         scope = CP1
     else:
-        scope = _SCOPES.get(id(group))
-        if scope is None or scope._ref() is not group:
-            scope = _make_scope(group)
+        hit = _SCOPES.get(id(group))
+        scope = hit[1] if hit is not None and hit[0]() is group else _make_scope(group)
     if local_cp_size is not None and (type(local_cp_size) is not int or local_cp_size != scope.size):
         _raise_local_cp_size(group, scope, local_cp_size)
     return scope
@@ -242,20 +248,19 @@ def _make_scope(group: Any) -> CPScope:
             f"runtime_cp: global rank {me} is not a member of the CP group of size {size} (its global ranks: "
             f"{members}); bind only a group this rank belongs to"
         )
-    if size == 1:
-        return CP1
     key = id(group)
 
     def forget(ref: Any, key: int = key) -> None:  # the group died: drop its entry (if it is still this one)
         entry = _SCOPES.get(key)
-        if entry is not None and entry._ref is ref:
+        if entry is not None and entry[0] is ref:
             _SCOPES.pop(key, None)
 
     existing = _SCOPES.get(key)
-    if existing is not None and existing._ref() is group:  # another thread made it meanwhile
-        return existing
-    scope = CPScope._with_ref(_group_ref(group, forget), size, rank)
-    _SCOPES[key] = scope
+    if existing is not None and existing[0]() is group:  # another thread made it meanwhile
+        return existing[1]
+    ref = _group_ref(group, forget)
+    scope = CP1 if size == 1 else CPScope._with_ref(ref, size, rank)
+    _SCOPES[key] = (ref, scope)
     return scope
 
 
@@ -329,11 +334,21 @@ class runtime_cp:
         return self._scope
 
     def __enter__(self) -> CPScope:
-        self._tokens.append(_bind(self._scope))
-        return self._scope
+        scope = self._scope
+        task = _current_graph_task_id()  # inlined _bind: this is the hot path
+        if task == -1:
+            self._tokens.append(_ACTIVE.set(scope))
+        else:
+            self._tokens.append((_ACTIVE.set(scope), _BOUND_IN_TASK.set(task)))
+        return scope
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        _unbind(self._tokens.pop())
+        tokens = self._tokens.pop()
+        if type(tokens) is tuple:
+            _BOUND_IN_TASK.reset(tokens[1])
+            _ACTIVE.reset(tokens[0])
+        else:
+            _ACTIVE.reset(tokens)
 
     def __call__(self, fn: F) -> F:
         scope = self._scope
@@ -593,7 +608,15 @@ def current_cp_group() -> Optional[dist.ProcessGroup]:
         with cpscope.runtime_cp(groups[2]):
             dist.all_reduce(t, group=cpscope.current_cp_group())
     """
-    return capture_scope().group
+    if _check_reads:
+        task = _current_graph_task_id()
+        if task != -1 and _BOUND_IN_TASK.get() == -1:
+            _raise_read_in_backward(task)
+    scope = _ACTIVE.get()
+    if scope is None:
+        scope = _build_time
+    group = scope._ref()  # what the ``group`` property does, without its call overhead
+    return group if group is not None or scope.size == 1 else scope.group
 
 
 def cp_size() -> int:

@@ -408,7 +408,7 @@ def _w_destroyed_group_is_released():
     del group
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())  # neither the cache nor the snapshot kept it alive
-    assert not any(s._ref is snap._ref for s in scope_mod._SCOPES.values())  # its cache entry is gone
+    assert not any(s is snap for _, s in scope_mod._SCOPES.values())  # its cache entry is gone
     with pytest.raises(RuntimeError, match="was destroyed"):
         snap.group  # a kept snapshot of a destroyed group refuses loudly (it never turns into CP1)
     assert snap.size == 2 and "destroyed" in repr(snap)
