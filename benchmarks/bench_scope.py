@@ -15,6 +15,8 @@ adapters) pays once per call — inside a bound CP2 scope, check on (the default
   * capture_on / _off   — ``capture_scope()`` (what ``resolve_scope()`` and the adapters call)
   * cp_size_on / _off   — ``cp_size()``
   * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
+  * rope_on / _off      — a whole small consumer call, ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` CP2 shard
+                          (one scope read inside), timed with ``--number / 100`` calls
 Reports ns per read, the ratio on / off and the check's cost in ns per read (on − off).
 """
 from __future__ import annotations
@@ -76,11 +78,20 @@ def _measure(args, group):
     capture, size = cpscope.capture_scope, cpscope.cp_size
     # name: (callable, backward read check on?); the read cases run inside one bound CP2 scope
     cases = {"floor": (floor, True), "cp2": (cp2, True), "none": (none, True), "reuse_cp2": (reused, True)}
+    import torch
+
+    t = torch.randn(1, 8, 2, 16)  # [b, s_local, h, d]: a CP2 shard of a 16-token sequence
+    freqs = cpscope.rotary_freqs(16, 16)
+
+    def rope():
+        cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd")
+
     reads = {
         "read_floor": (_VAR.get, True),
         "capture_on": (capture, True), "capture_off": (capture, False),
         "cp_size_on": (size, True), "cp_size_off": (size, False),
         "module_on": (active, True), "module_off": (active, False),
+        "rope_on": (rope, True), "rope_off": (rope, False),
     }
     samples = {k: [] for k in (*cases, *reads)}
     with runtime_cp(group):
@@ -88,11 +99,11 @@ def _measure(args, group):
         for _ in range(args.repeats):  # interleave so drift hits every case alike
             for name, (fn, check) in (*cases.items(), *reads.items()):
                 cpscope.set_backward_read_check(check)
-                t = timeit.timeit(fn, number=args.number)
-                samples[name].append(t / args.number * 1e9)
+                number = max(1, args.number // 100) if name.startswith("rope") else args.number
+                samples[name].append(timeit.timeit(fn, number=number) / number * 1e9)
         cpscope.set_backward_read_check(True)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    pairs = ("capture", "cp_size", "module")
+    pairs = ("capture", "cp_size", "module", "rope")
     return {
         "ns_per_iter": {k: round(med[k], 1) for k in cases},
         "ratio_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
@@ -117,7 +128,7 @@ def _worker(rank, world, port, args):
         for k, v in result["ns_per_iter"].items():
             print(f"{k:<12}{v:>10.1f}{result['ratio_to_floor'].get(k, 1.0):>10.2f}")
         print(f"{'read':<12}{'on ns':>10}{'off ns':>10}{'on/off':>10}{'cost ns':>10}")
-        for p in ("capture", "cp_size", "module"):
+        for p in ("capture", "cp_size", "module", "rope"):
             r = result["read_ns"]
             print(f"{p:<12}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
                   f"{result['read_check_ratio_on_off'][p]:>10.3f}{result['read_check_cost_ns'][p]:>10.1f}")

@@ -319,13 +319,15 @@ class runtime_cp:
             self._scope = CP1
         else:
             self._scope = scope_for(group, local_cp_size)
-        self._tokens: list = []
+        # What __enter__ must undo: None (not entered), one binding's token(s), or a list of them when nested.
+        # (No list for the common single use: this is the hot path.)
+        self._tokens: Any = None
 
     @classmethod
     def _from_scope(cls, scope: CPScope) -> "runtime_cp":
         self = cls.__new__(cls)
         self._scope = scope
-        self._tokens = []
+        self._tokens = None
         return self
 
     @property
@@ -336,14 +338,24 @@ class runtime_cp:
     def __enter__(self) -> CPScope:
         scope = self._scope
         task = _current_graph_task_id()  # inlined _bind: this is the hot path
-        if task == -1:
-            self._tokens.append(_ACTIVE.set(scope))
+        tokens = _ACTIVE.set(scope) if task == -1 else (_ACTIVE.set(scope), _BOUND_IN_TASK.set(task))
+        held = self._tokens
+        if held is None:
+            self._tokens = tokens
+        elif type(held) is list:
+            held.append(tokens)
         else:
-            self._tokens.append((_ACTIVE.set(scope), _BOUND_IN_TASK.set(task)))
+            self._tokens = [held, tokens]
         return scope
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        tokens = self._tokens.pop()
+        held = self._tokens
+        if type(held) is list:
+            tokens = held.pop()
+            if not held:
+                self._tokens = None
+        else:
+            tokens, self._tokens = held, None
         if type(tokens) is tuple:
             _BOUND_IN_TASK.reset(tokens[1])
             _ACTIVE.reset(tokens[0])
@@ -615,8 +627,10 @@ def current_cp_group() -> Optional[dist.ProcessGroup]:
     scope = _ACTIVE.get()
     if scope is None:
         scope = _build_time
+    if scope.size == 1:
+        return None
     group = scope._ref()  # what the ``group`` property does, without its call overhead
-    return group if group is not None or scope.size == 1 else scope.group
+    return group if group is not None else scope.group  # (dead: the property raises)
 
 
 def cp_size() -> int:

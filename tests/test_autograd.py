@@ -492,18 +492,26 @@ def test_explicit_binding_inside_backward_is_allowed(debug_reads):
     x = torch.ones(3, requires_grad=True)
     sizes: list[int] = []
 
+    s4 = S4.bind()  # one binder object, entered nested inside backward (its tokens pile up and unwind)
+
     def binds(g: torch.Tensor) -> torch.Tensor:
-        with S4.bind():
+        with s4:
             sizes.append(cpscope.cp_size())
             with cpscope.runtime_cp(None):
                 sizes.append(cpscope.cp_size())
+                with s4:
+                    sizes.append(cpscope.cp_size())
+                sizes.append(cpscope.cp_size())
             sizes.append(S2.run(cpscope.cp_size))
+        with pytest.raises(ScopeReadInBackwardError):
+            cpscope.cp_size()  # the hook's own bindings are gone: a read now is a plain read in backward
         return g
 
     y = x * 2
     y.register_hook(binds)
     y.sum().backward()
-    assert sizes == [4, 1, 2]
+    assert sizes == [4, 1, 4, 1, 2]
+    assert capture_scope() is CP1
     y = x * 2
     y.register_hook(lambda g: g * cpscope.cp_size())
     with S2.bind(), pytest.raises(ScopeReadInBackwardError, match="set_backward_read_check"):
@@ -560,6 +568,25 @@ def test_cuda_recompute_on_device_thread_sees_captured_scope(debug_reads, use_re
     assert inherited == [None]  # the device thread does not see S2
     assert seen == [S2, S2] and threads[1] != threading.get_ident()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_cuda_plain_checkpoint_read_on_device_thread_raises(debug_reads, use_reentrant):
+    """On CUDA the recompute runs on autograd's device thread, which does not see the caller's S2: a read there
+    would silently be CP1. The default check raises instead, even with S2 still bound in the caller's thread."""
+    threads: list[int] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        return t.sin() * cpscope.cp_size()
+
+    x = torch.linspace(0.1, 1.0, 8, device="cuda", requires_grad=True)
+    with S2.bind():
+        y = torch_checkpoint.checkpoint(fn, x, use_reentrant=use_reentrant)
+        with pytest.raises(ScopeReadInBackwardError):
+            y.sum().backward()
+    assert len(threads) == 2 and threads[1] != threading.get_ident()  # the recompute ran on the device thread
 
 
 def test_module_read_in_plain_checkpoint_recompute_is_caught_by_default():
