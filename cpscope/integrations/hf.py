@@ -298,7 +298,9 @@ def cpscope_attention_forward(
         return out, None
     if q.shape[0] != 1:
         raise _unsupported(f"packed documents (cu_seq_lens) with batch size {q.shape[0]}; pack into one row")
-    max_len = kwargs.get("max_length_q") or kwargs.get("max_length_k")
+    max_len = kwargs.get("max_length_q")
+    if max_len is None:  # (not ``a or b``: a tensor's truth value would be a host sync)
+        max_len = kwargs.get("max_length_k")
     out = context_parallel_attention(  # cu as given (int32 or int64): its validated host copy is reused
         q[0], k[0], v[0], qkv_format="thd", causal=causal, cu_seqlens=cu, max_seqlen=_host_int(max_len),
         softmax_scale=scaling, group=scope.group,

@@ -382,6 +382,8 @@ def _layers_add_no_host_sync(family: str, packed: bool):
     batch = _batch(packed)
     with cpscope.runtime_cp(groups[2]):
         local = cphf.shard_batch(batch)
+        if packed:  # as some collators give it: a 0-D tensor (read once, not once per layer)
+            local["max_length_q"] = local["max_length_k"] = torch.tensor(local["max_length_q"])
         ones = torch.ones_like(local["input_ids"])
         # A 2-D all-ones mask from a tokenizer, as HF users pass it (checked, then dropped by the mask function).
         with _HostSyncCounter(model) as counter:
