@@ -295,6 +295,9 @@ class runtime_cp:
     from several threads or tasks (its tokens would interleave): write ``with runtime_cp(g):`` per use —
     construction is cheap — or use it as a decorator, which binds afresh on every call.
 
+    Entered inside an autograd backward pass (a hook, a custom recompute), the binding counts as deliberate for the
+    backward read check: reads under it are allowed there (:func:`set_backward_read_check`).
+
     Args:
         group: the CP group for this microbatch; ``None`` or a size-1 group means CP1.
         local_cp_size: optional cross-check (Megatron's convention). ``1`` requires CP1; ``n > 1`` requires a group

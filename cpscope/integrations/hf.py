@@ -464,6 +464,16 @@ class ScopedCheckpointFunction:
                 return self.inner(function, *args, **kwargs)
         return self.inner(scoped(function), *args, **kwargs)
 
+    def __deepcopy__(self, memo: dict) -> "ScopedCheckpointFunction":
+        import copy
+
+        model = None if self._model is None else self._model()
+        twin = memo.get(id(model), model) if model is not None else None  # the copied model, when it is copied too
+        return ScopedCheckpointFunction(copy.deepcopy(self.inner, memo), twin)
+
+    def __reduce__(self) -> Any:
+        return ScopedCheckpointFunction, (self.inner,)  # pickled: scopes unconditionally (no weak reference)
+
     def __repr__(self) -> str:
         return f"ScopedCheckpointFunction({self.inner!r})"
 

@@ -274,6 +274,25 @@ def test_unsupported_options_are_refused():
                                        kv.expand(2, -1, -1, -1), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
+def test_checkpoint_function_is_wrapped_and_follows_the_model():
+    import pickle
+
+    model, ref = _models()
+    _enable_checkpointing(model, "reentrant")
+    _enable_checkpointing(ref, "reentrant")  # an eager model: the wrapper passes its calls through unchanged
+    fn = model.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(fn, cphf.ScopedCheckpointFunction) and fn._model() is model
+    calls = []
+    ref_fn = ref.model.layers[0]._gradient_checkpointing_func
+    passthrough = cphf.ScopedCheckpointFunction(lambda f, *a: calls.append(f), ref)
+    plain = ref_fn.inner
+    passthrough(plain)
+    assert calls == [plain]  # not scoped for a non-cpscope model
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[0]._gradient_checkpointing_func._model() is twin
+    assert pickle.loads(pickle.dumps(cphf.ScopedCheckpointFunction(len, model)))._model is None
+
+
 def test_shard_batch_cp1_shifts_labels_and_counts_targets():
     ids = torch.arange(16).reshape(2, 8)
     out = cphf.shard_batch({"input_ids": ids, "labels": ids, "num_items_in_batch": 99, "use_cache": False})
