@@ -17,7 +17,8 @@ adapters) pays once per call — inside a bound CP2 scope, check on (the default
   * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
   * rope_on / _off      — a whole small consumer call, ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` CP2 shard
                           (one scope read inside), timed with ``--number / 100`` calls
-Reports ns per read, the ratio on / off and the check's cost in ns per read (on − off).
+Reports ns per read (medians), the ratio on / off (median of the per-repeat ratios of back-to-back samples; the
+on/off order alternates between repeats) and the check's cost in ns per read (difference of the medians).
 """
 from __future__ import annotations
 
@@ -73,20 +74,20 @@ def _measure(args, group):
         with reuse:
             current()
 
+    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}  # with the check on (the default)
+
+    import torch
+
     attn = cpscope.ContextParallelAttention()
     active = attn.active_scope
     capture, size = cpscope.capture_scope, cpscope.cp_size
-    # name: (callable, backward read check on?); the read cases run inside one bound CP2 scope
-    cases = {"floor": (floor, True), "cp2": (cp2, True), "none": (none, True), "reuse_cp2": (reused, True)}
-    import torch
-
     t = torch.randn(1, 8, 2, 16)  # [b, s_local, h, d]: a CP2 shard of a 16-token sequence
     freqs = cpscope.rotary_freqs(16, 16)
 
     def rope():
         cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd")
 
-    reads = {
+    reads = {  # name: (callable, backward read check on?); run inside one bound CP2 scope
         "read_floor": (_VAR.get, True),
         "capture_on": (capture, True), "capture_off": (capture, False),
         "cp_size_on": (size, True), "cp_size_off": (size, False),
@@ -94,10 +95,14 @@ def _measure(args, group):
         "rope_on": (rope, True), "rope_off": (rope, False),
     }
     samples = {k: [] for k in (*cases, *reads)}
-    with runtime_cp(group):
+    for _ in range(args.repeats):  # part 1, outside every scope (as before): interleave so drift hits all alike
+        for name, fn in cases.items():
+            samples[name].append(timeit.timeit(fn, number=args.number) / args.number * 1e9)
+    with runtime_cp(group):  # part 2: reads inside a bound CP2 scope, check on vs off back to back
         _VAR.set(group)
-        for _ in range(args.repeats):  # interleave so drift hits every case alike
-            for name, (fn, check) in (*cases.items(), *reads.items()):
+        for i in range(args.repeats):
+            order = list(reads.items()) if i % 2 == 0 else list(reads.items())[::-1]  # on/off order alternates
+            for name, (fn, check) in order:
                 cpscope.set_backward_read_check(check)
                 number = max(1, args.number // 100) if name.startswith("rope") else args.number
                 samples[name].append(timeit.timeit(fn, number=number) / number * 1e9)
@@ -108,7 +113,11 @@ def _measure(args, group):
         "ns_per_iter": {k: round(med[k], 1) for k in cases},
         "ratio_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
         "read_ns": {k: round(med[k], 1) for k in reads},
-        "read_check_ratio_on_off": {p: round(med[f"{p}_on"] / med[f"{p}_off"], 3) for p in pairs},
+        # the median over repeats of on/off measured back to back (robust to load drift between repeats)
+        "read_check_ratio_on_off": {
+            p: round(statistics.median(a / b for a, b in zip(samples[f"{p}_on"], samples[f"{p}_off"])), 3)
+            for p in pairs
+        },
         "read_check_cost_ns": {p: round(med[f"{p}_on"] - med[f"{p}_off"], 1) for p in pairs},
         "repeats": args.repeats,
         "number": args.number,

@@ -220,8 +220,10 @@ def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] =
     if group is None:
         scope = CP1
     else:
+        # An entry under id(group) is this group's: the weak reference's callback drops an entry synchronously
+        # when its group dies, before the id can be reused (and a strongly held stand-in never dies).
         hit = _SCOPES.get(id(group))
-        scope = hit[1] if hit is not None and hit[0]() is group else _make_scope(group)
+        scope = hit[1] if hit is not None else _make_scope(group)
     if local_cp_size is not None and (type(local_cp_size) is not int or local_cp_size != scope.size):
         _raise_local_cp_size(group, scope, local_cp_size)
     return scope
@@ -321,7 +323,8 @@ class runtime_cp:
         if group is None and local_cp_size is None:
             self._scope = CP1
         else:
-            self._scope = scope_for(group, local_cp_size)
+            hit = _SCOPES.get(id(group)) if local_cp_size is None else None  # scope_for's cache hit, inlined
+            self._scope = hit[1] if hit is not None else scope_for(group, local_cp_size)
         # What __enter__ must undo: None (not entered), one binding's token(s), or a list of them when nested.
         # (No list for the common single use: this is the hot path.)
         self._tokens: Any = None
