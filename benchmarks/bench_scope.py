@@ -1,6 +1,6 @@
 """Cost of a runtime_cp scope and of a scope read, with the backward read check on and off.
 
-Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH]
+Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH] [--compare-scope PATH]
 
 Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same process and interleaved:
   * floor  — a minimal context manager that does ``token = var.set(v)`` / ``var.reset(token)``, plus ``var.get()``
@@ -17,6 +17,10 @@ adapters) pays once per call — inside a bound CP2 scope, check on (the default
   * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
   * rope_on / _off      — a whole small consumer call, ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` CP2 shard
                           (one scope read inside), timed with ``--number / 100`` calls
+With ``--compare-scope PATH`` (another version's ``cpscope/scope.py``, which imports nothing of cpscope, e.g.
+``git show da431cc:cpscope/scope.py > /tmp/scope_old.py``), the enter + read + exit cases also run with that module,
+loaded side by side and interleaved in the same loop (``old_cp2``, ``old_none``, …).
+
 Reports ns per read (medians), the ratio on / off (median of the per-repeat ratios of back-to-back samples; the
 on/off order alternates between repeats) and the check's cost in ns per read (difference of the medians).
 """
@@ -75,6 +79,8 @@ def _measure(args, group):
             current()
 
     cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}  # with the check on (the default)
+    if args.compare_scope:
+        cases.update(_other_scope_cases(args.compare_scope, group))
 
     import torch
 
@@ -124,6 +130,33 @@ def _measure(args, group):
     }
 
 
+def _other_scope_cases(path, group):
+    """The enter + read + exit cases with another version of ``scope.py``, loaded standalone."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_compared_scope", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    rcp, current = other.runtime_cp, other.current_cp_group
+    reuse = rcp(group)
+
+    def cp2():
+        with rcp(group):
+            current()
+
+    def none():
+        with rcp(None):
+            current()
+
+    def reused():
+        with reuse:
+            current()
+
+    return {"old_cp2": cp2, "old_none": none, "old_reuse_cp2": reused}
+
+
 def _worker(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -153,6 +186,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--number", type=int, default=200_000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare-scope", default=None, help="another version's cpscope/scope.py, timed side by side")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
