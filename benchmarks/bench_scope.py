@@ -1,6 +1,6 @@
-"""Cost of a runtime_cp scope: enter + current_cp_group() + exit, as a ratio to a bare ContextVar set/reset.
+"""Cost of a runtime_cp scope and of a scope read, with the backward read check on and off.
 
-Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH]
+Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH] [--compare-scope PATH]
 
 Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same process and interleaved:
   * floor  — a minimal context manager that does ``token = var.set(v)`` / ``var.reset(token)``, plus ``var.get()``
@@ -8,6 +8,21 @@ Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same pro
   * none   — ``with runtime_cp(None): current_cp_group()``
   * reuse  — the same ``runtime_cp`` object entered repeatedly (decorator-like reuse)
 Reports ns per iteration (median of the repeats) and the ratio to the floor. Target: ≤ 2x.
+
+Then the cost of one scope read — what every CP consumer (sharding, RoPE, attention, the modules, the HF / TE
+adapters) pays once per call — inside a bound CP2 scope, check on (the default) vs off, same run, interleaved:
+  * read_floor          — a bare ``var.get()``
+  * capture_on / _off   — ``capture_scope()`` (what ``resolve_scope()`` and the adapters call)
+  * cp_size_on / _off   — ``cp_size()``
+  * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
+  * rope_on / _off      — a whole small consumer call, ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` CP2 shard
+                          (one scope read inside), timed with ``--number / 100`` calls
+With ``--compare-scope PATH`` (another version's ``cpscope/scope.py``, which imports nothing of cpscope, e.g.
+``git show da431cc:cpscope/scope.py > /tmp/scope_old.py``), the enter + read + exit cases also run with that module,
+loaded side by side and interleaved in the same loop (``old_cp2``, ``old_none``, …).
+
+Reports ns per read (medians), the ratio on / off (median of the per-repeat ratios of back-to-back samples; the
+on/off order alternates between repeats) and the check's cost in ns per read (difference of the medians).
 """
 from __future__ import annotations
 
@@ -63,19 +78,83 @@ def _measure(args, group):
         with reuse:
             current()
 
-    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}
-    samples = {k: [] for k in cases}
-    for _ in range(args.repeats):  # interleave so drift hits every case alike
+    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}  # with the check on (the default)
+    if args.compare_scope:
+        cases.update(_other_scope_cases(args.compare_scope, group))
+
+    import torch
+
+    attn = cpscope.ContextParallelAttention()
+    active = attn.active_scope
+    capture, size = cpscope.capture_scope, cpscope.cp_size
+    t = torch.randn(1, 8, 2, 16)  # [b, s_local, h, d]: a CP2 shard of a 16-token sequence
+    freqs = cpscope.rotary_freqs(16, 16)
+
+    def rope():
+        cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd")
+
+    reads = {  # name: (callable, backward read check on?); run inside one bound CP2 scope
+        "read_floor": (_VAR.get, True),
+        "capture_on": (capture, True), "capture_off": (capture, False),
+        "cp_size_on": (size, True), "cp_size_off": (size, False),
+        "module_on": (active, True), "module_off": (active, False),
+        "rope_on": (rope, True), "rope_off": (rope, False),
+    }
+    samples = {k: [] for k in (*cases, *reads)}
+    for _ in range(args.repeats):  # part 1, outside every scope (as before): interleave so drift hits all alike
         for name, fn in cases.items():
-            t = timeit.timeit(fn, number=args.number)
-            samples[name].append(t / args.number * 1e9)
+            samples[name].append(timeit.timeit(fn, number=args.number) / args.number * 1e9)
+    with runtime_cp(group):  # part 2: reads inside a bound CP2 scope, check on vs off back to back
+        _VAR.set(group)
+        for i in range(args.repeats):
+            order = list(reads.items()) if i % 2 == 0 else list(reads.items())[::-1]  # on/off order alternates
+            for name, (fn, check) in order:
+                cpscope.set_backward_read_check(check)
+                number = max(1, args.number // 100) if name.startswith("rope") else args.number
+                samples[name].append(timeit.timeit(fn, number=number) / number * 1e9)
+        cpscope.set_backward_read_check(True)
     med = {k: statistics.median(v) for k, v in samples.items()}
+    pairs = ("capture", "cp_size", "module", "rope")
     return {
-        "ns_per_iter": {k: round(v, 1) for k, v in med.items()},
-        "ratio_to_floor": {k: round(v / med["floor"], 3) for k, v in med.items() if k != "floor"},
+        "ns_per_iter": {k: round(med[k], 1) for k in cases},
+        "ratio_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
+        "read_ns": {k: round(med[k], 1) for k in reads},
+        # the median over repeats of on/off measured back to back (robust to load drift between repeats)
+        "read_check_ratio_on_off": {
+            p: round(statistics.median(a / b for a, b in zip(samples[f"{p}_on"], samples[f"{p}_off"])), 3)
+            for p in pairs
+        },
+        "read_check_cost_ns": {p: round(med[f"{p}_on"] - med[f"{p}_off"], 1) for p in pairs},
         "repeats": args.repeats,
         "number": args.number,
     }
+
+
+def _other_scope_cases(path, group):
+    """The enter + read + exit cases with another version of ``scope.py``, loaded standalone."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_compared_scope", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    rcp, current = other.runtime_cp, other.current_cp_group
+    reuse = rcp(group)
+
+    def cp2():
+        with rcp(group):
+            current()
+
+    def none():
+        with rcp(None):
+            current()
+
+    def reused():
+        with reuse:
+            current()
+
+    return {"old_cp2": cp2, "old_none": none, "old_reuse_cp2": reused}
 
 
 def _worker(rank, world, port, args):
@@ -90,6 +169,11 @@ def _worker(rank, world, port, args):
         print(f"{'case':<12}{'ns/iter':>10}{'x floor':>10}")
         for k, v in result["ns_per_iter"].items():
             print(f"{k:<12}{v:>10.1f}{result['ratio_to_floor'].get(k, 1.0):>10.2f}")
+        print(f"{'read':<12}{'on ns':>10}{'off ns':>10}{'on/off':>10}{'cost ns':>10}")
+        for p in ("capture", "cp_size", "module", "rope"):
+            r = result["read_ns"]
+            print(f"{p:<12}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
+                  f"{result['read_check_ratio_on_off'][p]:>10.3f}{result['read_check_cost_ns'][p]:>10.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
@@ -102,6 +186,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--number", type=int, default=200_000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compare-scope", default=None, help="another version's cpscope/scope.py, timed side by side")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,13 +6,17 @@ The main API:
   decorator, ContextVar-based: restored on exit or exception, isolated per thread / asyncio task).
 * :func:`current_cp_group`, :func:`cp_size`, :func:`cp_rank` — what is active; :func:`set_build_time_cp_group`
   sets the static group used outside every scope; :func:`capture_scope` snapshots the scope for later re-entry.
+* Reading the scope inside an autograd backward that did not re-enter a captured scope raises
+  :class:`ScopeReadInBackwardError` (on by default; expert opt-out: :func:`set_backward_read_check`,
+  :class:`allow_scope_reads_in_backward`).
 * :func:`new_cp_groups` — a registry of pre-built CP groups (``{1: None, 2: group, 4: group}``);
   :func:`cp_stream` — the lazily created auxiliary CUDA stream.
 * :func:`zigzag_shard` / :func:`zigzag_unshard`, :func:`apply_rotary_pos_emb`, :func:`context_parallel_attention`
   — sharding, RoPE and ring attention that read the active group (or take ``group=``).
 * :func:`checkpoint` — activation checkpointing whose recompute re-enters the scope captured in forward;
-  :func:`scoped` / :func:`scope_context_fn` plug the same into other checkpointing schemes; :class:`Microbatch`
-  carries a microbatch's scope through 1F1B / interleaved schedules.
+  :func:`scoped` / :func:`scope_context_fn` plug the same into other checkpointing schemes (module
+  :mod:`cpscope.recompute`); :class:`MicrobatchScope` carries a microbatch's scope through 1F1B / interleaved
+  schedules.
 * :mod:`cpscope.hybrid` — the hybrid-CP planner and microbatch loop; :mod:`cpscope.integrations` — HF transformers,
   TransformerEngine and Megatron adapters (optional dependencies, imported only when used).
 
@@ -31,14 +35,19 @@ from .groups import clear_cp_group_cache, group_ranks, new_cp_groups
 from .scope import (
     CPScope,
     ScopeReadInBackwardError,
+    allow_scope_reads_in_backward,
+    backward_read_check_enabled,
     build_time_cp,
     build_time_cp_group,
+    build_time_scope,
     capture_scope,
     cp_rank,
     cp_size,
     current_cp_group,
     resolve_scope,
     runtime_cp,
+    runtime_scope_or,
+    set_backward_read_check,
     set_build_time_cp_group,
     set_debug_autograd_reads,
 )
@@ -55,13 +64,13 @@ from .sharding import (
 )
 from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
 from .attention import ContextParallelAttention, context_parallel_attention
-from .checkpoint import checkpoint, scope_context_fn, scoped
-from .microbatch import Microbatch
+from .recompute import checkpoint, scope_context_fn, scoped
+from .microbatch import MicrobatchScope
 
 __all__ = [
     "CPScope",
     "ContextParallelAttention",
-    "Microbatch",
+    "MicrobatchScope",
     "checkpoint",
     "scope_context_fn",
     "scoped",
@@ -78,8 +87,11 @@ __all__ = [
     "zigzag_shard",
     "zigzag_unshard",
     "ScopeReadInBackwardError",
+    "allow_scope_reads_in_backward",
+    "backward_read_check_enabled",
     "build_time_cp",
     "build_time_cp_group",
+    "build_time_scope",
     "capture_scope",
     "clear_caches",
     "clear_cp_group_cache",
@@ -91,8 +103,24 @@ __all__ = [
     "new_cp_groups",
     "resolve_scope",
     "runtime_cp",
+    "runtime_scope_or",
+    "set_backward_read_check",
     "set_build_time_cp_group",
     "set_debug_autograd_reads",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "Microbatch":  # renamed: the planner's item is cpscope.hybrid.Microbatch, an unrelated class
+        import warnings
+
+        warnings.warn(
+            "cpscope.Microbatch was renamed cpscope.MicrobatchScope (it carries a microbatch's CP scope); "
+            "cpscope.hybrid.Microbatch is the hybrid planner's item",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return MicrobatchScope
+    raise AttributeError(f"module 'cpscope' has no attribute {name!r}")

@@ -40,6 +40,8 @@ from ._checks import (
 )
 from . import _rope_kernel
 from ._pack import Pack, dense_pack, pack_for
+from ._te import call_te_rope
+from ._te import te_rope_if_available as _te_apply
 from .scope import _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
@@ -94,21 +96,6 @@ def _rope_math_cuda(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) ->
     return _rope_math(t, angles, interleaved)
 
 
-_te_rope: Any = None  # None = not tried; False = unavailable; else TE's apply_rotary_pos_emb
-
-
-def _te_apply() -> Any:
-    global _te_rope
-    if _te_rope is None:
-        try:
-            from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply
-
-            _te_rope = te_apply
-        except Exception:  # noqa: BLE001 - TE absent or broken: use the torch path
-            _te_rope = False
-    return _te_rope
-
-
 def checked_rope_inputs(
     t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, cp: int,
     cu_seqlens_padded: Any = None,
@@ -143,22 +130,6 @@ def _rope_pack(
     check_divisible_seq(global_len, cp, what=f"sequence length (local {seq} x cp {cp})")
     check_rope_freqs(freqs, t.shape[-1], global_len)
     return dense_pack(global_len, cp, rank)
-
-
-def call_te_rope(
-    te_apply: Callable[..., torch.Tensor], t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str,
-    cu_seqlens: Any, cu: list[int], cp: int, rank: int, interleaved: bool, fused: bool,
-) -> torch.Tensor:
-    """Call TE's ``apply_rotary_pos_emb`` on validated inputs with this rank's ``(cp_size, cp_rank)``."""
-    te_cu = None
-    if qkv_format == "thd":
-        given = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
-        ok = given is not None and given.dtype == torch.int32 and given.device == t.device
-        te_cu = given if ok else torch.tensor(cu, dtype=torch.int32, device=t.device)  # TE reads int32 offsets
-    return te_apply(  # TE's kernel reads freqs as a dense [S, rot_dim] fp32 array
-        t, freqs.float().contiguous(), tensor_format=qkv_format, interleaved=interleaved, fused=fused,
-        cu_seqlens=te_cu, cp_size=cp, cp_rank=rank,
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,12 @@ scope
     A :class:`CPScope`: an immutable snapshot ``(group, size, rank)``. :func:`runtime_cp` binds one;
     :func:`capture_scope` returns the one in force so that autograd, activation recompute or a pipeline schedule
     can re-enter it later with :meth:`CPScope.bind`.
+backward read check
+    On by default: reading the scope (:func:`capture_scope`, :func:`resolve_scope` without ``group=``,
+    :func:`current_cp_group`, :func:`cp_size`, :func:`cp_rank`, :func:`runtime_scope_or`) while autograd runs a
+    backward pass raises :class:`ScopeReadInBackwardError`, unless the scope was bound inside that backward
+    (``cpscope.checkpoint`` / ``scope_context_fn`` recompute, ``cpscope.scoped`` hooks, an explicit ``runtime_cp``).
+    Experts opt out with :func:`set_backward_read_check` / :class:`allow_scope_reads_in_backward`.
 
 This module imports nothing else of cpscope; every CP consumer (sharding, RoPE, attention, streams) reads it.
 """
@@ -22,11 +28,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
+import warnings
+import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
+from torch._C import _current_graph_task_id  # -1 on this thread outside every autograd backward (graph task)
 
 __all__ = [
     "CPScope",
@@ -36,23 +45,56 @@ __all__ = [
     "cp_rank",
     "capture_scope",
     "resolve_scope",
+    "runtime_scope_or",
     "set_build_time_cp_group",
     "build_time_cp_group",
+    "build_time_scope",
     "build_time_cp",
     "scope_for",
-    "set_debug_autograd_reads",
     "ScopeReadInBackwardError",
+    "set_backward_read_check",
+    "backward_read_check_enabled",
+    "allow_scope_reads_in_backward",
+    "set_debug_autograd_reads",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
 
 
+def _no_group() -> None:
+    return None
+
+
+class _Strong:
+    """A strong stand-in for a weak reference, for group objects that refuse weak references (test stand-ins)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+def _group_ref(group: Any, callback: Optional[Callable[[Any], None]] = None) -> Callable[[], Any]:
+    if group is None:
+        return _no_group
+    try:
+        return weakref.ref(group, callback)
+    except TypeError:
+        return _Strong(group)
+
+
 class CPScope:
     """An immutable CP binding: the group, its size and this rank's rank inside it.
 
     ``CPScope`` objects are what :func:`runtime_cp` stores in the ContextVar and what :func:`capture_scope`
-    returns. They are cheap, hashable by identity and safe to keep on an autograd ``ctx``.
+    returns. They are cheap, hashable by identity and safe to keep on an autograd ``ctx``. A scope refers to its
+    process group *weakly*, so neither a scope nor cpscope's cache keeps a destroyed group (and its communicators)
+    alive; ``scope.group`` of a group that was destroyed and dropped raises ``RuntimeError``. ``copy`` /
+    ``copy.deepcopy`` return the scope itself (a process group cannot be copied); pickling is refused.
 
     Example::
 
@@ -62,31 +104,61 @@ class CPScope:
             out = block(x)
     """
 
-    __slots__ = ("group", "size", "rank", "comm")
-    group: Optional[dist.ProcessGroup]
+    __slots__ = ("_ref", "size", "rank", "comm")
     size: int
     rank: int
     comm: Optional[str]  # the attention communication variant this scope carries (None: the default, "p2p")
 
     def __init__(self, group: Optional[dist.ProcessGroup], size: int, rank: int, comm: Optional[str] = None) -> None:
-        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "_ref", _group_ref(group))
         object.__setattr__(self, "size", size)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "comm", comm)
 
+    @classmethod
+    def _with_ref(cls, ref: Callable[[], Any], size: int, rank: int, comm: Optional[str] = None) -> "CPScope":
+        self = cls.__new__(cls)
+        object.__setattr__(self, "_ref", ref)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "comm", comm)
+        return self
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (``None`` for CP1)."""
+        group = self._ref()
+        if group is None and self.size > 1:
+            raise RuntimeError(
+                f"the CP group of this scope (size {self.size}, rank {self.rank}) was destroyed "
+                "(torch.distributed.destroy_process_group) and released; bind a live group"
+            )
+        return group
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("CPScope is immutable")
 
+    def __copy__(self) -> "CPScope":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "CPScope":
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a CPScope refers to a live process group and cannot be pickled; send (size, rank) instead")
+
     def __repr__(self) -> str:
         comm = "" if self.comm is None else f", comm={self.comm!r}"
-        if self.group is None:
+        if self.size == 1:
             return f"CPScope(CP1{comm})"
-        return f"CPScope(size={self.size}, rank={self.rank}, group={self.group!r}{comm})"
+        group = self._ref()
+        shown = "<destroyed>" if group is None else repr(group)
+        return f"CPScope(size={self.size}, rank={self.rank}, group={shown}{comm})"
 
     def with_comm(self, comm: Optional[str]) -> "CPScope":
         """This binding carrying the attention communication variant ``comm`` (see :func:`check_comm`)."""
         comm = check_comm(comm)
-        return self if comm == self.comm else CPScope(self.group, self.size, self.rank, comm)
+        return self if comm == self.comm else CPScope._with_ref(self._ref, self.size, self.rank, comm)
 
     @property
     def is_cp1(self) -> bool:
@@ -99,11 +171,11 @@ class CPScope:
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` with this scope bound."""
-        token = _ACTIVE.set(self)
+        tokens = _bind(self)
         try:
             return fn(*args, **kwargs)
         finally:
-            _ACTIVE.reset(token)
+            _unbind(tokens)
 
 
 CP1 = CPScope(None, 1, 0)
@@ -123,12 +195,39 @@ def check_comm(comm: Optional[str]) -> Optional[str]:
 
 # The one piece of state: which scope is active in *this* context (thread / asyncio task). None = unbound.
 _ACTIVE: ContextVar[Optional[CPScope]] = ContextVar("cpscope_active_cp_scope", default=None)
+# The autograd graph task (backward pass) during which the innermost binding of this context was made, or -1 when
+# it was made outside every backward. A read inside a backward is allowed only when the scope was bound inside a
+# backward (recompute re-entering a capture, a scoped hook, an explicit runtime_cp there): then it is the scope the
+# code chose, not whatever the caller's context happened to hold when backward started.
+_BOUND_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_bound_in_graph_task", default=-1)
 # The build-time (static) scope. Process-wide on purpose: it is configuration fixed when the model is built,
 # never the per-microbatch group (that one lives only in _ACTIVE).
 _build_time: CPScope = CP1
-# Facts of each group seen, computed once: group -> CPScope. Groups live for the job, so strong refs are fine.
-_SCOPES: dict[Any, CPScope] = {}
-_SCOPES_LOCK = threading.Lock()
+# Facts of each group seen, computed once: id(group) -> (weak reference to the group, its CPScope). Nothing here
+# holds the group strongly (a CPScope refers to its group weakly too) and the weak reference's callback drops the
+# entry when the group dies, so the cache never keeps a destroyed group (and its communicators) alive.
+_SCOPES: dict[int, tuple[Callable[[], Any], CPScope]] = {}
+
+
+def _bind(scope: CPScope) -> Any:
+    """Bind ``scope`` in this context; returns the token(s) for :func:`_unbind`.
+
+    Outside backward (the common case) that is one ContextVar token; inside a backward pass a pair, the second
+    marking the binding as made inside it (an enclosing marker cannot exist outside backward, so none is reset).
+    ``runtime_cp.__enter__`` / ``__exit__`` inline the same logic (this is the hot path).
+    """
+    task = _current_graph_task_id()
+    if task == -1:
+        return _ACTIVE.set(scope)
+    return _ACTIVE.set(scope), _BOUND_IN_TASK.set(task)
+
+
+def _unbind(tokens: Any) -> None:
+    if type(tokens) is tuple:
+        _BOUND_IN_TASK.reset(tokens[1])
+        _ACTIVE.reset(tokens[0])
+    else:
+        _ACTIVE.reset(tokens)
 
 
 def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] = None) -> CPScope:
@@ -136,13 +235,18 @@ def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] =
 
     Raises ``ValueError`` when this rank is not a member of ``group``, or when ``local_cp_size`` contradicts it
     (``local_cp_size == 1`` ⇔ group is ``None`` or of size 1; otherwise ``local_cp_size == group.size()``).
+
+    Example::
+
+        scope = scope_for(groups[2], local_cp_size=2)    # CPScope(size=2, rank=…); the same object every call
     """
     if group is None:
         scope = CP1
     else:
-        scope = _SCOPES.get(group)
-        if scope is None:
-            scope = _make_scope(group)
+        # An entry under id(group) is this group's: the weak reference's callback drops an entry synchronously
+        # when its group dies, before the id can be reused (and a strongly held stand-in never dies).
+        hit = _SCOPES.get(id(group))
+        scope = hit[1] if hit is not None else _make_scope(group)
     if local_cp_size is not None and (type(local_cp_size) is not int or local_cp_size != scope.size):
         _raise_local_cp_size(group, scope, local_cp_size)
     return scope
@@ -169,9 +273,20 @@ def _make_scope(group: Any) -> CPScope:
             f"runtime_cp: global rank {me} is not a member of the CP group of size {size} (its global ranks: "
             f"{members}); bind only a group this rank belongs to"
         )
-    scope = CP1 if size == 1 else CPScope(group, size, rank)
-    with _SCOPES_LOCK:
-        return _SCOPES.setdefault(group, scope)
+    key = id(group)
+
+    def forget(ref: Any, key: int = key) -> None:  # the group died: drop its entry (if it is still this one)
+        entry = _SCOPES.get(key)
+        if entry is not None and entry[0] is ref:
+            _SCOPES.pop(key, None)
+
+    existing = _SCOPES.get(key)
+    if existing is not None and existing[0]() is group:  # another thread made it meanwhile
+        return existing[1]
+    ref = _group_ref(group, forget)
+    scope = CP1 if size == 1 else CPScope._with_ref(ref, size, rank)
+    _SCOPES[key] = (ref, scope)
+    return scope
 
 
 def _raise_local_cp_size(group: Any, scope: CPScope, local_cp_size: Any) -> None:
@@ -205,6 +320,9 @@ class runtime_cp:
     from several threads or tasks (its tokens would interleave): write ``with runtime_cp(g):`` per use —
     construction is cheap — or use it as a decorator, which binds afresh on every call.
 
+    Entered inside an autograd backward pass (a hook, a custom recompute), the binding counts as deliberate for the
+    backward read check: reads under it are allowed there (:func:`set_backward_read_check`).
+
     Args:
         group: the CP group for this microbatch; ``None`` or a size-1 group means CP1.
         local_cp_size: optional cross-check (Megatron's convention). ``1`` requires CP1; ``n > 1`` requires a group
@@ -234,16 +352,19 @@ class runtime_cp:
         if group is None and local_cp_size is None:
             self._scope = CP1
         else:
-            self._scope = scope_for(group, local_cp_size)
+            hit = _SCOPES.get(id(group)) if local_cp_size is None else None  # scope_for's cache hit, inlined
+            self._scope = hit[1] if hit is not None else scope_for(group, local_cp_size)
         if comm is not None:
             self._scope = self._scope.with_comm(comm)
-        self._tokens: list = []
+        # What __enter__ must undo: None (not entered), one binding's token(s), or a list of them when nested.
+        # (No list for the common single use: this is the hot path.)
+        self._tokens: Any = None
 
     @classmethod
     def _from_scope(cls, scope: CPScope) -> "runtime_cp":
         self = cls.__new__(cls)
         self._scope = scope
-        self._tokens = []
+        self._tokens = None
         return self
 
     @property
@@ -252,11 +373,31 @@ class runtime_cp:
         return self._scope
 
     def __enter__(self) -> CPScope:
-        self._tokens.append(_ACTIVE.set(self._scope))
-        return self._scope
+        scope = self._scope
+        task = _current_graph_task_id()  # inlined _bind: this is the hot path
+        tokens = _ACTIVE.set(scope) if task == -1 else (_ACTIVE.set(scope), _BOUND_IN_TASK.set(task))
+        held = self._tokens
+        if held is None:
+            self._tokens = tokens
+        elif type(held) is list:
+            held.append(tokens)
+        else:
+            self._tokens = [held, tokens]
+        return scope
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        _ACTIVE.reset(self._tokens.pop())
+        held = self._tokens
+        if type(held) is list:
+            tokens = held.pop()
+            if not held:
+                self._tokens = None
+        else:
+            tokens, self._tokens = held, None
+        if type(tokens) is tuple:
+            _BOUND_IN_TASK.reset(tokens[1])
+            _ACTIVE.reset(tokens[0])
+        else:
+            _ACTIVE.reset(tokens)
 
     def __call__(self, fn: F) -> F:
         scope = self._scope
@@ -272,11 +413,11 @@ class runtime_cp:
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                token = _ACTIVE.set(scope)
+                tokens = _bind(scope)
                 try:
                     return await fn(*args, **kwargs)
                 finally:
-                    _ACTIVE.reset(token)
+                    _unbind(tokens)
 
             return async_wrapper  # type: ignore[return-value]
         if inspect.isasyncgenfunction(fn):
@@ -284,11 +425,11 @@ class runtime_cp:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            token = _ACTIVE.set(scope)
+            tokens = _bind(scope)
             try:
                 return fn(*args, **kwargs)
             finally:
-                _ACTIVE.reset(token)
+                _unbind(tokens)
 
         return wrapper  # type: ignore[return-value]
 
@@ -318,67 +459,163 @@ def _step_bound(gen: Any, scope: CPScope) -> Any:
 # Readers
 
 
-_debug_autograd_reads = False
-# Debug mode only. The autograd graph task in which this context deliberately re-entered a captured scope
-# (activation-checkpoint recompute, a hook wrapped with ``cpscope.scoped``): reads made there see the
-# scope that was captured in forward, so they are allowed. -1: none. Set and reset by ``cpscope.checkpoint``.
-_REENTERED_IN_TASK: ContextVar[int] = ContextVar("cpscope_scope_reentered_in_graph_task", default=-1)
+_check_reads = True  # the backward read check (process-wide: autograd's threads must see it too)
 
 
 class ScopeReadInBackwardError(RuntimeError):
-    """Raised in debug mode when the active CP scope is read while autograd executes a backward pass.
+    """The active CP scope was read inside an autograd backward pass that did not re-enter a captured scope.
+
+    Raised by default (see :func:`set_backward_read_check`). Backward functions, hooks and activation recompute
+    must use the scope captured in forward: autograd runs them later (another microbatch's group may be bound by
+    then) and, on CUDA, on its own threads, which do not see the caller's ContextVars — a read there returns a
+    wrong group, silently. The message says where the read happened and how to fix it.
 
     Example::
 
-        cpscope.set_debug_autograd_reads(True)
+        with cpscope.runtime_cp(groups[2]):
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)   # recompute reads the scope
+        y.sum().backward()        # ScopeReadInBackwardError: use cpscope.checkpoint(block, x) instead
+    """
+
+
+def set_backward_read_check(enabled: bool = True) -> bool:
+    """Turn the backward read check on (the default) or off, process-wide; returns the previous setting.
+
+    With the check on, every read of the active scope (:func:`capture_scope`, :func:`resolve_scope` without
+    ``group=``, :func:`current_cp_group`, :func:`cp_size`, :func:`cp_rank`, :func:`runtime_scope_or`, and so every
+    cpscope consumer that reads the scope: sharding, RoPE, attention, the modules and adapters) raises
+    :class:`ScopeReadInBackwardError` while the autograd engine runs a backward pass on that thread — a node's
+    ``backward``, tensor / node / post-accumulate-grad hooks, saved-tensor unpack hooks (non-reentrant checkpoint
+    recompute), ``queue_callback`` callbacks — unless the scope read was bound inside that backward:
+    ``cpscope.checkpoint`` and ``scope_context_fn`` recompute, ``cpscope.scoped`` / ``MicrobatchScope.hook``
+    hooks, or an explicit ``runtime_cp`` / ``CPScope.bind()`` there. Reads with an explicit ``group=`` are never
+    checked. Not detectable: a thread that a hook starts itself (it runs outside every backward).
+
+    Turning it off is for experts who read the scope in backward on purpose and know their backward runs where
+    the caller's binding is visible; prefer :class:`allow_scope_reads_in_backward` around the one call. Cost with
+    the check on: one C call per read (measured in ``benchmarks/bench_scope.py``, ``docs/benchmarks.md``).
+
+    Example::
+
+        previous = cpscope.set_backward_read_check(False)   # expert opt-out
         try:
             loss.backward()
-        except cpscope.ScopeReadInBackwardError as e:
-            print("a backward / hook / recompute read the ContextVar:", e)
+        finally:
+            cpscope.set_backward_read_check(previous)
     """
+    global _check_reads
+    previous, _check_reads = _check_reads, bool(enabled)
+    return previous
+
+
+def backward_read_check_enabled() -> bool:
+    """Whether the backward read check is on (it is by default).
+
+    Example::
+
+        assert cpscope.backward_read_check_enabled()
+    """
+    return _check_reads
+
+
+class allow_scope_reads_in_backward:
+    """Context manager (and decorator): the backward read check is off inside, restored on exit (expert opt-out).
+
+    Scope: **process-wide**, not context-local — autograd's backward threads must see it, and they do not see the
+    caller's ContextVars. Do not use it while other threads run backward passes that should stay checked.
+
+    Example::
+
+        with cpscope.allow_scope_reads_in_backward():
+            loss.backward()       # a hook of yours reads cpscope.cp_size() on purpose
+    """
+
+    __slots__ = ("_saved",)
+
+    def __init__(self) -> None:
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(set_backward_read_check(False))
+
+    def __exit__(self, *exc: Any) -> None:
+        set_backward_read_check(self._saved.pop())
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with allow_scope_reads_in_backward():
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
 
 
 def set_debug_autograd_reads(enabled: bool = True) -> None:
-    """Debug mode: raise :class:`ScopeReadInBackwardError` when the ContextVar is read inside autograd's backward.
+    """Deprecated: the backward read check is now on by default; use :func:`set_backward_read_check`.
 
-    Backward functions, hooks and recompute must use the scope captured in forward (autograd runs them on its
-    own threads, which do not see the caller's ContextVars). Tests turn this on to prove that nothing does.
-
-    "Inside backward" means: on any thread, while the autograd engine runs a graph task — a node's ``backward``,
-    tensor / node / post-accumulate-grad hooks, saved-tensor unpack hooks (non-reentrant checkpoint recompute) and
-    ``queue_callback`` callbacks. Reads inside a scope that was deliberately re-entered during that graph task
-    (``cpscope.checkpoint`` recompute, ``cpscope.scoped`` hooks) are allowed. Not detectable: a thread
-    that a hook starts itself (it is outside every graph task). Off by default; when off, a read costs one
-    global-bool check.
+    ``set_debug_autograd_reads(True)`` keeps the check on; ``set_debug_autograd_reads(False)`` turns it **off**
+    (an opt-out, no longer "leave debug mode"). Both warn with ``DeprecationWarning``.
 
     Example::
 
-        cpscope.set_debug_autograd_reads(True)
-        loss.backward()            # raises if anything in backward calls cp_size() / current_cp_group() ...
-        cpscope.set_debug_autograd_reads(False)
+        cpscope.set_backward_read_check(True)     # instead of set_debug_autograd_reads(True)
     """
-    global _debug_autograd_reads
-    _debug_autograd_reads = bool(enabled)
+    warnings.warn(
+        "cpscope.set_debug_autograd_reads is deprecated: the backward read check is on by default. Use "
+        "cpscope.set_backward_read_check(enabled) (or the context manager cpscope.allow_scope_reads_in_backward()) "
+        f"-- set_debug_autograd_reads({enabled!r}) now {'keeps it on' if enabled else 'turns it OFF'}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    set_backward_read_check(enabled)
 
 
-def _check_not_in_backward() -> None:
-    import torch
-
-    task = torch._C._current_graph_task_id()  # -1 outside every backward; also set in queue_callback callbacks
-    if task == -1 or _REENTERED_IN_TASK.get() == task:
-        return
+def _raise_read_in_backward(task: int) -> None:
     node = torch._C._current_autograd_node()
     where = f"node {node.name()}" if node is not None else "a callback of the backward pass"
     raise ScopeReadInBackwardError(
-        f"the active CP scope was read inside autograd backward ({where}, graph task {task}); use the scope "
-        "captured in forward (ctx) instead, or re-enter it explicitly (cpscope.scoped / reentered)"
+        f"the active CP scope was read inside autograd backward ({where}, graph task {task}) without re-entering "
+        "the scope captured in forward; outside the forward's runtime_cp the read would see another microbatch's "
+        "group or none (and, on CUDA, autograd's threads never see the caller's binding). Fix: checkpoint with "
+        "cpscope.checkpoint(fn, *args) instead of torch.utils.checkpoint.checkpoint, or pass "
+        "context_fn=cpscope.scope_context_fn() to a non-reentrant torch checkpoint (transformers: "
+        "attn_implementation='cpscope' models wrap their checkpointing automatically); wrap a function recomputed "
+        "by other code (Megatron's tensor_parallel.checkpoint) or a hook with cpscope.scoped(fn), built in forward; "
+        "a custom autograd.Function must resolve the scope in forward and keep it on ctx. Experts can opt out with "
+        "cpscope.allow_scope_reads_in_backward() or cpscope.set_backward_read_check(False)"
     )
+
+
+def runtime_scope_or(default: CPScope) -> CPScope:
+    """The bound runtime scope (innermost :func:`runtime_cp`) if any, else ``default``; a checked read.
+
+    The read is checked like every scope read (:func:`set_backward_read_check`), also when nothing is bound: a
+    module's build-time default used from a backward recompute is as wrong as a stale runtime scope.
+
+    Example::
+
+        class MyOp(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.build_scope = cpscope.build_time_scope()     # captured at construction
+            def forward(self, x):
+                scope = cpscope.runtime_scope_or(self.build_scope)  # runtime scope wins
+                return x * scope.size
+    """
+    if _check_reads:
+        task = _current_graph_task_id()
+        if task != -1 and _BOUND_IN_TASK.get() == -1:
+            _raise_read_in_backward(task)
+    scope = _ACTIVE.get()
+    return default if scope is None else scope
 
 
 def capture_scope() -> CPScope:
     """The scope in force here: the innermost :func:`runtime_cp` binding, else the build-time scope.
 
     Keep the result (e.g. on an autograd ``ctx`` or with a microbatch) and re-enter it with ``scope.bind()``.
+    Raises :class:`ScopeReadInBackwardError` inside a backward pass that did not bind a scope itself
+    (:func:`set_backward_read_check`).
 
     Example::
 
@@ -387,8 +624,10 @@ def capture_scope() -> CPScope:
         with snap.bind():                         # CP2 again, anywhere in this thread / task
             ...
     """
-    if _debug_autograd_reads:
-        _check_not_in_backward()
+    if _check_reads:
+        task = _current_graph_task_id()
+        if task != -1 and _BOUND_IN_TASK.get() == -1:
+            _raise_read_in_backward(task)
     scope = _ACTIVE.get()
     return _build_time if scope is None else scope
 
@@ -396,7 +635,8 @@ def capture_scope() -> CPScope:
 def resolve_scope(group: Any = _UNSET) -> CPScope:
     """The scope for a CP consumer: ``group`` when given explicitly (``None`` = CP1), else :func:`capture_scope`.
 
-    This is how every cpscope function implements "``group=`` explicitly, the active scope by default".
+    This is how every cpscope function implements "``group=`` explicitly, the active scope by default". Only the
+    default (a read of the active scope) is subject to the backward read check.
 
     Example::
 
@@ -417,7 +657,17 @@ def current_cp_group() -> Optional[dist.ProcessGroup]:
         with cpscope.runtime_cp(groups[2]):
             dist.all_reduce(t, group=cpscope.current_cp_group())
     """
-    return capture_scope().group
+    if _check_reads:
+        task = _current_graph_task_id()
+        if task != -1 and _BOUND_IN_TASK.get() == -1:
+            _raise_read_in_backward(task)
+    scope = _ACTIVE.get()
+    if scope is None:
+        scope = _build_time
+    if scope.size == 1:
+        return None
+    group = scope._ref()  # what the ``group`` property does, without its call overhead
+    return group if group is not None else scope.group  # (dead: the property raises)
 
 
 def cp_size() -> int:
@@ -472,6 +722,17 @@ def build_time_cp_group() -> Optional[dist.ProcessGroup]:
             static = cpscope.build_time_cp_group()   # unaffected by the runtime scope
     """
     return _build_time.group
+
+
+def build_time_scope() -> CPScope:
+    """The build-time :class:`CPScope` (process-wide, never a runtime binding): what modules capture at construction.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):
+            assert cpscope.build_time_scope().is_cp1     # the runtime CP2 binding is not the build-time group
+    """
+    return _build_time
 
 
 class build_time_cp:

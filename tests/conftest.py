@@ -9,6 +9,14 @@ def _rank_pools():
     shutdown_pools()
 
 
+@pytest.fixture(autouse=True)
+def _backward_read_check_back_on():
+    yield
+    import cpscope.scope
+
+    cpscope.scope.set_backward_read_check(True)  # the default; a test that opted out must not leak it
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

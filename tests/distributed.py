@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, tasks: Any, res
             results.put((tid, rank, False, traceback.format_exc()))
         finally:
             scope_mod._build_time = scope_mod.CP1
-            scope_mod.set_debug_autograd_reads(False)
+            scope_mod.set_backward_read_check(True)  # back to the default (on) after every task
     try:
         dist.destroy_process_group()
     except Exception:

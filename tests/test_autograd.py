@@ -1,8 +1,9 @@
-"""The scope survives autograd: debug mode, scope-preserving checkpoint, microbatches, backward on other threads.
+"""The scope survives autograd: the backward read check, scope-preserving checkpoint, microbatches, other threads.
 
-Layered: pure tests (no process group; fake ``CPScope`` objects stand in for groups) for the debug mode, the
-recompute binding and ``Microbatch``; then 4-rank gloo tests with the real ring attention + RoPE against a float64
-full-sequence reference cut per rank, in schedules that separate a microbatch's forward from its backward.
+Layered: pure tests (no process group; fake ``CPScope`` objects stand in for groups) for the backward read check
+(on by default), the recompute binding and ``MicrobatchScope``; then 4-rank gloo tests with the real ring
+attention + RoPE against a float64 full-sequence reference cut per rank, in schedules that separate a microbatch's
+forward from its backward.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import cpscope
-from cpscope.checkpoint import checkpoint, reentered, scope_context_fn, scoped
-from cpscope.microbatch import Microbatch
-from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope, set_debug_autograd_reads
+from cpscope.microbatch import MicrobatchScope
+from cpscope.recompute import checkpoint, reentered, scope_context_fn, scoped
+from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope
 from tests.distributed import run_ranks
 
 # Stand-ins for real groups in pure tests: the scope machinery never calls into them.
@@ -29,11 +30,10 @@ S4 = CPScope(object(), 4, 3)
 
 @pytest.fixture
 def debug_reads():
-    set_debug_autograd_reads(True)
-    try:
-        yield
-    finally:
-        set_debug_autograd_reads(False)
+    """The backward read check is on by default: tests using this fixture rely on it (and leave it on)."""
+    assert cpscope.backward_read_check_enabled()
+    yield
+    cpscope.set_backward_read_check(True)
 
 
 class _ReadsScopeInBackward(torch.autograd.Function):
@@ -79,7 +79,7 @@ def _in_thread(fn: Callable[[], Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Debug mode: reading the ContextVar inside backward raises
+# The backward read check (default on): reading the ContextVar inside backward raises
 
 
 def test_debug_mode_catches_function_backward_read(debug_reads):
@@ -144,11 +144,13 @@ def test_debug_mode_off_and_correct_patterns_pass(debug_reads):
     with S2.bind():  # a different scope bound during backward changes nothing
         (y.sum() + h.sum()).backward()
     assert torch.equal(x.grad, torch.full((3,), 8.0))
-    set_debug_autograd_reads(False)
     x.grad = None
     with S2.bind():
         y = _ReadsScopeInBackward.apply(x)
-    y.sum().backward()  # debug off: no error (and, outside every scope, the buggy op sees CP1 -- a wrong grad)
+    with cpscope.allow_scope_reads_in_backward():  # the expert opt-out, restored on exit
+        assert not cpscope.backward_read_check_enabled()
+        y.sum().backward()  # no error (and, outside every scope, the buggy op sees CP1 -- a wrong grad)
+    assert cpscope.backward_read_check_enabled()
     assert torch.equal(x.grad, torch.ones(3))
 
 
@@ -260,17 +262,17 @@ def test_nested_checkpoint_and_bad_arguments(debug_reads):
     with pytest.raises(ValueError, match="CPScope"):
         scoped(lambda: None, 2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="CPScope"):
-        Microbatch(None)  # type: ignore[arg-type]
+        MicrobatchScope(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="callable"):
         scope_context_fn(3)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Microbatch (pure)
+# MicrobatchScope (pure)
 
 
 def test_microbatch_carries_scope_through_interleaved_schedule(debug_reads):
-    a, b = Microbatch(S2), Microbatch(S4)
+    a, b = MicrobatchScope(S2), MicrobatchScope(S4)
     xa = torch.ones(3, requires_grad=True)
     xb = torch.ones(3, requires_grad=True)
     hook_seen: list[int] = []
@@ -292,7 +294,7 @@ def test_microbatch_carries_scope_through_interleaved_schedule(debug_reads):
     b.backward(yb.sum())
     assert torch.equal(xa.grad, torch.full((3,), 2.0)) and torch.equal(xb.grad, torch.full((3,), 4.0))
     assert hook_seen == [2] and b_bound == [S4]
-    assert Microbatch.capture().scope is CP1 and Microbatch.of(None).scope is CP1
+    assert MicrobatchScope.capture().scope is CP1 and MicrobatchScope.of(None).scope is CP1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,7 +347,7 @@ class _Mb:
     def __init__(self, seed: int, group: Any) -> None:
         g = torch.Generator().manual_seed(seed)
         self.full = [torch.randn(B, L, H, D, generator=g, dtype=torch.float64) for _ in range(4)]  # q k v w
-        self.group, self.mb = group, Microbatch.of(group)
+        self.group, self.mb = group, MicrobatchScope.of(group)
         self.seen: list = []
 
     def forward(self, mode: str, freqs: torch.Tensor) -> None:
@@ -356,6 +358,12 @@ class _Mb:
             self.leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             if mode == "plain":
                 out = _block(*self.leaves, freqs, self.seen)
+            elif mode == "torch_context_fn":  # torch's own checkpoint with cpscope's documented context_fn
+                out = torch_checkpoint.checkpoint(_block, *self.leaves, freqs, self.seen, use_reentrant=False,
+                                                  context_fn=scope_context_fn())
+            elif mode.startswith("torch_plain"):  # torch's checkpoint as is: the recompute reads the scope
+                out = torch_checkpoint.checkpoint(_block, *self.leaves, freqs, None,
+                                                  use_reentrant=(mode == "torch_plain_reentrant"))
             else:
                 out = checkpoint(_block, *self.leaves, freqs, self.seen, use_reentrant=(mode == "reentrant"))
             self.out = out
@@ -380,7 +388,7 @@ class _Mb:
 
 def _interleaved(mode: str, sizes: tuple[int, int]) -> list:
     """Forward A (CP sizes[0]), forward B (CP sizes[1]); backward A outside any scope, backward B under CP1."""
-    set_debug_autograd_reads(True)  # proves nothing in backward / recompute reads the ContextVar unbound
+    assert cpscope.backward_read_check_enabled()  # proves nothing in backward / recompute reads the ContextVar
     groups = cpscope.new_cp_groups([1, 2, 4])
     freqs = _ref_freqs(D, L)
     a, b = _Mb(1, groups[sizes[0]]), _Mb(2, groups[sizes[1]])
@@ -398,7 +406,9 @@ def _interleaved(mode: str, sizes: tuple[int, int]) -> list:
 
 
 @pytest.mark.parametrize(
-    "mode,sizes", [("plain", (2, 4)), ("checkpoint", (2, 4)), ("reentrant", (4, 2)), ("checkpoint", (2, 1))]
+    "mode,sizes",
+    [("plain", (2, 4)), ("checkpoint", (2, 4)), ("reentrant", (4, 2)), ("checkpoint", (2, 1)),
+     ("torch_context_fn", (4, 2))],
 )
 def test_interleaved_microbatches_grads_match_reference(mode, sizes):
     calls = 1 if mode == "plain" else 2
@@ -406,8 +416,8 @@ def test_interleaved_microbatches_grads_match_reference(mode, sizes):
 
 
 def _backward_on_thread() -> None:
-    """Checkpointed A under CP2, B under CP4; A's backward (with recompute) runs on another thread, debug mode on."""
-    set_debug_autograd_reads(True)
+    """Checkpointed A under CP2, B under CP4; A's backward (with recompute) runs on another thread, check on."""
+    assert cpscope.backward_read_check_enabled()
     groups = cpscope.new_cp_groups([1, 2, 4])
     freqs = _ref_freqs(D, L)
     a, b = _Mb(3, groups[2]), _Mb(4, groups[4])
@@ -423,6 +433,109 @@ def _backward_on_thread() -> None:
 
 def test_backward_on_another_thread_uses_forward_groups():
     run_ranks(4, _backward_on_thread)
+
+
+def _plain_torch_checkpoint_raises(mode: str) -> str:
+    """torch.utils.checkpoint without cpscope's help, backward outside the scope: the recompute's first scope read
+    (RoPE, before any collective) raises on every rank -- never a CP1 recompute of CP2 shards, never a hang."""
+    groups = cpscope.new_cp_groups([2])
+    freqs = _ref_freqs(D, L)
+    a = _Mb(5, groups[2])
+    a.forward(mode, freqs)
+    with pytest.raises(ScopeReadInBackwardError, match="read inside autograd backward") as err:
+        a.mb.backward(a.loss)
+    return type(err.value).__name__
+
+
+@pytest.mark.parametrize("mode", ["torch_plain_non_reentrant", "torch_plain_reentrant"])
+def test_plain_torch_checkpoint_raises_on_every_rank(mode):
+    assert run_ranks(2, _plain_torch_checkpoint_raises, mode, timeout=120) == ["ScopeReadInBackwardError"] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Legitimate paths that must not trip the (default-on) check
+
+
+def test_double_backward_through_scoped_checkpoint(debug_reads):
+    seen: list[CPScope] = []
+    x = torch.linspace(0.1, 1.0, 4, dtype=torch.float64, requires_grad=True)
+    with S2.bind():
+        y = checkpoint(_recording(seen), x)  # 2 sin(x)
+    h = x * 1.0
+    h.register_hook(scoped(lambda g: g * cpscope.cp_size(), S4))  # a scoped hook in the first backward
+    (g,) = torch.autograd.grad(y.sum() + h.sum(), x, create_graph=True)  # 2 cos(x) + 4, outside every scope
+    torch.testing.assert_close(g, 2 * x.detach().cos() + 4)
+    g.sum().backward()  # the second backward: d/dx sum(2 cos x) = -2 sin x
+    torch.testing.assert_close(x.grad, -2 * x.detach().sin())
+    assert set(seen) == {S2} and len(seen) >= 2
+
+
+def test_compiled_module_with_scoped_checkpoint(debug_reads):
+    seen: list[CPScope] = []
+
+    class Block(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return checkpoint(_recording(seen), t * 2) + 1
+
+    block = torch.compile(Block(), backend="eager")
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    with S2.bind():
+        y = block(x)
+    y.sum().backward()  # the recompute runs in backward, outside every scope
+    assert seen[-1] is S2 and set(seen) == {S2}
+    torch.testing.assert_close(x.grad, 4 * torch.cos(2 * x.detach()))
+
+
+def test_explicit_binding_inside_backward_is_allowed(debug_reads):
+    # A hook (or custom recompute) that binds a scope itself inside backward reads what it chose: allowed. A read
+    # without a binding of its own -- even with the caller's scope bound around backward -- raises.
+    x = torch.ones(3, requires_grad=True)
+    sizes: list[int] = []
+
+    s4 = S4.bind()  # one binder object, entered nested inside backward (its tokens pile up and unwind)
+
+    def binds(g: torch.Tensor) -> torch.Tensor:
+        with s4:
+            sizes.append(cpscope.cp_size())
+            with cpscope.runtime_cp(None):
+                sizes.append(cpscope.cp_size())
+                with s4:
+                    sizes.append(cpscope.cp_size())
+                sizes.append(cpscope.cp_size())
+            sizes.append(S2.run(cpscope.cp_size))
+        with pytest.raises(ScopeReadInBackwardError):
+            cpscope.cp_size()  # the hook's own bindings are gone: a read now is a plain read in backward
+        return g
+
+    y = x * 2
+    y.register_hook(binds)
+    y.sum().backward()
+    assert sizes == [4, 1, 4, 1, 2]
+    assert capture_scope() is CP1
+    y = x * 2
+    y.register_hook(lambda g: g * cpscope.cp_size())
+    with S2.bind(), pytest.raises(ScopeReadInBackwardError, match="set_backward_read_check"):
+        y.sum().backward()
+
+
+def test_backward_read_check_switches_and_deprecated_alias():
+    assert cpscope.backward_read_check_enabled()
+    assert cpscope.set_backward_read_check(False) is True and not cpscope.backward_read_check_enabled()
+    assert cpscope.set_backward_read_check(True) is False
+
+    @cpscope.allow_scope_reads_in_backward()
+    def opted_out() -> bool:
+        return cpscope.backward_read_check_enabled()
+
+    assert opted_out() is False and cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="turns it OFF"):
+        cpscope.set_debug_autograd_reads(False)
+    assert not cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="on by default"):
+        cpscope.set_debug_autograd_reads(True)
+    assert cpscope.backward_read_check_enabled()
+    with pytest.warns(DeprecationWarning, match="MicrobatchScope"):
+        assert cpscope.Microbatch is MicrobatchScope
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -457,21 +570,36 @@ def test_cuda_recompute_on_device_thread_sees_captured_scope(debug_reads, use_re
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
 
 
-def test_module_read_in_plain_checkpoint_recompute_is_caught_in_debug_mode():
-    """ContextParallelAttention with nothing bound: a recompute in backward must still trip the debug check."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_cuda_plain_checkpoint_read_on_device_thread_raises(debug_reads, use_reentrant):
+    """On CUDA the recompute runs on autograd's device thread, which does not see the caller's S2: a read there
+    would silently be CP1. The default check raises instead, even with S2 still bound in the caller's thread."""
+    threads: list[int] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        return t.sin() * cpscope.cp_size()
+
+    x = torch.linspace(0.1, 1.0, 8, device="cuda", requires_grad=True)
+    with S2.bind():
+        y = torch_checkpoint.checkpoint(fn, x, use_reentrant=use_reentrant)
+        with pytest.raises(ScopeReadInBackwardError):
+            y.sum().backward()
+    assert len(threads) == 2 and threads[1] != threading.get_ident()  # the recompute ran on the device thread
+
+
+def test_module_read_in_plain_checkpoint_recompute_is_caught_by_default():
+    """ContextParallelAttention with nothing bound: a recompute in backward must still trip the default check."""
     import torch.utils.checkpoint as tuc
 
     from cpscope.attention import ContextParallelAttention
 
     attn = ContextParallelAttention(qkv_format="bshd", causal=True)
     q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    cpscope.set_debug_autograd_reads(True)
-    try:
-        out = tuc.checkpoint(lambda a, b, c: attn(a, b, c), q, k, v, use_reentrant=False)
-        with pytest.raises(cpscope.ScopeReadInBackwardError):
-            out.sum().backward()
-    finally:
-        cpscope.set_debug_autograd_reads(False)
+    out = tuc.checkpoint(lambda a, b, c: attn(a, b, c), q, k, v, use_reentrant=False)
+    with pytest.raises(cpscope.ScopeReadInBackwardError, match="cpscope.checkpoint"):
+        out.sum().backward()
 
 
 def test_scoped_wrapper_called_concurrently_from_threads_keeps_each_binding():

@@ -94,6 +94,7 @@ def _compile_module_scope_read() -> list[int]:
     import torch._dynamo
     from cpscope.attention import ContextParallelAttention
 
+    assert cpscope.backward_read_check_enabled()  # compiled modules pass the default-on check
     torch._dynamo.reset()
     compiles = [0]
 
@@ -120,6 +121,7 @@ def _compile_module_scope_read() -> list[int]:
 def _compile_over_cp_sizes() -> list[int]:
     import torch._dynamo
 
+    assert cpscope.backward_read_check_enabled()  # compiled blocks pass the default-on check, forward and backward
     torch._dynamo.reset()
     compiles = [0]
 

@@ -333,3 +333,108 @@ def _w_new_cp_groups_refuses_non_int_sizes():
 
 def test_new_cp_groups_refuses_non_int_sizes_and_ranks():
     assert all(run_ranks(2, _w_new_cp_groups_refuses_non_int_sizes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules capture the build-time group at construction, never a runtime binding (issue #13, point 3).
+
+
+def _w_module_built_inside_a_runtime_scope():
+    from cpscope.attention import ContextParallelAttention
+    from tests.attention._reference import reference_attention, zigzag_index
+
+    g = _groups(2)
+    rank = dist.get_rank(g[2])
+    gen = torch.Generator().manual_seed(7)
+    L, H, D = 16, 2, 8
+    q, k, v, w = (torch.randn(L, H, D, generator=gen, dtype=torch.float64) for _ in range(4))  # same on every rank
+
+    def reference(rows):  # float64 full-sequence attention and its gradients, cut to ``rows``
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = reference_attention(qq, kk, vv, causal=True)
+        (out * w).sum().backward()
+        return out.detach()[rows], qq.grad[rows], kk.grad[rows], vv.grad[rows]
+
+    def run(attn, rows):  # [t, h, d] -> bshd [1, t, h, d]; loss = sum(out * w) over the given rows
+        leaves = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*(t[None] for t in leaves))[0]
+        (out * w[rows]).sum().backward()
+        return out.detach(), *(t.grad for t in leaves)
+
+    def check(got, want):
+        for a, b, name in zip(got, want, ("out", "dq", "dk", "dv")):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+    full = torch.arange(L)
+    local = zigzag_index([0, L], 2, rank)
+    # Lazy init / a rebuild inside the loop's runtime CP2 scope: the runtime binding must not stick.
+    with cpscope.runtime_cp(g[2]):
+        lazy = ContextParallelAttention(causal=True)
+        assert cpscope.build_time_scope().is_cp1
+    assert lazy.build_scope.is_cp1 and lazy.active_scope().is_cp1
+    check(run(lazy, full), reference(full))  # outside every scope: CP1 on full tensors (a CP2 call would mismatch)
+    with cpscope.runtime_cp(g[2]):
+        check(run(lazy, local), reference(local))  # the runtime scope still wins when bound
+    # Built under build_time_cp(CP2): CP2 outside every scope, even after the build-time group changed back.
+    with cpscope.build_time_cp(g[2]):
+        static = ContextParallelAttention(causal=True)
+    assert static.build_scope.size == 2 and cpscope.build_time_scope().is_cp1
+    check(run(static, local), reference(local))
+    with cpscope.runtime_cp(None):
+        check(run(static, full), reference(full))
+    return True
+
+
+def test_module_built_inside_a_runtime_scope_uses_the_build_time_group():
+    assert all(run_ranks(2, _w_module_built_inside_a_runtime_scope))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scope cache does not keep destroyed process groups alive (issue #13, point 5).
+
+
+def _w_destroyed_group_is_released():
+    import gc
+    import weakref
+
+    group = dist.new_group([0, 1])
+    with cpscope.runtime_cp(group):
+        assert cpscope.cp_size() == 2 and cpscope.current_cp_group() is group
+        snap = cpscope.capture_scope()
+    assert scope_mod.scope_for(group) is snap  # cached: one scope per group
+    assert id(group) in scope_mod._SCOPES
+    ref = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())  # neither the cache nor the snapshot kept it alive
+    assert not any(s is snap for _, s in scope_mod._SCOPES.values())  # its cache entry is gone
+    with pytest.raises(RuntimeError, match="was destroyed"):
+        snap.group  # a kept snapshot of a destroyed group refuses loudly (it never turns into CP1)
+    assert snap.size == 2 and "destroyed" in repr(snap)
+    dist.barrier()  # the world group still works
+    return True
+
+
+def test_scope_cache_releases_destroyed_groups():
+    assert all(run_ranks(2, _w_destroyed_group_is_released))
+
+
+def test_scope_copy_and_pickle():
+    import copy
+    import pickle
+
+    s = scope_mod.CPScope(object(), 2, 1)
+    assert copy.copy(s) is s and copy.deepcopy(s) is s and copy.deepcopy([s])[0] is s
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(s)
+    attn = cpscope.ContextParallelAttention()
+    assert copy.deepcopy(attn).build_scope is attn.build_scope  # modules holding a scope can be deep-copied
+
+
+def test_runtime_scope_or_and_build_time_scope():
+    default = scope_mod.CPScope(object(), 4, 3)
+    assert cpscope.runtime_scope_or(default) is default
+    with cpscope.runtime_cp(None) as bound:
+        assert cpscope.runtime_scope_or(default) is bound and bound.is_cp1
+    assert cpscope.build_time_scope() is scope_mod.CP1

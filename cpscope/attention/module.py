@@ -5,7 +5,8 @@ Which group it uses, per forward call:
 1. a :func:`cpscope.runtime_cp` scope bound around the call wins (hybrid CP: one group per microbatch);
 2. otherwise the **build-time** scope captured when the module was constructed (static CP — the build-time group
    in force at ``__init__``, see :func:`cpscope.build_time_cp`), even if the process-wide build-time group has
-   changed since.
+   changed since. A *runtime* binding active at construction (lazy init, meta-device materialisation, a rebuild
+   inside the training loop's ``runtime_cp``) is never captured: it belongs to that microbatch only.
 
 The scope is read in a small method excluded from ``torch.compile`` (``torch.compiler.disable``), and only the
 resolved group/size/rank flow into the computation, so a compiled model does not guard on the ContextVar.
@@ -25,8 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import scope as _scope_mod
-from ..scope import _ACTIVE, CPScope, capture_scope, check_comm
+from ..scope import CPScope, build_time_scope, check_comm, runtime_scope_or
 
 __all__ = ["ContextParallelAttention"]
 
@@ -52,7 +52,7 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.qkv_format, self.causal, self.softmax_scale = qkv_format, causal, softmax_scale
         self.comm = check_comm(comm)
-        self._build_scope: CPScope = capture_scope()
+        self._build_scope: CPScope = build_time_scope()  # never the runtime binding active now
 
     @property
     def build_scope(self) -> CPScope:
@@ -61,13 +61,12 @@ class ContextParallelAttention(nn.Module):
 
     @torch.compiler.disable
     def active_scope(self) -> CPScope:
-        """The scope for this call: the bound runtime scope if any, else the build-time scope."""
-        bound = _ACTIVE.get()
-        if bound is None:
-            if _scope_mod._debug_autograd_reads:
-                _scope_mod._check_not_in_backward()  # a read in backward/recompute is a bug even when unbound
-            return self._build_scope
-        return capture_scope()  # same value as ``bound``; goes through the debug-mode check
+        """The scope for this call: the bound runtime scope if any, else the build-time scope.
+
+        A checked read (:func:`cpscope.set_backward_read_check`): inside a backward recompute that did not re-enter
+        the forward's scope it raises :class:`cpscope.ScopeReadInBackwardError`, also when nothing is bound.
+        """
+        return runtime_scope_or(self._build_scope)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any] = None,

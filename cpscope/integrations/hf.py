@@ -24,10 +24,20 @@ of the full-batch mean loss.
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
 (query and key lengths differ), sliding windows shorter than the sequence, logit soft-capping, attention sinks,
 attention dropout.
-Activation checkpointing: the attention function reads the active scope when it runs, so a recompute in backward
-must re-enter the forward's scope — ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-{"use_reentrant": False, "context_fn": cpscope.scope_context_fn()})`` (``activation_checkpointing_enable``
-with ``activation_checkpointing_kwargs`` in recent transformers).
+
+Activation checkpointing works as is: ``model.gradient_checkpointing_enable()`` /
+``model.activation_checkpointing_enable()`` with any ``use_reentrant`` (and ``offload``, ``every_n_layers``). The
+attention function reads the active scope when it runs, so the recompute in backward must re-enter the forward's
+scope: importing this module wraps the checkpoint function transformers installs in every layer
+(``PreTrainedModel._set_gradient_checkpointing``) with :class:`ScopedCheckpointFunction`, which — for models whose
+``config._attn_implementation`` is ``"cpscope"`` at call time — captures the scope at each checkpointed layer call
+and re-enters it in the recompute, like :func:`cpscope.checkpoint`. For a model set up another way (checkpointing
+enabled before this import, a custom ``_set_gradient_checkpointing``), call :func:`enable_scoped_recompute` once.
+Without either, the recompute raises :class:`cpscope.ScopeReadInBackwardError` on every rank, never a wrong number.
+
+Host synchronisation: per forward, the checks that need host values (a 2-D mask's zeros, the ``position_ids``
+layout, the ``cu_seq_lens`` offsets) run once per tensor — their results are remembered per tensor object and
+in-place version — so layers after the first add no host synchronisation.
 
 Example::
 
@@ -40,14 +50,18 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
-from transformers import AttentionInterface
+import torch.utils.checkpoint
+from transformers import AttentionInterface, PreTrainedModel
 
-from .._checks import check_cu_seqlens, check_divisible_seq
+from .._checks import check_cu_seqlens, check_divisible_seq, cu_seqlens_list
 from ..attention import context_parallel_attention
+from ..recompute import scoped
 from ..scope import _UNSET, CPScope, resolve_scope
 from ..sharding import zigzag_positions, zigzag_shard
 
@@ -59,7 +73,14 @@ except ImportError as e:  # pragma: no cover - older transformers
         f"(tested with 5.24); found transformers {getattr(__import__('transformers'), '__version__', '?')}"
     ) from e
 
-__all__ = ["ATTN_IMPLEMENTATION", "cpscope_attention_forward", "cpscope_attention_mask", "shard_batch"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ScopedCheckpointFunction",
+    "cpscope_attention_forward",
+    "cpscope_attention_mask",
+    "enable_scoped_recompute",
+    "shard_batch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +96,49 @@ def _unsupported(what: str) -> ValueError:
     return ValueError(f'attn_implementation="cpscope" cannot honour {what}')
 
 
+class _PerTensor:
+    """Host-side check results remembered per tensor object, its in-place version and a key (one sync per tensor).
+
+    Keyed by ``id`` with an identity check through a weak reference, whose callback drops the entry when the
+    tensor dies (a ``WeakKeyDictionary`` would compare tensors with ``==``). Inference-mode tensors have no version
+    counter and are never remembered.
+    """
+
+    __slots__ = ("_hits",)
+    MISS: Any = object()
+
+    def __init__(self) -> None:
+        self._hits: dict[int, tuple[weakref.ref, int, Any, Any]] = {}
+
+    def get(self, t: torch.Tensor, key: Any) -> Any:
+        hit = self._hits.get(id(t))
+        if hit is None or hit[0]() is not t or hit[2] != key:
+            return self.MISS
+        try:
+            return hit[3] if hit[1] == t._version else self.MISS
+        except RuntimeError:  # inference tensor
+            return self.MISS
+
+    def put(self, t: torch.Tensor, key: Any, value: Any) -> None:
+        try:
+            version = t._version
+            ident = id(t)
+            ref = weakref.ref(t, lambda r, ident=ident: self._forget(ident, r))
+        except (RuntimeError, TypeError):  # inference tensor / no weak references: not remembered
+            return
+        self._hits[ident] = (ref, version, key, value)
+
+    def _forget(self, ident: int, ref: weakref.ref) -> None:
+        hit = self._hits.get(ident)
+        if hit is not None and hit[0] is ref:
+            self._hits.pop(ident, None)
+
+
+_CHECKED_MASKS = _PerTensor()  # 2-D masks found free of zeros
+_CHECKED_POSITIONS = _PerTensor()  # position_ids found in the zigzag layout of (cp size, rank, local length)
+_HOST_INTS = _PerTensor()  # 0-D tensors (max_length_q/k given as tensors) as Python ints
+
+
 def _check_mask(attention_mask: Any) -> None:
     if attention_mask is None:
         return
@@ -85,6 +149,8 @@ def _check_mask(attention_mask: Any) -> None:
             f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)} (only causal / "
             "document masking is supported: pass no mask, or pack documents via position_ids)"
         )
+    if _CHECKED_MASKS.get(attention_mask, None) is not _PerTensor.MISS:
+        return  # this very mask (same version) was checked before: no host sync per layer / per call
     zeros = int((attention_mask == 0).sum())
     if zeros:
         raise _unsupported(
@@ -92,6 +158,7 @@ def _check_mask(attention_mask: Any) -> None:
             "padding or pack the sequences into one row with position_ids restarting at 0 (shard_batch computes "
             "the document offsets)"
         )
+    _CHECKED_MASKS.put(attention_mask, None, True)
 
 
 def cpscope_attention_mask(
@@ -119,13 +186,20 @@ def cpscope_attention_mask(
 
 
 def _check_position_ids(position_ids: torch.Tensor, scope: CPScope, local_len: int) -> None:
-    """Without document offsets, every row must be one sequence: its local zigzag positions (CP1: plus an offset)."""
-    expected = zigzag_positions(local_len * scope.size, scope.size, scope.rank, device=position_ids.device)
+    """Without document offsets, every row must be one sequence: its local zigzag positions (CP1: plus an offset).
+
+    One host sync per ``position_ids`` tensor (and scope): every layer gets the same tensor, so layers after the
+    first find the result remembered.
+    """
+    key = (scope.size, scope.rank, local_len)
+    if _CHECKED_POSITIONS.get(position_ids, key) is not _PerTensor.MISS:
+        return
     pid = position_ids.reshape(-1, position_ids.shape[-1])
     if pid.shape[-1] != local_len:
         raise ValueError(
             f"position_ids have {pid.shape[-1]} positions per row but the query holds {local_len} local tokens"
         )
+    expected = zigzag_positions(local_len * scope.size, scope.size, scope.rank, device=position_ids.device)
     delta = pid - expected
     # Under CP > 1 the positions must match exactly: a check that passed on some ranks only (an offset that happens
     # to fit one rank's chunks) would leave the others waiting in the ring. Under CP1 an offset per row is fine.
@@ -139,6 +213,18 @@ def _check_position_ids(position_ids: torch.Tensor, scope: CPScope, local_len: i
             f"{int(expected[col]) + offset}. Packed documents need global cu_seq_lens_q/cu_seq_lens_k, and inputs "
             "must be sharded: use cpscope.integrations.hf.shard_batch"
         )
+    _CHECKED_POSITIONS.put(position_ids, key, True)
+
+
+def _host_int(value: Any) -> Optional[int]:
+    """``max_length_q/k`` as a Python int; a tensor is read once (remembered per tensor), not once per layer."""
+    if value is None or not isinstance(value, torch.Tensor):
+        return None if value is None else int(value)
+    hit = _HOST_INTS.get(value, None)
+    if hit is _PerTensor.MISS:
+        hit = int(value)
+        _HOST_INTS.put(value, None, hit)
+    return hit
 
 
 def cpscope_attention_forward(
@@ -185,13 +271,17 @@ def cpscope_attention_forward(
         causal = getattr(module, "is_causal", True)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     cu = cu_q if cu_q is not None else cu_k
-    if cu_q is not None and cu_k is not None and cu_q is not cu_k and not torch.equal(cu_q.cpu(), cu_k.cpu()):
-        raise _unsupported(f"different cu_seq_lens_q {cu_q.tolist()} and cu_seq_lens_k {cu_k.tolist()}")
+    cu_list: Optional[list[int]] = None
+    if cu is not None:  # validated host copies, remembered per tensor: one sync per forward, none per layer
+        cu_list = cu_seqlens_list(cu, "cu_seq_lens_q" if cu is cu_q else "cu_seq_lens_k")
+        if cu_q is not None and cu_k is not None and cu_q is not cu_k:
+            cu_k_list = cu_seqlens_list(cu_k, "cu_seq_lens_k")
+            if cu_k_list != cu_list:
+                raise _unsupported(f"different cu_seq_lens_q {cu_list} and cu_seq_lens_k {cu_k_list}")
 
     window = kwargs.get("sliding_window")
     if window is not None:  # harmless only when it covers the whole (global) sequence / longest document
-        if cu is not None:
-            cu_list = cu.tolist()
+        if cu_list is not None:
             longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
         else:
             longest = query.shape[2] * scope.size
@@ -200,7 +290,7 @@ def cpscope_attention_forward(
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d]
     if cu is None:
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None and getattr(module, "layer_idx", 0) == 0:  # same ids in every layer
+        if position_ids is not None:  # the same tensor in every layer: checked (one sync) in the first only
             _check_position_ids(position_ids, scope, q.shape[1])
         out = context_parallel_attention(
             q, k, v, qkv_format="bshd", causal=causal, softmax_scale=scaling, group=scope.group
@@ -208,10 +298,12 @@ def cpscope_attention_forward(
         return out, None
     if q.shape[0] != 1:
         raise _unsupported(f"packed documents (cu_seq_lens) with batch size {q.shape[0]}; pack into one row")
-    max_len = kwargs.get("max_length_q") or kwargs.get("max_length_k")
-    out = context_parallel_attention(
-        q[0], k[0], v[0], qkv_format="thd", causal=causal, cu_seqlens=cu.to(torch.int32),
-        max_seqlen=int(max_len) if max_len is not None else None, softmax_scale=scaling, group=scope.group,
+    max_len = kwargs.get("max_length_q")
+    if max_len is None:  # (not ``a or b``: a tensor's truth value would be a host sync)
+        max_len = kwargs.get("max_length_k")
+    out = context_parallel_attention(  # cu as given (int32 or int64): its validated host copy is reused
+        q[0], k[0], v[0], qkv_format="thd", causal=causal, cu_seqlens=cu, max_seqlen=_host_int(max_len),
+        softmax_scale=scaling, group=scope.group,
     )  # [t, h, d]
     return out.unsqueeze(0), None
 
@@ -324,5 +416,112 @@ def shard_batch(
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Activation checkpointing: transformers' per-layer checkpoint function, made scope-preserving
+
+
+def _uses_cpscope(config: Any) -> bool:
+    """Whether ``config`` (or one of its sub-configs, for composite models) selects ``attn_implementation="cpscope"``."""
+    if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        return True
+    for name in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, name, None)
+        if sub is not None and getattr(sub, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            return True
+    return False
+
+
+class ScopedCheckpointFunction:
+    """transformers' per-layer checkpoint function, made to re-enter the forward's CP scope in the recompute.
+
+    ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(forward, self, **kw), *args)``
+    at each checkpointed layer call. This wrapper replaces ``function`` with :func:`cpscope.scoped` (``function``)
+    — capturing the scope bound *now*, at the forward call — and calls the wrapped checkpoint function (torch's
+    ``checkpoint`` with the model's ``use_reentrant`` / ``context_fn`` / offload settings) with it, so the recompute
+    in backward runs under the forward's scope on whichever thread, in either mode.
+
+    With ``model`` given, it scopes only while ``model.config`` selects ``attn_implementation="cpscope"`` (checked
+    at each call) and calls the checkpoint function unchanged otherwise, so other models are untouched.
+
+    Example::
+
+        layer._gradient_checkpointing_func = ScopedCheckpointFunction(
+            functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True))
+    """
+
+    __slots__ = ("inner", "_model")
+
+    def __init__(self, inner: Callable[..., Any], model: Optional[torch.nn.Module] = None) -> None:
+        if not callable(inner):
+            raise ValueError(f"ScopedCheckpointFunction needs a callable checkpoint function, got {inner!r}")
+        self.inner = inner
+        self._model = None if model is None else weakref.ref(model)
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._model is not None:
+            model = self._model()
+            if model is None or not _uses_cpscope(getattr(model, "config", None)):
+                return self.inner(function, *args, **kwargs)
+        return self.inner(scoped(function), *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "ScopedCheckpointFunction":
+        import copy
+
+        model = None if self._model is None else self._model()
+        twin = memo.get(id(model), model) if model is not None else None  # the copied model, when it is copied too
+        return ScopedCheckpointFunction(copy.deepcopy(self.inner, memo), twin)
+
+    def __reduce__(self) -> Any:
+        return ScopedCheckpointFunction, (self.inner,)  # pickled: scopes unconditionally (no weak reference)
+
+    def __repr__(self) -> str:
+        return f"ScopedCheckpointFunction({self.inner!r})"
+
+
+def enable_scoped_recompute(model: torch.nn.Module) -> int:
+    """Make every checkpoint function already installed in ``model`` scope-preserving; returns how many it wrapped.
+
+    Not needed for ``attn_implementation="cpscope"`` models whose checkpointing is enabled after importing this
+    module (that is automatic). Use it when checkpointing was enabled before the import, or by code that sets
+    ``_gradient_checkpointing_func`` itself. Wrapped functions scope unconditionally (the model asked for it).
+
+    Example::
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        cphf.enable_scoped_recompute(model)
+    """
+    wrapped = 0
+    for module in model.modules():
+        fn = module.__dict__.get("_gradient_checkpointing_func")
+        if fn is not None and not isinstance(fn, ScopedCheckpointFunction):
+            module._gradient_checkpointing_func = ScopedCheckpointFunction(fn)
+            wrapped += 1
+        elif isinstance(fn, ScopedCheckpointFunction) and fn._model is not None:
+            module._gradient_checkpointing_func = ScopedCheckpointFunction(fn.inner)  # now unconditional
+            wrapped += 1
+    return wrapped
+
+
+def _install_checkpoint_wrapper() -> None:
+    """Wrap ``PreTrainedModel._set_gradient_checkpointing`` (once) so every checkpoint function it installs is a
+    :class:`ScopedCheckpointFunction` bound to that model."""
+    original = PreTrainedModel._set_gradient_checkpointing
+    if getattr(original, "_cpscope_scoped", False):
+        return
+
+    @functools.wraps(original)
+    def _set_gradient_checkpointing(
+        self: Any, enable: bool = True, gradient_checkpointing_func: Callable[..., Any] = torch.utils.checkpoint.checkpoint,
+        *args: Any, **kwargs: Any,
+    ) -> Any:
+        if enable and not isinstance(gradient_checkpointing_func, ScopedCheckpointFunction):
+            gradient_checkpointing_func = ScopedCheckpointFunction(gradient_checkpointing_func, self)
+        return original(self, enable, gradient_checkpointing_func, *args, **kwargs)
+
+    _set_gradient_checkpointing._cpscope_scoped = True  # type: ignore[attr-defined]
+    PreTrainedModel._set_gradient_checkpointing = _set_gradient_checkpointing  # type: ignore[method-assign]
+
+
+_install_checkpoint_wrapper()
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)

@@ -23,11 +23,15 @@ Activation checkpointing: the scoped modules (:class:`ScopedDotProductAttention`
 Megatron runs again during backward when it checkpoints (recomputes) a layer containing them. By then the caller's
 scope is gone or another microbatch's is bound, so a checkpointed scoped layer must re-enter its forward's scope:
 wrap the checkpointed function with ``cpscope.scoped(fn)`` *inside* ``forward`` (built per call, so it captures that
-microbatch's scope), or checkpoint with :func:`cpscope.checkpoint`. With :func:`cpscope.set_debug_autograd_reads`
-on, a recompute that does not re-enter the scope raises :class:`cpscope.ScopeReadInBackwardError`. Recompute done
+microbatch's scope), or checkpoint with :func:`cpscope.checkpoint`. A recompute that does not re-enter the scope
+raises :class:`cpscope.ScopeReadInBackwardError` (the default backward read check) before TE runs. Recompute done
 inside library code that cannot be wrapped (e.g. Megatron's ``recompute_granularity="selective"``, which calls
 ``core_attention`` again from ``tensor_parallel.checkpoint``) is not covered: recompute the whole layer under
 ``cpscope.scoped`` instead.
+
+Outside every runtime scope a scoped module uses its **build-time** CP, captured when it is wrapped: the TE
+module's own group if it was built with one, else the process-wide build-time group (:func:`cpscope.build_time_cp`)
+— never a runtime binding that happened to be active at that moment.
 
 Example::
 
@@ -61,9 +65,10 @@ from .._checks import (
     check_qkv_format,
     cu_seqlens_list,
 )
+from .._te import call_te_rope, te_rope
 from ..groups import group_ranks
-from ..rope import call_te_rope, checked_rope_inputs
-from ..scope import _UNSET, CPScope, resolve_scope
+from ..rope import checked_rope_inputs
+from ..scope import _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
 from ..streams import cp_stream
 
 __all__ = [
@@ -191,9 +196,62 @@ class _Options(NamedTuple):
     stream_provider: StreamProvider
     group: Any  # _UNSET (active scope), None or a ProcessGroup
     validate: bool
+    # The module's build-time CP, captured at construction / enable time and used outside every runtime scope:
+    # a CPScope, or None = the TE module's own settings, left untouched (it was built with a CP TE knows only).
+    build: Optional[CPScope] = None
 
     def __deepcopy__(self, memo: dict) -> "_Options":
         return self  # immutable; a copied _UNSET sentinel or process group would no longer mean the same
+
+    def scope(self) -> Optional[CPScope]:
+        """The scope of this call: ``group=`` if given, else the runtime scope, else the build-time one."""
+        if self.group is not _UNSET:
+            return scope_for(self.group)
+        return runtime_scope_or(self.build)  # type: ignore[arg-type]  # a checked read, once per forward
+
+
+def _dpa_build_scope(module: nn.Module) -> Optional[CPScope]:
+    """The build-time CP of a TE attention module, captured now: its own group if it was built with one, else the
+    process-wide build-time group — never a runtime binding active now.
+
+    Raises ``ValueError`` when both are CP > 1 and differ (which would be the model's static CP is ambiguous).
+    """
+    own = module.cp_group
+    process = build_time_scope()
+    if own is None:
+        return process
+    if isinstance(own, torch.distributed.ProcessGroup):
+        own_scope = scope_for(own)
+        if own_scope.is_cp1:
+            return process
+        if not process.is_cp1 and process.group is not own:
+            raise ValueError(
+                f"{type(module).__name__} was built with a CP group of size {own_scope.size} but the build-time "
+                f"group is another one ({process!r}); build TE modules without CP (cp_group=None) and let cpscope "
+                "bind the group, or make the two the same"
+            )
+        return own_scope
+    # Not a single process group (TE's a2a+p2p pair, a test stand-in): the module's own settings are its build-time
+    # CP; cpscope cannot also apply another build-time group.
+    if not process.is_cp1:
+        raise ValueError(
+            f"{type(module).__name__} was built with cp_group={own!r} (not a single ProcessGroup) while the build-time "
+            f"group is {process!r}; build TE modules without CP (cp_group=None) and let cpscope bind the group"
+        )
+    return None
+
+
+def _mha_build_scope(module: nn.Module) -> Optional[CPScope]:
+    """As :func:`_dpa_build_scope` for a MultiheadAttention, which keeps only ``cp_size`` / ``cp_rank``."""
+    process = build_time_scope()
+    if module.cp_size == 1:
+        return process
+    if not process.is_cp1 and process.size != module.cp_size:
+        raise ValueError(
+            f"{type(module).__name__} was built with cp_size={module.cp_size} but the build-time group is "
+            f"{process!r}; build TE modules without CP and let cpscope bind the group, or make the two the same"
+        )
+    return None  # its own (cp_size, cp_rank)
 
 
 def _prepare(module: nn.Module, call: dict[str, Any], query: Any, cp: int, validate: bool) -> None:
@@ -222,7 +280,9 @@ def _scoped_dpa_call(
     args: tuple, kwargs: dict,
 ) -> Any:
     """Resolve the scope once, bind it to ``module`` around ``forward(*args, **kwargs)``, restore afterwards."""
-    scope = resolve_scope(opts.group)  # read once; TE keeps what backward needs on its ctx
+    scope = opts.scope()  # read once; TE keeps what backward needs on its ctx
+    if scope is None:  # outside every runtime scope, a module built with its own CP: as built
+        return forward(*args, **kwargs)
     bound = signature.bind(*args, **kwargs)
     call = bound.arguments
     query = call.get("query_layer")
@@ -240,10 +300,15 @@ def _scoped_dpa_call(
 class ScopedDotProductAttention(nn.Module):
     """Run a TE ``DotProductAttention`` under the active cpscope scope, per forward (a wrapping module).
 
-    Every forward resolves the scope once (``group=`` given at construction, else the active scope), binds it to the
-    wrapped module with :func:`bind_te_cp`, calls it with the same arguments, and restores the module's build-time
-    CP settings afterwards — also when the forward raises. Build TE's module *without* CP; the group comes from the
-    scope. Arguments are TE's own (``qkv_format``, ``cu_seqlens_q/kv``, ``cu_seqlens_*_padded``, …) and pass through;
+    Every forward resolves the scope once (``group=`` given at construction, else the runtime scope bound around
+    the call, else the build-time scope captured at construction), binds it to the wrapped module with
+    :func:`bind_te_cp`, calls it with the same arguments, and restores the module's build-time CP settings
+    afterwards — also when the forward raises. Build TE's module *without* CP; the group comes from the scope.
+
+    Build-time scope (captured in ``__init__``, never a runtime binding active then): the TE module's own
+    ``cp_group`` if it was built with one (a group of size > 1), else the process-wide build-time group
+    (:func:`cpscope.build_time_cp`). Both set and different: ``ValueError``. A module built with a CP that is not a
+    single process group (TE's ``a2a+p2p`` pair) runs as built outside every runtime scope. Arguments are TE's own (``qkv_format``, ``cu_seqlens_q/kv``, ``cu_seqlens_*_padded``, …) and pass through;
     under CP > 1 with ``thd``, missing ``cu_seqlens_*_padded`` are set to ``cu_seqlens_*`` (cpscope never pads inside
     documents; TE requires them for ``thd`` + CP).
 
@@ -279,7 +344,8 @@ class ScopedDotProductAttention(nn.Module):
         super().__init__()
         te_cp_settings(attention)  # fail early on a module of the wrong kind
         self.attention = attention
-        self._opts = _Options(cp_comm_type, stream_provider, group, validate)
+        build = _dpa_build_scope(attention) if group is _UNSET else None
+        self._opts = _Options(cp_comm_type, stream_provider, group, validate, build)
         self._signature = inspect.signature(attention.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -316,7 +382,9 @@ class _ScopedMHAMixin:
     cp_rank: int
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        scope = resolve_scope(self._cpscope_opts.group)
+        scope = self._cpscope_opts.scope()
+        if scope is None:  # outside every runtime scope, built with its own CP: as built
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
         saved = (self.cp_size, self.cp_rank)
         self.cp_size, self.cp_rank = scope.size, scope.rank
         try:
@@ -363,7 +431,10 @@ def enable_runtime_cp(
     Each ``DotProductAttention`` (anything with ``set_context_parallel_group`` and the ``cp_group`` … attributes)
     then binds the active group per forward exactly as :class:`ScopedDotProductAttention` does; each
     ``MultiheadAttention`` (``cp_size`` / ``cp_rank`` attributes, used by its fused RoPE) gets the active size and
-    rank for the call. Build-time settings are restored after every call, also on exceptions. The modules keep their
+    rank for the call. Outside every runtime scope each module uses its build-time CP, captured now (never a
+    runtime binding active now): its own group / ``cp_size`` if it was built with CP, else the process-wide
+    build-time group (see :class:`ScopedDotProductAttention`). Build-time settings are restored after every call,
+    also on exceptions. The modules keep their
     parameters and ``state_dict`` keys (only their class is swapped for a subclass, as FSDP2 does); ``copy.deepcopy``
     keeps the behaviour, pickling the whole module object does not work (save ``state_dict`` instead). Calling it
     again updates the options; :func:`disable_runtime_cp` undoes it.
@@ -380,17 +451,20 @@ def enable_runtime_cp(
         with cpscope.runtime_cp(groups[2]):
             y = layer(x_local, rotary_pos_emb=freqs)     # attention and RoPE use the CP2 group
     """
-    opts = _Options(cp_comm_type, stream_provider, group, validate)
-    names = []
-    for name, module in model.named_modules():
-        base = getattr(type(module), "_cpscope_base", type(module))
+    converted = []
+    for name, module in model.named_modules():  # check and capture everything first: fail before changing any
         mixin = _kind(module)
         if mixin is None:
             continue
+        build = None
+        if group is _UNSET:
+            build = _dpa_build_scope(module) if mixin is _ScopedDPAMixin else _mha_build_scope(module)
+        converted.append((name, module, mixin, _Options(cp_comm_type, stream_provider, group, validate, build)))
+    for name, module, mixin, opts in converted:
+        base = getattr(type(module), "_cpscope_base", type(module))
         module.__class__ = _scoped_class(base, mixin)
         module._cpscope_opts = opts
-        names.append(name)
-    return names
+    return [name for name, *_ in converted]
 
 
 def disable_runtime_cp(model: nn.Module) -> list[str]:
@@ -442,7 +516,7 @@ def te_apply_rotary_pos_emb(
     """
     scope = resolve_scope(group)
     cu = checked_rope_inputs(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=scope.size)
-    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply  # after the checks
+    te_apply = te_rope()  # imported after the checks
 
     return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cu=cu, cp=scope.size,
                         rank=scope.rank, interleaved=interleaved, fused=fused)

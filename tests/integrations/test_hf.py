@@ -8,6 +8,8 @@ does not reach the ring (e.g. the default ``1/sqrt(d)``) fails the comparisons.
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import cpscope  # noqa: E402
-from cpscope.checkpoint import scope_context_fn  # noqa: E402
+from cpscope.recompute import scope_context_fn  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
 from tests.attention._reference import zigzag_index  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -84,17 +86,43 @@ def _reference(ref, batch, packed: bool):
     return out.logits.detach(), loss.detach(), grads
 
 
-def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=False):
-    cpscope.set_debug_autograd_reads(True)  # backward must never read the active scope
+def _enable_checkpointing(model, mode: str) -> None:
+    """transformers' own activation checkpointing, as users turn it on; ``mode`` picks the call and its kwargs."""
+    model.train()
+    if mode == "hf_default":  # the call users make first: HF's default kwargs ({"use_reentrant": False} in 5.x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated alias of activation_checkpointing_enable
+            model.gradient_checkpointing_enable()
+        return
+    kwargs = {
+        "context_fn": {"use_reentrant": False, "context_fn": scope_context_fn()},  # the explicit, documented way
+        "reentrant": {"use_reentrant": True},
+        "non_reentrant": {"use_reentrant": False},
+    }[mode]
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _count_attention_calls(model) -> list[int]:
+    """A counter of attention module calls (forward and, with checkpointing, the recompute in backward)."""
+    calls = [0]
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=None):
+    assert cpscope.backward_read_check_enabled()  # on by default: backward must never read the active scope
     groups = cpscope.new_cp_groups(sorted(set(sizes)))
     model, ref = _models(family)
     if checkpointing:  # recompute in backward (outside the scope) must re-enter the forward's scope
-        model.train()
-        kwargs = {"use_reentrant": False, "context_fn": scope_context_fn()}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        _enable_checkpointing(model, checkpointing)
+    calls = _count_attention_calls(model)
+    layers = len(model.model.layers)
     batch = _batch(packed)
     ref_logits, ref_loss, ref_grads = _reference(ref, batch, packed)
     cu = [0] + torch.cumsum(torch.tensor(DOCS), 0).tolist() if packed else [0, SEQ]
@@ -107,7 +135,9 @@ def _decoder_matches_reference(sizes, packed, family="llama", checkpointing=Fals
         rank = cpscope.scope.scope_for(group).rank
         idx = zigzag_index(cu, size, rank)
         torch.testing.assert_close(out.logits, ref_logits[:, idx].float(), atol=1e-4, rtol=1e-4)
-        out.loss.backward()  # outside the scope: the ring kept its group on ctx
+        calls[0] = 0
+        out.loss.backward()  # outside the scope: the ring kept its group on ctx, the recompute re-enters CP<size>
+        assert calls[0] == (layers if checkpointing else 0), calls  # really recomputed (or not) in backward
         loss = out.loss.detach().clone()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         if group is not None:
@@ -131,7 +161,47 @@ def test_llama_matches_reference_4_ranks(packed):
 
 
 def test_llama_with_activation_checkpointing_2_ranks():
-    assert run_ranks(2, _decoder_matches_reference, [2, 1], True, "llama", True) == [True, True]
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], True, "llama", "context_fn") == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["hf_default", "reentrant", "non_reentrant"])
+def test_llama_with_transformers_own_checkpointing_2_ranks(mode):
+    """``model.gradient_checkpointing_enable()`` as is, CP2 then CP1, backward outside the scope: the single-rank
+    (float64 reference) logits and gradients. Before cpscope wrapped transformers' checkpoint function, the CP2
+    recompute ran CP1 attention on one rank's shards and the ring's backward hung."""
+    assert run_ranks(2, _decoder_matches_reference, [2, 1], False, "llama", mode) == [True, True]
+
+
+def test_qwen2_packed_with_transformers_own_checkpointing_2_ranks():
+    assert run_ranks(2, _decoder_matches_reference, [2], True, "qwen2", "reentrant") == [True, True]
+
+
+def _unwrapped_checkpointing_raises_on_every_rank(use_reentrant: bool):
+    """Without the wrapper (torch's checkpoint installed by hand), the recompute's scope read raises on every rank,
+    at the same point (before any collective): an error, never a hang or a wrong gradient."""
+    groups = cpscope.new_cp_groups([2])
+    model, _ = _models()
+    _enable_checkpointing(model, "non_reentrant")
+    plain = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=use_reentrant)
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = plain
+    with cpscope.runtime_cp(groups[2]):
+        out = model(**cphf.shard_batch(_batch(False)))
+    with pytest.raises(cpscope.ScopeReadInBackwardError, match="read inside autograd backward"):
+        out.loss.backward()
+    # ... and the documented one call fixes a model set up that way.
+    assert cphf.enable_scoped_recompute(model) >= len(model.model.layers)
+    assert all(isinstance(layer._gradient_checkpointing_func, cphf.ScopedCheckpointFunction)
+               for layer in model.model.layers)
+    with cpscope.runtime_cp(groups[2]):
+        out = model(**cphf.shard_batch(_batch(False)))
+    out.loss.backward()
+    return True
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_unwrapped_checkpointing_raises_on_every_rank_2_ranks(use_reentrant):
+    assert run_ranks(2, _unwrapped_checkpointing_raises_on_every_rank, use_reentrant, timeout=120) == [True, True]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
@@ -204,6 +274,25 @@ def test_unsupported_options_are_refused():
                                        kv.expand(2, -1, -1, -1), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
+def test_checkpoint_function_is_wrapped_and_follows_the_model():
+    import pickle
+
+    model, ref = _models()
+    _enable_checkpointing(model, "reentrant")
+    _enable_checkpointing(ref, "reentrant")  # an eager model: the wrapper passes its calls through unchanged
+    fn = model.model.layers[0]._gradient_checkpointing_func
+    assert isinstance(fn, cphf.ScopedCheckpointFunction) and fn._model() is model
+    calls = []
+    ref_fn = ref.model.layers[0]._gradient_checkpointing_func
+    passthrough = cphf.ScopedCheckpointFunction(lambda f, *a: calls.append(f), ref)
+    plain = ref_fn.inner
+    passthrough(plain)
+    assert calls == [plain]  # not scoped for a non-cpscope model
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[0]._gradient_checkpointing_func._model() is twin
+    assert pickle.loads(pickle.dumps(cphf.ScopedCheckpointFunction(len, model)))._model is None
+
+
 def test_shard_batch_cp1_shifts_labels_and_counts_targets():
     ids = torch.arange(16).reshape(2, 8)
     out = cphf.shard_batch({"input_ids": ids, "labels": ids, "num_items_in_batch": 99, "use_cache": False})
@@ -224,3 +313,110 @@ def test_shard_batch_cp1_shifts_labels_and_counts_targets():
         cphf.shard_batch({"input_ids": ids, "pixel_mask": torch.ones(2, 8)})
     with pytest.raises(ValueError, match="needs input_ids or inputs_embeds"):
         cphf.shard_batch({"labels": ids})
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+
+class _HostSyncCounter:
+    """Counts host synchronisations during a block, attributed to the decoder layer running at the time.
+
+    Dispatch-level: ops whose result the host must wait for on a GPU (``item`` / ``int`` / ``bool`` of a tensor
+    → ``_local_scalar_dense`` / ``is_nonzero``; ``equal``; data-dependent shapes: ``nonzero``, ``masked_select``,
+    ``unique``, ``repeat_interleave`` without ``output_size``). Python-level: ``Tensor.tolist``, ``.numpy``,
+    ``.cpu`` (on CPU those dispatch nothing, so they are counted where they are called).
+
+    Not counted: the inside of cpscope's CPU exact-math attention blocks (``blocks._cpu_forward`` /
+    ``_cpu_backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
+    ``repeat_interleave``); everything around them — the adapter, validation, ring plan, RoPE — is counted.
+    """
+
+    _OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+            "unique_consecutive")
+    _METHODS = ("tolist", "numpy", "cpu")
+
+    def __init__(self, model) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.where = "outside layers"
+        self.counts: dict[str, list[str]] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                tensor_repeats = name == "repeat_interleave" and func._overloadname != "self_int"
+                if name in _HostSyncCounter._OPS or (tensor_repeats and (kwargs or {}).get("output_size") is None):
+                    counter.counts.setdefault(counter.where, []).append(f"aten.{name}")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.handles = []
+        for i, layer in enumerate(model.model.layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "where", f"layer {i}")))
+            self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "where", "outside layers")))
+        self.saved = {m: getattr(torch.Tensor, m) for m in self._METHODS}
+        from cpscope.attention import blocks
+
+        self.blocks = blocks
+        self.kernels = {name: getattr(blocks, name) for name in ("_cpu_forward", "_cpu_backward")}
+
+    def _in_kernel(self, fn):
+        def run(*args, **kwargs):
+            where, self.where = self.where, "CPU kernel (not counted)"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.where = where
+        return run
+
+    def __enter__(self):
+        for name, fn in self.kernels.items():
+            setattr(self.blocks, name, self._in_kernel(fn))
+        for name, method in self.saved.items():
+            def counted(t, *a, _name=name, _method=method, **k):
+                self.counts.setdefault(self.where, []).append(f"Tensor.{_name}")
+                return _method(t, *a, **k)
+            setattr(torch.Tensor, name, counted)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+        for name, fn in self.kernels.items():
+            setattr(self.blocks, name, fn)
+        for h in self.handles:
+            h.remove()
+
+
+def _layers_add_no_host_sync(family: str, packed: bool):
+    cfg = _config(family)
+    cfg.num_hidden_layers = 4
+    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM}[family]
+    torch.manual_seed(0)
+    model = cls._from_config(cfg, attn_implementation="cpscope").float()
+    groups = cpscope.new_cp_groups([2])
+    batch = _batch(packed)
+    with cpscope.runtime_cp(groups[2]):
+        local = cphf.shard_batch(batch)
+        if packed:  # as some collators give it: a 0-D tensor (read once, not once per layer)
+            local["max_length_q"] = local["max_length_k"] = torch.tensor(local["max_length_q"])
+        ones = torch.ones_like(local["input_ids"])
+        # A 2-D all-ones mask from a tokenizer, as HF users pass it (checked, then dropped by the mask function).
+        with _HostSyncCounter(model) as counter:
+            out = model(**local, attention_mask=ones)
+    assert out.logits.shape[1] == SEQ // 2
+    counter.counts.pop("CPU kernel (not counted)", None)
+    per_layer = {k: v for k, v in counter.counts.items() if k.startswith("layer ") and k != "layer 0"}
+    assert per_layer == {}, per_layer  # layers >= 1 add no host synchronisation
+    return counter.counts
+
+
+@pytest.mark.parametrize("family,packed", [("llama", False), ("llama", True), ("mistral", True)],
+                         ids=["llama-bshd", "llama-packed", "mistral-packed-window"])
+def test_layers_add_no_host_sync_2_ranks(family, packed):
+    counts = run_ranks(2, _layers_add_no_host_sync, family, packed)
+    assert counts[0] == counts[1]  # the same host work on both ranks
+    assert "layer 0" in counts[0]  # the counter sees the first layer's one-off checks (it can fail)

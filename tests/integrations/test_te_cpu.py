@@ -162,7 +162,8 @@ def test_cp1_binds_none_and_restores_build_time_settings():
     attn = ScopedDotProductAttention(fake, stream_provider=_never_called)
     q = torch.randn(1, 4, 2, 8)
     for _ in range(2):
-        out = attn(q, q, q)
+        with cpscope.runtime_cp(None):  # a CP1 microbatch
+            out = attn(q, q, q)
         torch.testing.assert_close(out, q * 2)
         assert te_cp_settings(fake) == BUILD
     set1, fwd, set2, *_ = fake.events
@@ -175,10 +176,20 @@ def test_cp1_binds_none_and_restores_build_time_settings():
 def test_cp1_restores_after_exception():
     fake = _built_fake()
     attn = ScopedDotProductAttention(fake, stream_provider=_never_called)
-    with pytest.raises(RuntimeError, match="planted failure"):
+    with cpscope.runtime_cp(None), pytest.raises(RuntimeError, match="planted failure"):
         attn(None, None, None)
     assert te_cp_settings(fake) == BUILD
     assert [e[0] for e in fake.events] == ["set", "forward", "set"]
+
+
+def test_module_built_with_its_own_cp_runs_as_built_outside_every_scope():
+    # The stand-in was built with CP settings cpscope cannot turn into a scope (not a ProcessGroup): they are its
+    # build-time CP, so outside every runtime scope nothing is bound over them.
+    fake = _built_fake()
+    attn = ScopedDotProductAttention(fake, stream_provider=_never_called)
+    q = torch.randn(1, 4, 2, 8)
+    torch.testing.assert_close(attn(q, q, q), q * 2)
+    assert [e[0] for e in fake.events] == ["forward"] and fake.events[0][1:6] == tuple(BUILD.values())
 
 
 def test_rejects_module_without_te_interface():
@@ -189,7 +200,8 @@ def test_rejects_module_without_te_interface():
 def test_cp_comm_type_override():
     fake = _built_fake()
     attn = ScopedDotProductAttention(fake, cp_comm_type="a2a", stream_provider=_never_called)
-    attn(torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1))
+    with cpscope.runtime_cp(None):
+        attn(torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1))
     assert fake.events[1][4] == "a2a"
     assert te_cp_settings(fake)["cp_comm_type"] == "all_gather"
 
@@ -294,7 +306,8 @@ def _thd_passthrough_and_checks():
         assert fake.events == [] and te_cp_settings(fake) == BUILD
     # CP1 with thd: nothing is filled in (TE does not need padded offsets without CP).
     fake.events.clear()
-    attn(q, q, q, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with cpscope.runtime_cp(None):
+        attn(q, q, q, cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert fake.events[1][1] is None and fake.events[1][6]["cu_seqlens_q_padded"] is None
 
 
@@ -312,7 +325,8 @@ def _missing_stream_is_a_clear_error():
                 attn(q, q, q)
         assert fake.events == [] and te_cp_settings(fake) == BUILD
     # CP1 needs no stream: the default provider (cp_stream, None on CPU) is fine.
-    ScopedDotProductAttention(fake)(q, q, q)
+    with cpscope.runtime_cp(None):
+        ScopedDotProductAttention(fake)(q, q, q)
     assert fake.events[1][1:4] == (None, None, None)
     # a2a+p2p needs a pair of groups; cpscope binds one.
     with cpscope.runtime_cp(groups[2]):
@@ -506,35 +520,103 @@ def _checkpoint_recompute_binds_forward_group():
 
     x = torch.randn(1, 4, 2, 8, requires_grad=True)  # [b, s_local, h, d]
     h = torch.randn(1, 4, 4, requires_grad=True)
-    cpscope.set_debug_autograd_reads(True)
-    try:
-        with cpscope.runtime_cp(groups[2]):  # the forward's group; scoped(...) is built here, per call
-            y = checkpoint(cpscope.scoped(block), x, use_reentrant=False)
-            z = checkpoint(cpscope.scoped(layer), h, use_reentrant=False)
-        fake.events.clear()
-        core.events.clear()
-        with cpscope.runtime_cp(None):  # another binding (CP1) while backward recomputes
-            (y.sum() + z.sum()).backward()
-        assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # the recompute
-        _check_forward(fake, fake.events[1], groups[2], token)  # ... bound the forward's CP2 group
-        assert te_cp_settings(fake) == BUILD
-        torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()))  # the fake returns 2q: y = sin(2x)
-        assert mha.seen[-2:] == [(2, me), (2, me)]  # forward and recompute: the forward's size / rank
-        _check_forward(core, core.events[1], groups[2], token)
-        assert (mha.cp_size, mha.cp_rank) == (1, 0) and te_cp_settings(core) == BUILD
-        assert h.grad is not None
+    assert cpscope.backward_read_check_enabled()  # on by default
+    with cpscope.runtime_cp(groups[2]):  # the forward's group; scoped(...) is built here, per call
+        y = checkpoint(cpscope.scoped(block), x, use_reentrant=False)
+        z = checkpoint(cpscope.scoped(layer), h, use_reentrant=False)
+    fake.events.clear()
+    core.events.clear()
+    with cpscope.runtime_cp(None):  # another binding (CP1) while backward recomputes
+        (y.sum() + z.sum()).backward()
+    assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # the recompute
+    _check_forward(fake, fake.events[1], groups[2], token)  # ... bound the forward's CP2 group
+    assert te_cp_settings(fake) == BUILD
+    torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()))  # the fake returns 2q: y = sin(2x)
+    assert mha.seen[-2:] == [(2, me), (2, me)]  # forward and recompute: the forward's size / rank
+    _check_forward(core, core.events[1], groups[2], token)
+    assert (mha.cp_size, mha.cp_rank) == (1, 0) and te_cp_settings(core) == BUILD
+    assert h.grad is not None
 
-        # Contrast: plain checkpoint (no scoped) reads the scope in the recompute, inside backward.
-        fake.events.clear()
-        with cpscope.runtime_cp(groups[2]):
-            y = checkpoint(block, x, use_reentrant=False)
-        with pytest.raises(cpscope.ScopeReadInBackwardError, match="read inside autograd backward"):
-            y.sum().backward()
-        assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # forward only: the recompute never ran TE
-        assert te_cp_settings(fake) == BUILD
-    finally:
-        cpscope.set_debug_autograd_reads(False)
+    # Contrast: plain checkpoint (no scoped) reads the scope in the recompute, inside backward.
+    fake.events.clear()
+    with cpscope.runtime_cp(groups[2]):
+        y = checkpoint(block, x, use_reentrant=False)
+    with pytest.raises(cpscope.ScopeReadInBackwardError, match="read inside autograd backward"):
+        y.sum().backward()
+    assert [e[0] for e in fake.events] == ["set", "forward", "set"]  # forward only: the recompute never ran TE
+    assert te_cp_settings(fake) == BUILD
 
 
 def test_checkpoint_recompute_binds_forward_group_2_ranks():
     run_ranks(2, _checkpoint_recompute_binds_forward_group)
+
+
+# ------------------------------------------------------------------------------------------------ build-time capture
+
+
+def _wrappers_capture_the_build_time_group_at_construction():
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    token = StreamToken(None)
+    q = torch.randn(1, 4, 2, 8)
+
+    def bound_group(attn, fake):
+        fake.events.clear()
+        attn(q, q, q)
+        sets = [e for e in fake.events if e[0] == "set"]
+        return sets[0][1] if sets else "as built"
+
+    # Built inside a runtime CP2 scope (lazy init, a rebuild in the loop): the runtime binding is not captured.
+    plain = FakeDotProductAttention("bshd")
+    with cpscope.runtime_cp(groups[2]):
+        wrapped = ScopedDotProductAttention(plain, stream_provider=lambda d: token)
+        model = torch.nn.Sequential(FakeMultiheadAttention())
+        model[0].core_attention = FakeDotProductAttention("bshd")
+        cpscope.integrations.te.enable_runtime_cp(model, stream_provider=lambda d: token)
+    assert bound_group(wrapped, plain) is None  # CP1, the build-time group, not CP2
+    model(torch.randn(1, 4, 4))
+    assert model[0].seen[-1] == (1, 0) and model[0].core_attention.events[1][1] is None
+
+    # Built under build_time_cp(CP2): CP2 outside every scope, also after the build-time group changed back.
+    plain2 = FakeDotProductAttention("bshd")
+    with cpscope.build_time_cp(groups[2]):
+        wrapped2 = ScopedDotProductAttention(plain2, stream_provider=lambda d: token)
+        model2 = torch.nn.Sequential(FakeMultiheadAttention())
+        model2[0].core_attention = FakeDotProductAttention("bshd")
+        cpscope.integrations.te.enable_runtime_cp(model2, stream_provider=lambda d: token)
+    assert bound_group(wrapped2, plain2) is groups[2]
+    me2 = dist.get_rank(groups[2])
+    model2(torch.randn(1, 4, 4))
+    assert model2[0].seen[-1] == (2, me2) and model2[0].core_attention.events[1][1] is groups[2]
+    with cpscope.runtime_cp(None):  # a runtime scope still wins
+        assert bound_group(wrapped2, plain2) is None
+
+    # A TE module built with its own CP group (Megatron-style static CP): that group is its build-time CP.
+    own = FakeDotProductAttention("bshd", cp_group=groups[2], cp_global_ranks=dist.get_process_group_ranks(groups[2]))
+    wrapped3 = ScopedDotProductAttention(own, stream_provider=lambda d: token)
+    assert bound_group(wrapped3, own) is groups[2]
+    with cpscope.runtime_cp(groups[4]):
+        assert bound_group(wrapped3, own) is groups[4]
+    assert own.cp_group is groups[2]  # restored
+    # ... contradicting the process-wide build-time group: refused at construction, naming both.
+    with cpscope.build_time_cp(groups[4]):
+        with pytest.raises(ValueError, match="not a single ProcessGroup"):
+            ScopedDotProductAttention(_built_fake())  # a CP TE knows only, and a build-time group too
+        with pytest.raises(ValueError, match="built with a CP group of size 2 but the build-time group"):
+            ScopedDotProductAttention(own)
+        mha = FakeMultiheadAttention()
+        mha.cp_size, mha.cp_rank = 2, me2
+        with pytest.raises(ValueError, match="built with cp_size=2 but the build-time group"):
+            cpscope.integrations.te.enable_runtime_cp(torch.nn.Sequential(mha))
+        assert type(mha) is FakeMultiheadAttention  # nothing was converted
+    # A MultiheadAttention built with its own cp_size keeps it outside every scope.
+    mha = FakeMultiheadAttention()
+    mha.core_attention = FakeDotProductAttention("bshd")
+    mha.cp_size, mha.cp_rank = 2, me2
+    cpscope.integrations.te.enable_runtime_cp(torch.nn.Sequential(mha), stream_provider=lambda d: token)
+    mha(torch.randn(1, 4, 4))
+    assert mha.seen[-1] == (2, me2)
+    return True
+
+
+def test_wrappers_capture_the_build_time_group_at_construction_4_ranks():
+    assert all(run_ranks(4, _wrappers_capture_the_build_time_group_at_construction))

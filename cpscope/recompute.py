@@ -12,19 +12,22 @@ wrong group. The rule is simple: **capture in forward, re-enter the capture in r
   implementations that call a function again later (Megatron's ``tensor_parallel.checkpoint`` and
   ``CheckpointWithoutOutput``), and for autograd hooks that really need the scope.
 * :func:`scope_context_fn` — a ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
-  and hence for Hugging Face's ``gradient_checkpointing_kwargs``.
+  (and any code that forwards ``context_fn`` to it).
 * :class:`reentered` — the context manager behind all three.
 
-Import the helpers from the module (``from cpscope.checkpoint import checkpoint, scoped, scope_context_fn``):
-the package may re-export the function ``checkpoint`` as ``cpscope.checkpoint``, which hides the module attribute.
+All four are re-exported by the package (``cpscope.checkpoint``, ``cpscope.scoped``, ``cpscope.scope_context_fn``;
+``cpscope.recompute.reentered``). The module is named ``recompute`` so that ``cpscope.checkpoint`` is only ever the
+function. Recompute that does *not* re-enter the scope raises :class:`cpscope.ScopeReadInBackwardError` at the
+first scope read (the default backward read check), on every rank at the same point, so nothing hangs.
 
 Plugging into other checkpointing code (each captures at the moment of the forward call, never at build time)::
 
     # PyTorch, directly
     torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=scope_context_fn())
 
-    # Hugging Face transformers: gradient_checkpointing_kwargs are bound with functools.partial onto
-    # torch.utils.checkpoint.checkpoint, and torch calls context_fn() afresh at every checkpointed forward.
+    # Hugging Face transformers: nothing to do for attn_implementation="cpscope" models once
+    # cpscope.integrations.hf is imported (it wraps the model's checkpoint function, any use_reentrant);
+    # for other models, pass the context_fn (torch calls it afresh at every checkpointed forward):
     model.gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": scope_context_fn()})
 
@@ -45,7 +48,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from .scope import _ACTIVE, _REENTERED_IN_TASK, CPScope, capture_scope
+from .scope import CPScope, _bind, _unbind, capture_scope
 
 __all__ = ["checkpoint", "scoped", "scope_context_fn", "reentered"]
 
@@ -56,9 +59,9 @@ ContextFn = Callable[[], "tuple[contextlib.AbstractContextManager[Any], contextl
 class reentered:
     """Bind a captured :class:`CPScope` again, e.g. during recompute or in an autograd hook.
 
-    Like ``scope.bind()``, and in addition marks the binding as deliberate for the debug mode
-    (:func:`cpscope.set_debug_autograd_reads`): reads of the scope inside it are allowed even inside backward,
-    because they see the scope captured in forward, not whatever the caller's context holds.
+    Like ``scope.bind()`` (with a check that ``scope`` is a :class:`CPScope`). Bound inside a backward pass, it
+    marks reads there as deliberate for the backward read check (:func:`cpscope.set_backward_read_check`): they
+    see the scope captured in forward, not whatever the caller's context holds.
 
     Scope: context-local, like :func:`cpscope.runtime_cp`; re-entrant (each ``with`` keeps its own tokens).
 
@@ -78,17 +81,14 @@ class reentered:
                 f"reentered: expected a CPScope (from cpscope.capture_scope()), got {type(scope).__name__}: {scope!r}"
             )
         self.scope = scope
-        self._tokens: list[tuple[Any, Any]] = []
+        self._tokens: list[Any] = []
 
     def __enter__(self) -> CPScope:
-        task = torch._C._current_graph_task_id()  # -1 outside backward
-        self._tokens.append((_ACTIVE.set(self.scope), _REENTERED_IN_TASK.set(task)))
+        self._tokens.append(_bind(self.scope))
         return self.scope
 
     def __exit__(self, *exc: Any) -> None:
-        active, task = self._tokens.pop()
-        _REENTERED_IN_TASK.reset(task)
-        _ACTIVE.reset(active)
+        _unbind(self._tokens.pop())
 
     def __repr__(self) -> str:
         return f"reentered({self.scope!r})"
