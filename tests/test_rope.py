@@ -135,7 +135,7 @@ def test_rope_matches_full_reference_on_groups(world, sizes):
 
 def _mixed_microbatches_task():
     groups = cpscope.new_cp_groups([1, 2, 4])
-    cpscope.set_debug_autograd_reads(True)  # nothing may read the scope in backward
+    cpscope.set_backward_read_check(True)  # nothing may read the scope in backward
     seen = []
     for step, cp in enumerate([4, 1, 2, 1, 4, 2]):
         with cpscope.runtime_cp(groups[cp]):

@@ -284,7 +284,7 @@ def _ring_cases(world: int, force_triton: bool) -> float:
         _fused._kernels.cache_clear()
         assert _fused._use_triton(torch.zeros(1))  # this rank has triton: the ring runs the interpreted kernels
     try:
-        cpscope.set_debug_autograd_reads(True)
+        cpscope.set_backward_read_check(True)
         group = cpscope.new_cp_groups([world])[world]
         u = 2 * world
         worst = 0.0

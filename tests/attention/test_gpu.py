@@ -60,12 +60,12 @@ def gpu_parity(fmt: str, causal: bool, h: int = 16, h_kv: int = 8, seq: int = 81
         loc = [x.transpose(0, 1).contiguous() for x in loc]
     loc = [x.requires_grad_(True) for x in loc]
     kw = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev)} if fmt == "thd" else {}
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     with cpscope.runtime_cp(group):
         out = context_parallel_attention(*loc, qkv_format=fmt, causal=causal, **kw)
     dl = dout[:, idx]
     out.backward(dl[0] if fmt == "thd" else (dl.transpose(0, 1).contiguous() if fmt == "sbhd" else dl))
-    cpscope.set_debug_autograd_reads(False)
+    cpscope.set_backward_read_check(True)  # back to the default (on)
     errs = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in loc)),
                                (ref_out.detach(), *(x.grad for x in ref_in))):

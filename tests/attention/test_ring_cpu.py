@@ -90,7 +90,7 @@ def check_one(group, fmt: str, causal: bool, h: int, h_kv: int, *, dtype=torch.f
 
 
 def _matrix(world: int, fmt: str, causal: bool) -> float:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
     return max(check_one(group, fmt, causal, h, h_kv, seed=s) for s, (h, h_kv) in enumerate(HEADS))
 
@@ -106,7 +106,7 @@ def test_ring_matches_reference(world, fmt, causal):
 def _varlen_route(world: int) -> None:
     import cpscope.attention as attn
 
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
     attn._DENSE_AS_VARLEN = True  # bshd/sbhd as packed varlen rows
     try:
@@ -126,7 +126,7 @@ def test_bshd_sbhd_through_varlen_route(world):
 
 
 def _float64(fmt: str) -> float:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([2])[2]
     return max(check_one(group, fmt, c, H, H // 2, dtype=torch.float64, seed=7, scale=0.3) for c in (True, False))
 
@@ -137,7 +137,7 @@ def test_float64_inputs_and_custom_scale(fmt):
 
 
 def _mixed() -> None:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     for seed, cp in enumerate((2, 1, 4)):  # same pool, switching CP size per "microbatch"
         for fmt in ("bshd", "thd"):
@@ -149,7 +149,7 @@ def test_mixed_cp2_cp1_cp4_on_one_pool():
 
 
 def _explicit_and_module() -> None:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     check_one(groups[4], "bshd", True, H, H, how="group", seed=3)  # no scope bound at all
     with cpscope.runtime_cp(groups[4]):  # explicit group= beats the active scope
@@ -167,7 +167,7 @@ def test_explicit_group_and_module_scope_rules():
 
 
 def _compiled_module() -> tuple[list[float], list[float]]:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2])
     attn = ContextParallelAttention(qkv_format="bshd", causal=True)
     f = torch.compile(lambda q, k, v: attn(q, k, v) * 2, backend="eager")
@@ -197,13 +197,13 @@ def test_compiled_module_follows_runtime_scope():
 
 
 def test_cp1_without_process_group():
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     try:
         for fmt in ("bshd", "sbhd", "thd"):
             check_one(None, fmt, True, H, H // 2, how="group", seed=1)
             check_one(None, fmt, False, H, H, how="scope", seed=2)
     finally:
-        cpscope.set_debug_autograd_reads(False)
+        cpscope.set_backward_read_check(True)  # back to the default (on)
 
 
 def _bad_inputs() -> str:

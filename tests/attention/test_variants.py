@@ -104,7 +104,7 @@ def recording():
 
 
 def _matrix(world: int, comm: str, fmt: str) -> float:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
     worst = 0.0
     with recording() as seen:
@@ -145,7 +145,7 @@ def test_virtual_cp8_threads(comm):
 
 def _mixed() -> None:
     """CP2 a2a, CP4 all_gather, CP1, CP4 a2a+p2p: forwards first, backwards after, outside every scope."""
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     steps = [(2, "a2a", "thd"), (4, "all_gather", "bshd"), (1, "a2a", "thd"), (4, "a2a+p2p", "sbhd")]
     pending = []
@@ -176,7 +176,7 @@ def test_mixed_variants_across_microbatches():
 
 def _recompute() -> None:
     """cpscope.checkpoint: the recompute (in backward, outside every scope) runs the forward's variant."""
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([2, 4])
     for cp, comm, how, fmt in ((2, "a2a", "scope", "thd"), (4, "all_gather", "scope", "bshd"),
                                (4, "a2a+p2p", "arg", "thd")):
@@ -243,7 +243,7 @@ def test_default_auto_rule():
 
 
 def _auto() -> None:
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([4])[4]
     with recording() as seen:
         check(group, "auto", "thd", True, 8, 4)  # heads divide by 4: a2a

@@ -44,12 +44,12 @@ def variant_parity(comm: str, fmt: str, causal: bool, h: int = 16, h_kv: int = 8
     loc = [x[:, idx].detach().clone() for x in (q, k, v)]
     loc = [(x[0] if fmt == "thd" else x).requires_grad_(True) for x in loc]
     kw = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev)} if fmt == "thd" else {}
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     with cpscope.runtime_cp(group, comm=comm):
         out = context_parallel_attention(*loc, qkv_format=fmt, causal=causal, **kw)
     dl = dout[:, idx]
     out.backward(dl[0] if fmt == "thd" else dl)
-    cpscope.set_debug_autograd_reads(False)
+    cpscope.set_backward_read_check(True)  # back to the default (on)
     errs = {}
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(x.grad for x in loc)),
                                (ref_out.detach(), *(x.grad for x in ref_in))):

@@ -91,7 +91,7 @@ def _count_collectives(group: Any) -> Iterator[dict[str, int]]:
 
 def _train(cfg: th.TrainConfig):
     """th.train on this rank, with the data-parallel collectives of every run_step counted."""
-    cpscope.set_debug_autograd_reads(True)  # backward (and the checkpoint recompute) never reads the scope
+    cpscope.set_backward_read_check(True)  # backward (and the checkpoint recompute) never reads the scope
     per_step: list[dict[str, int]] = []
     syncs: list[str] = []
     real = th.run_step
@@ -111,7 +111,7 @@ def _train(cfg: th.TrainConfig):
         res = th.train(cfg)
     finally:
         th.run_step = real
-        cpscope.set_debug_autograd_reads(False)
+        cpscope.set_backward_read_check(True)  # back to the default (on)
     mbs = [len(step) for step in res.seen]
     compiled = counters["stats"]["unique_graphs"] - graphs
     return res.losses, res.state, per_step, mbs, res.empty, sorted(set(syncs)), compiled
@@ -198,7 +198,7 @@ def _custom_step_vs_reference(wrap: str, reshard: bool):
     from cpscope.hybrid.loop import prepare_microbatches
     from tests.hybrid.test_loop import reference_loss
 
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     rank = dist.get_rank()
     cfg = _cfg(mode="hybrid", wrap=wrap, reshard_after_forward=reshard, lengths=(CUSTOM_LENGTHS,))
     groups = cpscope.new_cp_groups([1, 2, 4])

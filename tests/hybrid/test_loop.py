@@ -178,7 +178,7 @@ def test_single_process_step_matches_reference_float64():
 
 def _cp2_microbatch_pairs_tokens_with_targets():
     """Each rank's local (id, label) pairs are exactly the zigzag cut of the full padded (id, next id) stream."""
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 50, (n,), generator=g) for n in (5, 16, 1, 9)]  # lengths not multiples of 2·cp
@@ -209,7 +209,7 @@ def test_microbatch_sharding_keeps_targets_with_their_tokens():
 
 
 def _plan_group_mismatch_raises():
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2, 4])
     from cpscope.hybrid import Microbatch
 
@@ -227,7 +227,7 @@ def test_plan_that_does_not_match_the_groups_raises_before_any_collective():
 
 
 def _allreduce_gradients_sums_and_fills_missing():
-    cpscope.set_debug_autograd_reads(True)
+    cpscope.set_backward_read_check(True)
     me = dist.get_rank()
     a = torch.nn.Parameter(torch.zeros(3))
     b = torch.nn.Parameter(torch.zeros(2, 2))
@@ -250,7 +250,7 @@ def test_allreduce_gradients_sums_and_treats_missing_grads_as_zero():
 
 
 def _one_step_grads_match_reference(mode: str, step: int):
-    cpscope.set_debug_autograd_reads(True)  # the GPT / loop path must never read the scope in backward
+    cpscope.set_backward_read_check(True)  # the GPT / loop path must never read the scope in backward
     cfg = th.TrainConfig(mode=mode, **SMALL)
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = cpscope.new_cp_groups([1, 2, 4])
@@ -293,7 +293,7 @@ def test_one_step_gradients_equal_single_rank_float64_reference(mode, step):
 def _run_example(name: str):
     import importlib
 
-    cpscope.set_debug_autograd_reads(True)  # the examples' backward never reads the scope either
+    cpscope.set_backward_read_check(True)  # the examples' backward never reads the scope either
     importlib.import_module(name).main()
     return True
 

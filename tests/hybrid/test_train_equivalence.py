@@ -5,7 +5,7 @@ trained on the same data from the same initial weights: the same loss at every s
 (fp32, relative error ≤ 1e-5 per tensor). ``single`` runs in the test process, without torch.distributed.
 Every mode's step-0 loss is also checked against the independent float64 reference of ``test_loop`` (no cpscope
 sharding, RoPE or attention), so the runs are anchored to more than cpscope's own CP1 path. The scope must never be
-read in backward (``set_debug_autograd_reads``).
+read in backward (the default-on ``set_backward_read_check``).
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ STEPS = 4
 
 def _train(mode: str, optimizer: str):
     cfg = th.TrainConfig(mode=mode, steps=STEPS, optimizer=optimizer, lr=1e-2, **SMALL)
-    cpscope.set_debug_autograd_reads(True)  # backward never reads the active scope
+    cpscope.set_backward_read_check(True)  # backward never reads the active scope
     try:
         res = th.train(cfg)
     finally:  # "single" runs in the test process
-        cpscope.set_debug_autograd_reads(False)
+        cpscope.set_backward_read_check(True)  # back to the default (on)
     return res.losses, res.state, sorted({s["cp"] for step in res.seen for s in step})
 
 

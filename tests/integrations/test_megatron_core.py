@@ -375,7 +375,7 @@ def _recompute(granularity: str) -> None:
     ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
     local = cpscope.zigzag_shard(ids, seq_dim=0, cu_seqlens=cu, group=g2)
     target = cpscope.zigzag_shard(torch.roll(ids, -1), seq_dim=0, cu_seqlens=cu, group=g2)
-    cpscope.set_debug_autograd_reads(True)  # any ContextVar read during backward raises
+    cpscope.set_backward_read_check(True)  # any ContextVar read during backward raises
     try:
         with _recompute_cpu_shims():
             for m in (plain, rec):
@@ -384,7 +384,7 @@ def _recompute(granularity: str) -> None:
                     logits = m(local[None], None, None, packed_seq_params=_psp(cu, group=g2, local=2))[0]
                 F.cross_entropy(logits, target, reduction="sum").backward()  # outside every scope
     finally:
-        cpscope.set_debug_autograd_reads(False)
+        cpscope.set_backward_read_check(True)  # back to the default (on)
     _assert_close(_grads(rec), _grads(plain), 1e-6, f"recompute={granularity}")
     # without packed_seq_params nothing carries the scope into the recompute: refused before anything runs
     with pytest.raises(ValueError, match="recompute_granularity=.* needs packed_seq_params"):
