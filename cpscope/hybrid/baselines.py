@@ -55,7 +55,7 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     n_bins = int(bins.max()) + 1
     bin_of = np.empty(p.n, dtype=np.int64)
     bin_of[order] = bins
-    bin_cost = np.bincount(bin_of, weights=p.seq[ks], minlength=n_bins) + p.cost.latency * (s - 1)
+    bin_cost = np.bincount(bin_of, weights=p.seq[ks], minlength=n_bins) + p.lat[ks]  # (least variant)
     by_cost = np.lexsort((np.arange(n_bins), -bin_cost))  # LPT: costliest microbatch first
     bin_block = np.empty(n_bins, dtype=np.int64)
     bin_block[by_cost] = _lpt_heap(np.zeros(p.n_ranks // s), bin_cost[by_cost], np.inf)
