@@ -13,7 +13,8 @@ and ``e`` bytes per element, the time of one call on each rank of a CP group of 
                                         a2a               2 · (h + max(g, cp)) · d · e · T · (cp − 1) / cp²
                                         a2a+p2p (inner a, ring over r = cp / a) the a2a term over a
                                                           + 2 · max(g, a) / a · d · e · T · (r − 1) / r
-    rounds_v = synchronisations: p2p cp − 1;  all_gather log2 cp;  a2a 1;  a2a+p2p 1 + (r − 1)
+    rounds_v = peers exchanged with: cp − 1 (p2p: ring steps; all_gather, a2a: the peers of one collective);
+               a2a+p2p (a − 1) + (r − 1)
     call     = 1
 
 (backward moves about twice what forward does; the fitted coefficients absorb such constant factors). ``attn``,
@@ -146,17 +147,17 @@ def _parts(variant: str, cp: int, heads: int, kv_heads: int, head_dim: int, elem
     if cp > 1 and variant != LOCAL:
         if variant in ("p2p", "all_gather"):
             w1[2] = 2.0 * g * d * elem * (cp - 1) / cp
-            fixed[3] = cp - 1.0 if variant == "p2p" else math.log2(cp)
+            fixed[3] = cp - 1.0
         elif variant == "a2a":
             w1[2] = 2.0 * (h + max(g, cp)) * d * elem * (cp - 1) / cp**2
-            fixed[3] = 1.0
+            fixed[3] = cp - 1.0
         else:  # a2a+p2p
             if inner is None:
                 raise ValueError("a2a+p2p needs the size of its all-to-all sub-groups (inner)")
             a, r = float(inner), cp / float(inner)
             w1[2] = (2.0 * (h + max(g, a)) * d * elem * (a - 1) / (cp * a)
                      + 2.0 * max(g, a) / a * d * elem * (r - 1) / r)
-            fixed[3] = 1.0 + (r - 1.0)
+            fixed[3] = (a - 1.0) + (r - 1.0)
     return w2, w1, fixed
 
 

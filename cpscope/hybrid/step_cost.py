@@ -109,14 +109,14 @@ class StepCost:
     def microbatch_cost(self, lengths: npt.ArrayLike, cp: int, comm: Optional[str] = None) -> float:
         """Per-rank seconds of one microbatch packing ``lengths`` at ``cp`` with variant ``comm`` (default: the
         cheapest allowed one, as the planner picks it)."""
-        names = tuple(self.variants) if comm is None else (comm,)
+        usable = [v for v in self.variants if variant_allowed(v, cp, self.heads, self.kv_heads, self.inner)]
+        if comm is not None and comm not in usable:
+            raise ValueError(f"variant {comm!r} is not available at cp={cp} in this StepCost (variants "
+                             f"{list(self.variants)}, heads={self.heads}, kv_heads={self.kv_heads}, inner={self.inner})")
         lp = np.asarray(lengths, dtype=np.int64)
         lp = (-(-lp // (2 * cp)) * (2 * cp)).astype(np.float64)
         best = math.inf
-        for name in names:
-            if name not in self.variants or not variant_allowed(name, cp, self.heads, self.kv_heads, self.inner):
-                raise ValueError(f"variant {name!r} is not available at cp={cp} in this StepCost "
-                                 f"(variants {list(self.variants)}, heads={self.heads}, kv_heads={self.kv_heads})")
+        for name in usable if comm is None else [comm]:
             q2, q1, f = self._split(name, cp)
             best = min(best, float(np.sum(lp * (q2 * lp + q1))) + f)
         return best
