@@ -8,7 +8,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -19,27 +19,66 @@ from .problem import _Problem
 __all__ = ["lower_bound"]
 
 
-def _needed_work(p: _Problem, t: float) -> float:
-    """Least rank-seconds any plan of makespan ``t`` spends, or ``inf`` if some sequence cannot end by ``t``.
+_DFF_K = (1, 2, 3)  # the dual feasible functions u^(k) the fixed-part charge is tried with
 
-    Per sequence, the least over the CP sizes at which it runs alone within ``t`` of its work plus, when it is
-    *big* there (``seq > (t − lat) / 2``: no two such sequences fit in one microbatch by ``t``), the microbatch's
-    fixed part ``cp · lat`` — at most one big sequence per microbatch, so each such charge is a different
-    microbatch's own."""
-    ok = p.alone <= t
+
+def _dff(x: np.ndarray, k: int) -> np.ndarray:
+    """Fekete and Schepers' dual feasible function ``u^(k)`` on ``[0, 1]``: ``x`` where ``(k + 1)·x`` is an
+    integer, else ``⌊(k + 1)·x⌋ / k``. Any values summing to at most 1 have images summing to at most 1."""
+    y = (k + 1) * x
+    fl = np.floor(y)
+    return np.where(y == fl, x, fl / k)
+
+
+class _Tables(NamedTuple):
+    """The problem's tables with one column per distinct length (equal lengths have equal columns)."""
+
+    alone: np.ndarray  # [K, u]
+    work: np.ndarray  # [K, u]
+    seq: np.ndarray  # [K, u]
+    fixed: np.ndarray  # [K, 1]: cp · lat, the least fixed rank-seconds of a microbatch
+    lat: np.ndarray  # [K, 1]
+    count: np.ndarray  # [u]: sequences of each distinct length
+
+
+def _tables(p: _Problem) -> _Tables:
+    _, first, count = np.unique(p.lengths, return_index=True, return_counts=True)
     lat = p.lat[:, None]
-    charged = p.work + np.where(p.seq > 0.5 * (t - lat), p.cps[:, None] * lat, 0.0)
-    return float(np.where(ok, charged, np.inf).min(axis=0).sum())
+    return _Tables(p.alone[:, first], p.work[:, first], p.seq[:, first], p.cps[:, None] * lat, lat,
+                   count.astype(np.float64))
+
+
+def _needed_work(tab: _Tables, t: float) -> float:
+    """Least rank-seconds any plan of makespan ``t`` spends, or ``inf`` if some sequence cannot end by ``t``
+    (the largest of the estimates below; each one is valid on its own).
+
+    Per sequence, the least over the CP sizes at which it runs alone within ``t`` of its work plus a share
+    ``u(x) · cp · lat`` of a microbatch's fixed part, with ``x = seq / (t − lat)`` and ``u`` a dual feasible
+    function: the sequences of one microbatch have ``Σ x ≤ 1`` (they end by ``t``), so ``Σ u(x) ≤ 1`` and the
+    shares never add up to more than the fixed part that microbatch pays. ``u^(1)`` charges the whole fixed part
+    to *big* sequences (``x > 1/2``: two never share a microbatch); ``u^(2)``, ``u^(3)`` charge halves and thirds
+    to sequences of which at most two or three fit together."""
+    ok = tab.alone <= t
+    if not np.all(ok.any(axis=0)):
+        return np.inf
+    room = t - tab.lat
+    x = np.minimum(tab.seq / np.where(room > 0, room, np.inf), 1.0)  # room ≤ 0: nothing is ok there anyway
+    best = 0.0
+    for k in _DFF_K:
+        charged = np.where(ok, tab.work + tab.fixed * _dff(x, k), np.inf)
+        best = max(best, float(charged.min(axis=0) @ tab.count))
+    return best
 
 
 def _lower_bound(p: _Problem, rtol: float = 1e-4) -> float:
     critical = float(np.max(p.prefix_min[-1]))
     n = float(p.n_ranks)
+    tab = _tables(p)
 
     def feasible(t: float) -> bool:  # can every sequence end by t while the work needed fits in n·t?
-        return _needed_work(p, t) <= n * t
+        return _needed_work(tab, t) <= n * t
 
-    lo = max(critical, float(np.min(p.work, axis=0).sum()) / n)  # the classic bound: a valid start
+    lo = max(critical, float(np.min(tab.work, axis=0) @ tab.count) / n)  # the classic bound: a valid start
     if lo <= 0.0 or feasible(lo):
         return lo
     hi = lo * 1.0625
