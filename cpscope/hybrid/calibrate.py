@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm_cost import LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, dtype_name, load_cached, \
-    variant_allowed
+from .comm_cost import LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name, \
+    load_cached, variant_allowed
 
 __all__ = ["calibrate", "device_name", "job_key", "load_or_calibrate", "ring_stand_in"]
 
@@ -51,7 +51,7 @@ def ring_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: st
     """
     from ..attention import context_parallel_attention
 
-    if comm not in VARIANTS:
+    if comm.partition(":")[0] not in VARIANTS:
         raise ValueError(f"unknown communication variant {comm!r}; expected one of {VARIANTS}")
     return context_parallel_attention(q, k, v, **kwargs)
 
@@ -108,7 +108,9 @@ def _configs(cp_sizes: Sequence[int], variants: Sequence[str], heads: int, kv_he
                     lengths = _split_lengths(t, n, step)
                     names = [LOCAL] if cp == 1 else [v for v in variants
                                                      if variant_allowed(v, cp, heads, kv, inner)]
-                    out.extend((cp, kv, lengths, v) for v in names)
+                    for v in names:  # a2a+p2p: the sub-group size it runs with, named
+                        n = (inner or default_inner(cp, heads, kv)) if v == "a2a+p2p" else None
+                        out.append((cp, kv, lengths, v, n))
     return out
 
 
@@ -143,7 +145,8 @@ def calibrate(
         tokens, docs: microbatch sizes (global tokens) and document counts per microbatch (``thd``; lengths
             rounded to multiples of ``2 · max cp``).
         dtype, device: default bf16 on CUDA, float32 on CPU; the current CUDA device under NCCL.
-        inner: the all-to-all sub-group size of ``a2a+p2p`` (that variant is timed only with it).
+        inner: the all-to-all sub-group size of ``a2a+p2p`` (default: ``cpscope.attention``'s, the largest
+            divisor ≤ 8 of cp and both head counts below cp); the variant is called as ``"a2a+p2p:N"``.
         warmup, repeats: untimed and timed calls per configuration.
         attention: the call to time, ``attention(q, k, v, comm=..., group=..., qkv_format="thd",
             cu_seqlens=..., causal=...)``; default ``cpscope.context_parallel_attention`` (which must take
@@ -200,7 +203,7 @@ def calibrate(
     rows: list[list[float]] = []
     kept: list[tuple] = []
     bar = _progress(configs, progress and dist.get_rank() == 0)
-    for cp, kv, lengths, variant in bar:
+    for cp, kv, lengths, variant, sub in bar:
         group = groups[cp]
         local = sum(lengths) // cp
         q = torch.randn(local, heads, head_dim, generator=gen).to(device=device, dtype=dt).requires_grad_()
@@ -208,7 +211,7 @@ def calibrate(
         v = torch.randn(local, kv, head_dim, generator=gen).to(device=device, dtype=dt).requires_grad_()
         grad = torch.randn(local, heads, head_dim, generator=gen).to(device=device, dtype=dt)
         cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
-        comm = "p2p" if variant == LOCAL else variant
+        comm = "p2p" if variant == LOCAL else variant if sub is None else f"{variant}:{sub}"
 
         def call() -> None:
             out = fn(q, k, v, comm=comm, group=group, qkv_format="thd", cu_seqlens=cu, causal=causal)
@@ -228,16 +231,15 @@ def calibrate(
             sync()
             times.append(time.perf_counter() - t0)
         rows.append(times)
-        kept.append((cp, kv, lengths, variant))
+        kept.append((cp, kv, lengths, variant, sub))
     if not rows:
         raise RuntimeError("calibrate: every configuration was refused by the attention call")
     timed = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX, group=world_pg)  # the slowest rank's time, on every rank
     medians = timed.median(dim=1).values.tolist()
     dname = dtype_name(dt)
-    samples = [Sample(variant, dname, cp, lengths, heads, kv, head_dim, causal,
-                      inner if variant == "a2a+p2p" else None, float(t))
-               for (cp, kv, lengths, variant), t in zip(kept, medians)]
+    samples = [Sample(variant, dname, cp, lengths, heads, kv, head_dim, causal, sub, float(t))
+               for (cp, kv, lengths, variant, sub), t in zip(kept, medians)]
     key = job_key(cp_sizes, device)
     meta = {**key, "inner": inner, "stand_in": fn is ring_stand_in,
             "attention": getattr(fn, "__qualname__", repr(fn)), "backend": dist.get_backend(),

@@ -25,15 +25,22 @@ planner reads the first part as each document's own cost and the second as the m
 
 The five coefficients of each (dtype, variant) are fitted to timed calls by exact non-negative least squares on
 relative residuals (:meth:`CommCostModel.fit`); :mod:`cpscope.hybrid.calibrate` times them over the CP groups
-of a job and caches the result on disk (:func:`cache_path`). A model is plain data (JSON): loading one needs
-neither a GPU nor ``torch``.
+of a job and caches the result on disk (:func:`cache_path`). A model is plain data (JSON): loading one needs no
+GPU and no process group.
 
 Example::
 
-    >>> s = [Sample("p2p", "bfloat16", 2, (8192,), 32, 8, 128, True, None, 1e-3 + 2e-13 * x) for x in (1, 2, 4)]
-    >>> cost = CommCostModel.fit(s)           # one sample per size is enough for this noiseless toy
+    >>> true = CommCostModel({"bfloat16": {"p2p": (2e-14, 3e-12, 4e-13, 1.5e-4, 2e-4)}})
+    >>> kw = dict(heads=32, head_dim=128, dtype="bfloat16")
+    >>> samples = [Sample("p2p", "bfloat16", cp, (n,), 32, g, 128, True, None,
+    ...                   true.time("p2p", [n], cp=cp, kv_heads=g, **kw))
+    ...            for cp in (2, 4) for g in (32, 8) for n in (8192, 65536, 131072)]
+    >>> cost = CommCostModel.fit(samples)      # e.g. what calibrate() measured
     >>> cost.variants("bfloat16")
     ('p2p',)
+    >>> est, ref = (m.time("p2p", [32768] * 2, cp=4, kv_heads=8, **kw) for m in (cost, true))
+    >>> abs(est / ref - 1) < 1e-9
+    True
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ __all__ = [
     "cache_dir",
     "cache_key",
     "cache_path",
+    "default_inner",
     "dtype_name",
     "load_cached",
     "variant_allowed",
@@ -94,22 +102,35 @@ def _check_shape(cp: int, heads: int, kv_heads: int, head_dim: int) -> None:
 
 
 def _heads_split(n: int, heads: int, kv_heads: int) -> bool:
-    """Can an all-to-all over ``n`` ranks give each rank whole heads: q heads divisible by ``n`` and k/v heads
-    divisible by ``n`` or (replicated) dividing it."""
-    return heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
+    """Can an all-to-all over ``n`` ranks give each rank whole heads: q and k/v heads both divisible by ``n``
+    (the rule of ``cpscope.attention``'s ``a2a``)."""
+    return heads % n == 0 and kv_heads % n == 0
 
 
-def variant_allowed(variant: str, cp: int, heads: int, kv_heads: int, inner: Optional[int] = None) -> bool:
-    """Whether ``variant`` can run at ``cp`` with these heads.
-
-    ``p2p`` and ``all_gather``: always. ``a2a`` (Ulysses): ``heads`` divisible by ``cp`` and ``kv_heads``
-    divisible by ``cp`` or dividing it (k/v heads replicated). ``a2a+p2p``: an all-to-all inside sub-groups of
-    ``inner`` ranks (``1 < inner < cp``, dividing ``cp``, the same head rule over ``inner``) and a ring across
-    them; without ``inner`` it is not available. At ``cp = 1`` every variant is allowed (none communicates).
+def default_inner(cp: int, heads: int, kv_heads: int) -> Optional[int]:
+    """The ``a2a+p2p`` sub-group size ``cpscope.attention`` uses by default: the largest ``n ≤ 8`` with
+    ``1 < n < cp`` dividing ``cp`` and both head counts; ``None`` if there is none.
 
     Example::
 
-        >>> variant_allowed("a2a", 4, heads=32, kv_heads=8), variant_allowed("a2a", 3, heads=32, kv_heads=8)
+        >>> default_inner(8, 32, 8), default_inner(4, 16, 1)
+        (4, None)
+    """
+    ok = [n for n in range(2, min(cp - 1, 8) + 1) if cp % n == 0 and _heads_split(n, heads, kv_heads)]
+    return max(ok) if ok else None
+
+
+def variant_allowed(variant: str, cp: int, heads: int, kv_heads: int, inner: Optional[int] = None) -> bool:
+    """Whether ``variant`` can run at ``cp`` with these heads (the rules of ``cpscope.attention``).
+
+    ``p2p`` and ``all_gather``: always. ``a2a`` (Ulysses): ``heads`` and ``kv_heads`` divisible by ``cp``.
+    ``a2a+p2p``: an all-to-all inside sub-groups of ``inner`` ranks (default :func:`default_inner`; it must
+    satisfy ``1 < inner < cp``, divide ``cp`` and both head counts) and a ring across them. At ``cp = 1`` every
+    variant is allowed (none communicates).
+
+    Example::
+
+        >>> variant_allowed("a2a", 4, heads=32, kv_heads=8), variant_allowed("a2a", 16, heads=32, kv_heads=8)
         (True, False)
     """
     if variant not in VARIANTS:
@@ -118,7 +139,8 @@ def variant_allowed(variant: str, cp: int, heads: int, kv_heads: int, inner: Opt
         return True
     if variant == "a2a":
         return _heads_split(cp, heads, kv_heads)
-    return (inner is not None and 1 < inner < cp and cp % inner == 0 and _heads_split(inner, heads, kv_heads))
+    inner = default_inner(cp, heads, kv_heads) if inner is None else inner
+    return inner is not None and 1 < inner < cp and cp % inner == 0 and _heads_split(inner, heads, kv_heads)
 
 
 class Sample(NamedTuple):
@@ -152,8 +174,9 @@ def _parts(variant: str, cp: int, heads: int, kv_heads: int, head_dim: int, elem
             w1[2] = 2.0 * (h + max(g, cp)) * d * elem * (cp - 1) / cp**2
             fixed[3] = cp - 1.0
         else:  # a2a+p2p
+            inner = default_inner(cp, heads, kv_heads) if inner is None else inner
             if inner is None:
-                raise ValueError("a2a+p2p needs the size of its all-to-all sub-groups (inner)")
+                raise ValueError(f"a2a+p2p has no sub-group size at cp={cp} with heads={heads}, kv_heads={kv_heads}")
             a, r = float(inner), cp / float(inner)
             w1[2] = (2.0 * (h + max(g, a)) * d * elem * (a - 1) / (cp * a)
                      + 2.0 * max(g, a) / a * d * elem * (r - 1) / r)
@@ -212,7 +235,8 @@ class CommCostModel:
 
     @property
     def inner(self) -> Optional[int]:
-        """The ``a2a+p2p`` sub-group size the calibration used (``meta["inner"]``), or ``None``."""
+        """The ``a2a+p2p`` sub-group size the calibration was asked for (``meta["inner"]``), or ``None``
+        (then each CP size uses :func:`default_inner`)."""
         value = self.meta.get("inner")
         return None if value is None else int(value)
 

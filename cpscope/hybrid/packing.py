@@ -101,12 +101,15 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     else:
         mb_comm_i = np.zeros(starts.size, dtype=np.int64)
         mb_cost = np.add.reduceat(p.seq[k[order], order], starts) + p.lat[mb_level]
-    names = np.asarray(p.variants, dtype=object)
+    names = np.asarray(p.variants, dtype=object)[mb_comm_i]
+    namer = getattr(p.cost, "_comm_name", None)
+    if namer is not None and multi:  # e.g. "a2a+p2p:4": the sub-group size the cost was computed with
+        names = np.asarray([namer(v, c) for v, c in zip(names.tolist(), mb_cp.tolist())], dtype=object)
     order_l = order.tolist()
     seqs = [tuple(order_l[a:z]) for a, z in zip(starts.tolist(), starts[1:].tolist() + [p.n])]
     make = partial(tuple.__new__, Microbatch)  # Microbatch._make without its Python-level wrapper
     mbs = list(map(make, zip(mb_cp.tolist(), mb_block.tolist(), seqs, mb_tok.tolist(), mb_cost.tolist(),
-                             names[mb_comm_i].tolist())))
+                             names.tolist())))
     loads = np.zeros(p.n_ranks)
     for s in np.unique(mb_cp).tolist():
         sel = mb_cp == s

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .comm_cost import VARIANTS, CommCostModel, _check_shape, dtype_name, variant_allowed
+from .comm_cost import VARIANTS, CommCostModel, _check_shape, default_inner, dtype_name, variant_allowed
 
 __all__ = ["StepCost"]
 
@@ -88,6 +88,12 @@ class StepCost:
                                         inner=self.inner)
         return self.layers * q2, self.layers * q1 + self.linear / cp, self.layers * fixed
 
+    def _comm_name(self, variant: str, cp: int) -> str:
+        """What a microbatch binds: ``"a2a+p2p:N"`` names the sub-group size the cost was computed with."""
+        if variant != "a2a+p2p" or cp == 1:
+            return variant
+        return f"a2a+p2p:{self.inner or default_inner(cp, self.heads, self.kv_heads)}"
+
     def _tables(self, padded: np.ndarray, cps: np.ndarray) -> tuple[tuple[str, ...], np.ndarray, np.ndarray,
                                                                     np.ndarray]:
         """The planner's tables (see :mod:`cpscope.hybrid.problem`), one row per variant."""
@@ -110,6 +116,8 @@ class StepCost:
         """Per-rank seconds of one microbatch packing ``lengths`` at ``cp`` with variant ``comm`` (default: the
         cheapest allowed one, as the planner picks it)."""
         usable = [v for v in self.variants if variant_allowed(v, cp, self.heads, self.kv_heads, self.inner)]
+        if comm is not None and comm.startswith("a2a+p2p:") and comm == self._comm_name("a2a+p2p", cp):
+            comm = "a2a+p2p"
         if comm is not None and comm not in usable:
             raise ValueError(f"variant {comm!r} is not available at cp={cp} in this StepCost (variants "
                              f"{list(self.variants)}, heads={self.heads}, kv_heads={self.kv_heads}, inner={self.inner})")

@@ -23,6 +23,7 @@ from cpscope.hybrid.comm_cost import (
     Sample,
     cache_key,
     cache_path,
+    default_inner,
     load_cached,
     variant_allowed,
 )
@@ -49,6 +50,8 @@ def synthetic_samples(noise: float = 0.0, seed: int = 0) -> list[Sample]:
                 for docs in (1, 8):
                     lengths = tuple([tokens // docs] * docs)
                     for v in (["local"] if cp == 1 else ["p2p", "all_gather", "a2a"]):
+                        if v == "a2a" and not variant_allowed(v, cp, heads, kv):
+                            continue
                         t = model.time("p2p" if v == "local" else v, lengths, cp=cp, heads=heads, kv_heads=kv,
                                        head_dim=128, dtype="bfloat16")
                         t *= 1.0 + noise * rng.standard_normal()
@@ -150,11 +153,13 @@ def test_bad_models_and_queries() -> None:
 
 def test_variant_rules() -> None:
     assert variant_allowed("p2p", 8, 3, 1) and variant_allowed("all_gather", 16, 12, 4)
-    assert variant_allowed("a2a", 8, 32, 8) and variant_allowed("a2a", 16, 32, 8)  # k/v heads replicated
+    assert variant_allowed("a2a", 8, 32, 8) and not variant_allowed("a2a", 16, 32, 8)  # k/v heads must split too
     assert not variant_allowed("a2a", 8, 12, 4)  # 12 query heads do not split over 8 ranks
-    assert not variant_allowed("a2a", 4, 24, 6)  # 6 k/v heads neither split over 4 nor divide it
+    assert not variant_allowed("a2a", 4, 24, 6)  # 6 k/v heads do not split over 4
     assert variant_allowed("a2a", 1, 7, 7)  # CP1: nothing to split
-    assert not variant_allowed("a2a+p2p", 8, 32, 8)  # no inner size
+    assert variant_allowed("a2a+p2p", 8, 32, 8) and default_inner(8, 32, 8) == 4  # the default sub-group size
+    assert not variant_allowed("a2a+p2p", 4, 16, 1) and default_inner(4, 16, 1) is None  # MQA: nothing to split
+    assert not variant_allowed("a2a+p2p", 2, 32, 8)  # no proper sub-group
     assert variant_allowed("a2a+p2p", 8, 32, 8, inner=2) and not variant_allowed("a2a+p2p", 8, 32, 8, inner=8)
     with pytest.raises(ValueError, match="unknown communication variant 'ulysses'"):
         variant_allowed("ulysses", 2, 8, 8)
@@ -291,3 +296,48 @@ def test_split_lengths() -> None:
     assert _split_lengths(64, 2, 4) == (32, 32)
     assert _split_lengths(70, 3, 8) == (24, 24, 24)
     assert _split_lengths(8, 4, 4) == (4, 4, 4, 4)  # at least one step per document
+
+
+# -- the hook for cpscope.attention's comm="auto" ----------------------------------------------------------
+class Query:  # the fields of cpscope.attention._dispatch.VariantQuery that the chooser reads
+    def __init__(self, cp, heads, kv_heads, head_dim=128, causal=True, seq_lens=(), dtype="bfloat16"):
+        self.cp, self.heads, self.kv_heads, self.head_dim = cp, heads, kv_heads, head_dim
+        self.causal, self.seq_lens, self.dtype = causal, seq_lens, dtype
+
+
+def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
+    from cpscope.hybrid.variants import auto_chooser
+
+    hier = {**TRUE, "a2a+p2p": (2.0e-14, 3.0e-12, 1.0e-13, 1.0e-6, 1.0e-6)}  # cheap: wins where it may run
+    model = CommCostModel({"bfloat16": hier})
+    pick = auto_chooser(model)
+    assert pick(Query(1, 32, 8, seq_lens=(4096,))) == "p2p"
+    assert pick(Query(8, 32, 8, seq_lens=(65536,))) == "a2a+p2p:4"  # named with the default sub-group size
+    assert auto_chooser(model, inner=2)(Query(8, 32, 8, seq_lens=(65536,))) == "a2a+p2p:2"
+    q = Query(2, 32, 8, seq_lens=(2048,) * 8)
+    assert pick(q) == choose(model, q.seq_lens, cp=2, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert pick(Query(4, 32, 8, seq_lens=())) == "p2p"  # nothing to price: the fallback
+    assert auto_chooser(model, fallback=lambda _: "all_gather")(Query(4, 32, 8, dtype="float32",
+                                                                      seq_lens=(64,))) == "all_gather"
+    import torch
+
+    assert pick(Query(2, 32, 8, seq_lens=(2048,) * 8, dtype=torch.bfloat16)) == pick(q)  # torch dtypes too
+
+
+def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
+    dispatch = pytest.importorskip("cpscope.attention._dispatch")
+    from cpscope.hybrid.variants import auto_chooser
+
+    if not hasattr(dispatch, "VariantQuery"):
+        pytest.skip("no VariantQuery in this cpscope.attention")
+    import torch
+
+    model = CommCostModel({"bfloat16": TRUE})
+    query = dispatch.VariantQuery(cp=4, heads=32, kv_heads=8, head_dim=128, qkv_format="thd", causal=True,
+                                  seq_lens=(8192, 4096), dtype=torch.bfloat16)
+    previous = dispatch.set_auto_chooser(auto_chooser(model))
+    try:
+        assert dispatch.choose_variant(query) == choose(model, [8192, 4096], cp=4, heads=32, kv_heads=8,
+                                                        head_dim=128, dtype="bfloat16")
+    finally:
+        dispatch.set_auto_chooser(previous)

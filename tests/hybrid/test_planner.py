@@ -19,7 +19,7 @@ from cpscope.hybrid import (
     plan_hybrid,
     plan_static,
 )
-from cpscope.hybrid.comm_cost import CommCostModel, variant_allowed
+from cpscope.hybrid.comm_cost import CommCostModel, default_inner, variant_allowed
 from cpscope.hybrid.data import sft_like_lengths
 from cpscope.hybrid.problem import _Problem
 from cpscope.hybrid.step_cost import StepCost
@@ -69,8 +69,9 @@ def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost) -> None:
         expected = cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp)  # the cheapest variant
         assert mb.cost == pytest.approx(expected, rel=1e-9, abs=1e-12)
         if isinstance(cost, StepCost):  # the variant it names is allowed there and gives that cost
-            assert mb.comm in cost.variants
-            assert variant_allowed(mb.comm, mb.cp, cost.heads, cost.kv_heads, cost.inner)
+            name, _, sub = mb.comm.partition(":")  # "a2a+p2p:N" names its sub-group size
+            assert name in cost.variants and (sub == "") == (name != "a2a+p2p" or mb.cp == 1)
+            assert variant_allowed(name, mb.cp, cost.heads, cost.kv_heads, int(sub) if sub else cost.inner)
             assert cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp, comm=mb.comm) == pytest.approx(
                 mb.cost, rel=1e-9, abs=1e-12)
         else:
@@ -315,7 +316,8 @@ def test_docstring_examples() -> None:
     import doctest
     import importlib
 
-    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner")
+    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner", "comm_cost",
+             "variants", "step_cost")
     for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
@@ -509,3 +511,15 @@ def test_step_cost_bad_input() -> None:
         step.microbatch_cost([4096], 8, comm="a2a")
     with pytest.raises(ValueError, match="CostModel or a StepCost"):
         plan_hybrid([100], 2, CAPACITY, cost=model)
+
+
+def test_hierarchical_variant_is_named_with_its_sub_group_size() -> None:
+    fit = {"bfloat16": {**TOY_FIT["bfloat16"], "a2a+p2p": (1.0e-12, 1.0e-10, 5.0e-12, 1.0e-5, 1.0e-4)}}
+    step = StepCost(CommCostModel(fit), heads=32, kv_heads=8, head_dim=128, layers=32, linear=4e-6)
+    lengths = sft_like_lengths(128, seed=0)
+    plan = plan_hybrid(lengths, 64, CAPACITY, step)
+    check_plan(plan, lengths, 64, CAPACITY, step)
+    hier = [mb for mb in plan.microbatches if mb.comm.startswith("a2a+p2p")]
+    assert hier and all(mb.comm == f"a2a+p2p:{default_inner(mb.cp, 32, 8)}" for mb in hier)  # as the dispatch
+    for planner in (plan_static, plan_greedy):
+        check_plan(planner(lengths, 64, CAPACITY, step), lengths, 64, CAPACITY, step)
