@@ -17,16 +17,15 @@ from typing import Optional
 import numpy as np
 import numpy.typing as npt
 
-from .cost import CostModel
 from .lpt import _lpt_heap
 from .packing import _build_plan, _first_fit
 from .plan import Plan
-from .problem import _Problem
+from .problem import Cost, _Problem
 
 __all__ = ["plan_static", "plan_greedy"]
 
 
-def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 cp: Optional[int] = None) -> Plan:
     """Baseline: static CP — every sequence at one CP size ``cp``.
 
@@ -62,7 +61,7 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     return _build_plan(p, "static", k, bin_block[bin_of], microbatch_of=bin_of)
 
 
-def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 max_cp: Optional[int] = None) -> Plan:
     """Baseline: plain greedy — each sequence at its memory-minimum CP size, taken in the given order and put
     on the aligned block whose most-loaded rank is least loaded; each block's sequences are packed by first fit

@@ -13,8 +13,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import numpy.typing as npt
 
-from .cost import CostModel
-from .problem import _Problem
+from .problem import Cost, _Problem
 
 __all__ = ["lower_bound"]
 
@@ -90,20 +89,24 @@ def _lower_bound(p: _Problem, rtol: float = 1e-4) -> float:
     return lo
 
 
-def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 max_cp: Optional[int] = None) -> float:
     """A lower bound ``T*`` on the makespan of **any** plan (any CP sizes, variants, packing and assignment).
 
     With ``alone_i(cp)`` the time of sequence ``i`` alone in a microbatch at ``cp`` (fixed part included, best
     variant), ``seq_i(cp)`` its per-rank time without the fixed part and ``lat(cp)`` the least fixed part of a
-    microbatch at ``cp``, a plan of makespan ``T`` runs each ``i`` at a ``cp`` with ``alone_i(cp) ≤ T`` and
-    spends, per microbatch, ``cp · (Σ seq + lat)`` rank-seconds. Two sequences with ``seq > (T − lat) / 2`` at
-    the same ``cp`` cannot share a microbatch, so each such *big* one brings its own ``cp · lat``. Hence the plan
-    spends at least ``F(T) = Σ_i min over cp with alone_i(cp) ≤ T of cp · (seq_i(cp) + [big] · lat(cp))``, which
-    fits on ``n_ranks`` ranks only if ``F(T) ≤ n_ranks · T``. ``F`` does not increase with ``T``, so ``T*``, the
-    least ``T`` passing both tests, is found by bisection (returned from the infeasible side, within 1e-4
-    relative). It is at least the classic ``max(Σ_i work_i(cp_min_i) / n_ranks, max_i min_cp alone_i(cp))``; the
-    fixed-part charge is what makes it tight when long sequences must run at large CP sizes (their microbatches'
-    ``cp − 1`` ring steps are paid by every rank that runs them).
+    microbatch at ``cp`` (the ring's ``latency · (cp − 1)`` under :class:`CostModel`), a plan of makespan ``T``
+    runs each ``i`` at a ``cp`` with ``alone_i(cp) ≤ T`` and spends ``cp · (Σ seq + lat)`` rank-seconds per
+    microbatch. In a microbatch the ``x_i = seq_i / (T − lat)`` add up to at most 1, so for a dual feasible
+    function ``u`` (values summing to ≤ 1 map to values summing to ≤ 1) the shares ``u(x_i) · cp · lat`` never
+    exceed the fixed part the microbatch pays. Hence the plan spends at least
+    ``F_u(T) = Σ_i min over cp with alone_i(cp) ≤ T of cp · (seq_i(cp) + u(x_i) · lat(cp))`` rank-seconds, which
+    fit on ``n_ranks`` ranks only if ``F_u(T) ≤ n_ranks · T``. ``T*`` is the least ``T`` passing these tests
+    for Fekete and Schepers' ``u^(1)``, ``u^(2)``, ``u^(3)`` (``u^(1)`` charges the whole fixed part to a
+    sequence with ``x > 1/2``: no two of them share a microbatch). ``F_u`` does not increase with ``T``, so ``T*``
+    is found by bisection (returned from the infeasible side, within 1e-4 relative). It is at least the classic
+    ``max(Σ_i min_cp work_i(cp) / n_ranks, max_i min_cp alone_i(cp))``; the fixed-part charge is what makes it
+    tight when long sequences must run at large CP sizes (the ``cp − 1`` ring steps of their microbatches are
+    paid by every rank that runs them).
     """
     return _lower_bound(_Problem(lengths, n_ranks, capacity, cost, max_cp))
