@@ -69,7 +69,7 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "hybrid_planner_sim.json")
 
 
-def _time_plan(lengths, n_ranks: int, capacity: int, cost: CostModel, repeats: int) -> tuple[float, float]:
+def _time_plan(lengths, n_ranks: int, capacity: int, cost: Any, repeats: int) -> tuple[float, float]:
     """Median wall and CPU milliseconds of ``plan_hybrid`` (after one warm-up call)."""
     plan_hybrid(lengths, n_ranks, capacity, cost)
     wall, cpu = [], []
@@ -137,18 +137,21 @@ def run_variants(args: argparse.Namespace) -> dict[str, Any]:
     ring = StepCost(comm, variants=("p2p",), **shape)
     rows = []
     print(f"\nvariants per microbatch ({source}; {shape})")
-    print(f"{'mix':>10} {'ranks':>5} {'seed':>4} {'ring':>8} {'auto':>8} {'ring/auto':>9} {'auto/LB':>7}  comm")
+    print(f"{'mix':>10} {'ranks':>5} {'seed':>4} {'plan ms':>8} {'ring':>8} {'auto':>8} {'ring/auto':>9} "
+          f"{'auto/LB':>7}  comm")
     for mix in args.mixes:
         for n_ranks in args.ranks:
             lengths = MIXES[mix][1](args.seqs_per_rank * n_ranks, args.seeds[0])
             a = plan_hybrid(lengths, n_ranks, args.capacity, ring)
             b = plan_hybrid(lengths, n_ranks, args.capacity, every)
             hist = _hist(f"{mb.cp}:{mb.comm}" for mb in b.microbatches if mb.cp > 1)
-            rows.append({"mix": mix, "ranks": n_ranks, "seed": args.seeds[0], "ring": a.makespan,
+            wall_ms, cpu_ms = _time_plan(lengths, n_ranks, args.capacity, every, max(1, args.repeats // 3))
+            rows.append({"mix": mix, "ranks": n_ranks, "seed": args.seeds[0], "plan_ms": wall_ms,
+                         "plan_cpu_ms": cpu_ms, "ring": a.makespan,
                          "ring_lower_bound": a.lower_bound, "auto": b.makespan, "auto_lower_bound": b.lower_bound,
                          "ring_vs_auto": a.makespan / b.makespan, "auto_vs_lb": b.makespan / b.lower_bound,
                          "auto_microbatches_cp_comm": hist})
-            print(f"{mix:>10} {n_ranks:>5} {args.seeds[0]:>4} {a.makespan:>8.3f} {b.makespan:>8.3f} "
+            print(f"{mix:>10} {n_ranks:>5} {args.seeds[0]:>4} {wall_ms:>8.1f} {a.makespan:>8.3f} {b.makespan:>8.3f} "
                   f"{a.makespan / b.makespan:>9.3f} {b.makespan / b.lower_bound:>7.3f}  {hist}", flush=True)
     return {"comm_cost": source, "step": shape, "rows": rows}
 
@@ -183,6 +186,26 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
     return checks
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The simulation's tables as markdown (what docs/hybrid_planner.md shows)."""
+    out = ["| mix | ranks | seqs | long docs | seed | plan ms | cpu ms | hybrid | static | greedy | lower b. | "
+           "hybrid/LB | static/hybrid | greedy/hybrid |", "| --- |" + " ---: |" * 13]
+    for r in result["rows"]:
+        out.append(f"| {r['mix']} | {r['ranks']} | {r['seqs']} | {r['long_docs']} | {r['seed']} | {r['plan_ms']:.1f} | "
+                   f"{r['plan_cpu_ms']:.1f} | {r['hybrid']:.3f} | {r['static']:.3f} | {r['greedy']:.3f} | "
+                   f"{r['lower_bound']:.3f} | {r['hybrid_vs_lb']:.3f} | {r['static_vs_hybrid']:.2f} | "
+                   f"{r['greedy_vs_hybrid']:.2f} |")
+    var = result.get("variants")
+    if var:
+        out += ["", "| mix | ranks | plan ms | cpu ms | ring only | auto | ring/auto | auto/LB | microbatches (cp:variant) |",
+                "| --- |" + " ---: |" * 7 + " --- |"]
+        for r in var["rows"]:
+            hist = ", ".join(f"{k} ×{v}" for k, v in r["auto_microbatches_cp_comm"].items())
+            out.append(f"| {r['mix']} | {r['ranks']} | {r['plan_ms']:.1f} | {r['plan_cpu_ms']:.1f} | {r['ring']:.3f} | "
+                       f"{r['auto']:.3f} | {r['ring_vs_auto']:.3f} | {r['auto_vs_lb']:.3f} | {hist} |")
+    return "\n".join(out)
+
+
 # Each mode: (flag help, runner). A GPU mode goes here as "gpu": (help, run_gpu) with its own options.
 MODES: dict[str, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] = {
     "simulate": ("planner simulation under the cost model (default)", run_simulation),
@@ -214,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     var.add_argument("--step-linear", type=float, default=6e-5, help="non-attention seconds per token per rank")
     add_gpu_arguments(ap)
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results path")
+    ap.add_argument("--markdown", metavar="JSON", default=None, help="print a simulation JSON's tables and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return
     if args.mode == "simulate":
         print(HEADER)
     result = MODES[args.mode][1](args)

@@ -41,7 +41,7 @@ class _Tables(NamedTuple):
 
 
 def _tables(p: _Problem) -> _Tables:
-    _, first, count = np.unique(p.lengths, return_index=True, return_counts=True)
+    first, count = p.first, p.count
     lat = p.lat[:, None]
     return _Tables(p.alone[:, first], p.work[:, first], p.seq[:, first], p.cps[:, None] * lat, lat,
                    count.astype(np.float64))

@@ -10,9 +10,10 @@ and ``e`` bytes per element, the time of one call on each rank of a CP group of 
     attn     = f · Σ Lp_i² · h · d / cp        # f = 1/2 causal, 1 full: the attention FLOPs of one rank
     tokens   = T · h · d / cp                  # per-token work: rescales, merges, copies
     bytes_v  = what one rank receives:  p2p, all_gather   2 · g · d · e · T · (cp − 1) / cp          (K and V)
-                                        a2a               2 · (h + max(g, cp)) · d · e · T · (cp − 1) / cp²
-                                        a2a+p2p (inner a, ring over r = cp / a) the a2a term over a
-                                                          + 2 · max(g, a) / a · d · e · T · (r − 1) / r
+                                        a2a               2 · (h + g) · d · e · T · (cp − 1) / cp²
+                                        a2a+p2p (inner a, ring over r = cp / a)
+                                                          2 · (h + g) · d · e · T · (a − 1) / (a · cp)
+                                                          + 2 · (g / a) · d · e · T · (r − 1) / r
     rounds_v = peers exchanged with: cp − 1 (p2p: ring steps; all_gather, a2a: the peers of one collective);
                a2a+p2p (a − 1) + (r − 1)
     call     = 1
@@ -171,15 +172,15 @@ def _parts(variant: str, cp: int, heads: int, kv_heads: int, head_dim: int, elem
             w1[2] = 2.0 * g * d * elem * (cp - 1) / cp
             fixed[3] = cp - 1.0
         elif variant == "a2a":
-            w1[2] = 2.0 * (h + max(g, cp)) * d * elem * (cp - 1) / cp**2
+            w1[2] = 2.0 * (h + g) * d * elem * (cp - 1) / cp**2
             fixed[3] = cp - 1.0
         else:  # a2a+p2p
             inner = default_inner(cp, heads, kv_heads) if inner is None else inner
             if inner is None:
                 raise ValueError(f"a2a+p2p has no sub-group size at cp={cp} with heads={heads}, kv_heads={kv_heads}")
             a, r = float(inner), cp / float(inner)
-            w1[2] = (2.0 * (h + max(g, a)) * d * elem * (a - 1) / (cp * a)
-                     + 2.0 * max(g, a) / a * d * elem * (r - 1) / r)
+            w1[2] = (2.0 * (h + g) * d * elem * (a - 1) / (cp * a)
+                     + 2.0 * (g / a) * d * elem * (r - 1) / r)
             fixed[3] = (a - 1.0) + (r - 1.0)
     return w2, w1, fixed
 

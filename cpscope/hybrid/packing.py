@@ -94,7 +94,7 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     mb_level = k[order][starts]
     mb_tok = np.add.reduceat(o_tok, starts)
     if multi:  # every variant's cost of every microbatch; the cheapest allowed one runs it
-        per_v = np.add.reduceat(p.seq_v[:, k[order], order], starts, axis=1)  # [V, microbatches]
+        per_v = np.add.reduceat(p.seq_v[:, k[order], p.inv[order]], starts, axis=1)  # [V, microbatches]
         per_v = np.where(p.allowed[:, mb_level], per_v + p.fixed_v[:, mb_level], np.inf)
         mb_comm_i = np.argmin(per_v, axis=0)
         mb_cost = np.take_along_axis(per_v, mb_comm_i[None], axis=0)[0]

@@ -73,24 +73,29 @@ class _Problem:
                 f"capacity of {self.capacity} tokens; raise capacity or n_ranks, or split the sequence"
             )
         self.kmin = np.argmax(fits, axis=0)  # index of the memory-minimum CP size
-        variants, seq_v, fixed_v, allowed = self.cost._tables(lp, self.cps)
+        # the cost tables, on the distinct lengths (batches repeat lengths a lot), then one column per sequence
+        _, first, inv, count = np.unique(self.lengths, return_index=True, return_inverse=True, return_counts=True)
+        self.inv = inv.reshape(-1)  # sequence -> its column in the compact tables
+        self.first, self.count = first, count  # a sequence of each distinct length, and how many have it
+        variants, seq_v, fixed_v, allowed = self.cost._tables(lp[:, first], self.cps)
         self.variants: tuple[str, ...] = tuple(variants)
         if not np.all(allowed.any(axis=0)):
             bad = self.cps[~allowed.any(axis=0)].tolist()
             raise ValueError(f"the cost model allows no communication variant at CP sizes {bad}")
         if seq_v.shape[0] == 1:  # one variant (CostModel): no envelope to take
-            self.seq, self.lat = seq_v[0], fixed_v[0]
-            self.pref = np.zeros(lp.shape, dtype=np.int64)
-            alone = self.seq + self.lat[:, None]
+            seq_u, self.lat = seq_v[0], fixed_v[0]
+            pref_u = np.zeros(seq_u.shape, dtype=np.int64)
+            alone_u = seq_u + self.lat[:, None]
         else:
-            seq_m = np.where(allowed[:, :, None], seq_v, np.inf)  # [V, K, n]; a variant not allowed: never
+            seq_m = np.where(allowed[:, :, None], seq_v, np.inf)  # [V, K, u]; a variant not allowed: never
             fixed_m = np.where(allowed, fixed_v, np.inf)  # [V, K]
             alone_v = seq_m + fixed_m[:, :, None]
-            self.pref = np.argmin(alone_v, axis=0)  # the variant of a sequence alone at each CP size
-            alone = np.take_along_axis(alone_v, self.pref[None], axis=0)[0]
-            self.seq, self.lat = seq_m.min(axis=0), fixed_m.min(axis=0)
-        self.seq_v, self.fixed_v, self.allowed = seq_v, fixed_v, allowed  # for the per-microbatch variant choice
-        self.alone = np.where(fits, alone, np.inf)  # time of the sequence alone in a microbatch (best variant)
+            pref_u = np.argmin(alone_v, axis=0)  # the variant of a sequence alone at each CP size
+            alone_u = np.take_along_axis(alone_v, pref_u[None], axis=0)[0]
+            seq_u, self.lat = seq_m.min(axis=0), fixed_m.min(axis=0)
+        self.seq, self.pref = seq_u[:, self.inv], pref_u[:, self.inv]  # [K, n]
+        self.seq_v, self.fixed_v, self.allowed = seq_v, fixed_v, allowed  # compact [V, K, u]: per-microbatch choice
+        self.alone = np.where(fits, alone_u[:, self.inv], np.inf)  # time alone in a microbatch (best variant)
         self.work = np.where(fits, self.seq * cps, np.inf)  # rank-seconds, without the per-microbatch part
         self.rows = np.arange(self.n)
         self.fastest = np.argmin(self.alone, axis=0)

@@ -392,7 +392,7 @@ def optimum(lengths, n_ranks: int, capacity: int, cost) -> float:
                     if sum(int(p.lp[k, i]) // int(p.cps[k]) for i in mb) > capacity:
                         total = np.inf
                         break
-                    per_v = [p.seq_v[v, k, list(mb)].sum() + p.fixed_v[v, k]
+                    per_v = [p.seq_v[v, k, p.inv[list(mb)]].sum() + p.fixed_v[v, k]
                              for v in range(len(p.variants)) if p.allowed[v, k]]
                     total += min(per_v)
                 best = min(best, total)
