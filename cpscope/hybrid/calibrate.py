@@ -245,9 +245,11 @@ def calibrate(
             "attention": getattr(fn, "__qualname__", repr(fn)), "backend": dist.get_backend(),
             "warmup": warmup, "repeats": repeats, "reduction": "max over ranks, median over repeats"}
     model = CommCostModel.fit(samples, meta)
-    if cache and int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        path = model.save(cache_path(key, directory))
-        logger.info("calibrate: wrote %s", path)
+    if cache:
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+            path = model.save(cache_path(key, directory))
+            logger.info("calibrate: wrote %s", path)
+        barrier()  # no rank returns (and looks for the file) before it is written
     return model
 
 

@@ -341,3 +341,23 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
                                                         head_dim=128, dtype="bfloat16")
     finally:
         dispatch.set_auto_chooser(previous)
+
+
+def _load_or_calibrate_twice(directory: str) -> bool:
+    from cpscope.hybrid.calibrate import load_or_calibrate, ring_stand_in
+
+    groups = cpscope.new_cp_groups([1, 2])
+    tiny = {**SMALL, "kv_heads": (4,), "tokens": (32,), "docs": (1,)}
+    first = load_or_calibrate(groups, directory=directory, attention=ring_stand_in, **tiny)
+
+    def never(*args, **kwargs):
+        raise AssertionError("calibrated although every rank has the cached model")
+
+    again = load_or_calibrate(groups, directory=directory, attention=never, **tiny)
+    assert json.dumps(again.to_json(), sort_keys=True) == json.dumps(first.to_json(), sort_keys=True)
+    assert {s.variant for s in first.samples} == {"local", "p2p", "all_gather", "a2a"}
+    return True
+
+
+def test_load_or_calibrate_reuses_the_cache_on_every_rank(tmp_path) -> None:
+    assert run_ranks(2, _load_or_calibrate_twice, str(tmp_path)) == [True, True]
