@@ -58,7 +58,7 @@ def sft_like_lengths(
     long_max: int = 131072,
     granularity: int = 128,
 ) -> np.ndarray:
-    """``n`` document lengths of an SFT-like mix: mostly short documents and a few of 120k–128k tokens.
+    """``n`` document lengths of an SFT-like mix: mostly short documents and a few of 122 880–131 072 tokens.
 
     Short documents: ``clip(round_up(median · exp(sigma · z), granularity), min_len, short_max)``; then
     ``max(1, round(long_fraction · n))`` of them, at positions drawn without replacement, are replaced by lengths
