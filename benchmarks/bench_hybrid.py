@@ -197,8 +197,8 @@ def markdown(result: dict[str, Any]) -> str:
                    f"{r['greedy_vs_hybrid']:.2f} |")
     var = result.get("variants")
     if var:
-        out += ["", "| mix | ranks | plan ms | cpu ms | ring only | auto | ring/auto | auto/LB | microbatches (cp:variant) |",
-                "| --- |" + " ---: |" * 7 + " --- |"]
+        out += ["", "| mix | ranks | plan ms | cpu ms | ring only | auto | ring/auto | auto/LB | "
+                    "microbatches (cp:variant) |", "| --- |" + " ---: |" * 7 + " --- |"]
         for r in var["rows"]:
             hist = ", ".join(f"{k} ×{v}" for k, v in r["auto_microbatches_cp_comm"].items())
             out.append(f"| {r['mix']} | {r['ranks']} | {r['plan_ms']:.1f} | {r['plan_cpu_ms']:.1f} | {r['ring']:.3f} | "

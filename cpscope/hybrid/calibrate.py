@@ -199,18 +199,25 @@ def calibrate(
         dist.all_reduce(flag, group=world_pg)  # every block starts its timed call together
         sync()
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     rows: list[list[float]] = []
     kept: list[tuple] = []
+    inputs: dict[tuple, tuple] = {}
     bar = _progress(configs, progress and dist.get_rank() == 0)
     for cp, kv, lengths, variant, sub in bar:
         group = groups[cp]
-        local = sum(lengths) // cp
-        q = torch.randn(local, heads, head_dim, generator=gen).to(device=device, dtype=dt).requires_grad_()
-        k = torch.randn(local, kv, head_dim, generator=gen).to(device=device, dtype=dt).requires_grad_()
-        v = torch.randn(local, kv, head_dim, generator=gen).to(device=device, dtype=dt).requires_grad_()
-        grad = torch.randn(local, heads, head_dim, generator=gen).to(device=device, dtype=dt)
-        cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+        shape = (cp, kv, lengths)
+        if shape not in inputs:  # the same random inputs for every variant of a shape, made on the device
+            inputs.clear()
+            local = sum(lengths) // cp
+
+            def rand(*size: int) -> torch.Tensor:
+                return torch.randn(*size, generator=gen, device=device, dtype=dt)
+
+            q, k, v = (rand(local, h, head_dim).requires_grad_() for h in (heads, kv, kv))  # [t/cp, h, d]
+            cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)  # global offsets
+            inputs[shape] = (q, k, v, rand(local, heads, head_dim), cu)
+        q, k, v, grad, cu = inputs[shape]
         comm = "p2p" if variant == LOCAL else variant if sub is None else f"{variant}:{sub}"
 
         def call() -> None:

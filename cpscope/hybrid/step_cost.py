@@ -120,7 +120,8 @@ class StepCost:
             comm = "a2a+p2p"
         if comm is not None and comm not in usable:
             raise ValueError(f"variant {comm!r} is not available at cp={cp} in this StepCost (variants "
-                             f"{list(self.variants)}, heads={self.heads}, kv_heads={self.kv_heads}, inner={self.inner})")
+                             f"{list(self.variants)}, heads={self.heads}, kv_heads={self.kv_heads}, "
+                             f"inner={self.inner})")
         lp = np.asarray(lengths, dtype=np.int64)
         lp = (-(-lp // (2 * cp)) * (2 * cp)).astype(np.float64)
         best = math.inf

@@ -415,7 +415,7 @@ def optimum(lengths, n_ranks: int, capacity: int, cost) -> float:
 TINY_COSTS = [CostModel(), CostModel(1e-8, 1e-5, 1e-5, 5e-2), CostModel(0.0, 1e-4, 0.0, 0.3)]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_ranks=st.sampled_from([1, 2, 4]),
     capacity=st.sampled_from([64, 256, 2048]),
