@@ -47,6 +47,14 @@ _MOVED = {
                  "prepare_microbatch", "prepare_microbatches", "run_microbatches", "token_loss_sum")
 }
 
+# Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid.comm_cost; calibration in
+# cpscope.hybrid.calibrate, comm="auto" in cpscope.hybrid.variants) and the planner's cost built on it.
+from .comm_cost import CommCostModel  # noqa: E402
+from .data import sft_like_lengths  # noqa: E402
+from .step_cost import StepCost  # noqa: E402
+
+__all__ += ["CommCostModel", "StepCost", "sft_like_lengths"]
+
 
 def __getattr__(name: str):
     target = _MOVED.get(name)

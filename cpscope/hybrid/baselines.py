@@ -17,16 +17,15 @@ from typing import Optional
 import numpy as np
 import numpy.typing as npt
 
-from .cost import CostModel
 from .lpt import _lpt_heap
 from .packing import _build_plan, _first_fit
 from .plan import Plan
-from .problem import _Problem
+from .problem import Cost, _Problem
 
 __all__ = ["plan_static", "plan_greedy"]
 
 
-def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 cp: Optional[int] = None) -> Plan:
     """Baseline: static CP — every sequence at one CP size ``cp``.
 
@@ -55,14 +54,14 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     n_bins = int(bins.max()) + 1
     bin_of = np.empty(p.n, dtype=np.int64)
     bin_of[order] = bins
-    bin_cost = np.bincount(bin_of, weights=p.seq[ks], minlength=n_bins) + p.cost.latency * (s - 1)
+    bin_cost = np.bincount(bin_of, weights=p.seq[ks], minlength=n_bins) + p.lat[ks]  # (least variant)
     by_cost = np.lexsort((np.arange(n_bins), -bin_cost))  # LPT: costliest microbatch first
     bin_block = np.empty(n_bins, dtype=np.int64)
     bin_block[by_cost] = _lpt_heap(np.zeros(p.n_ranks // s), bin_cost[by_cost], np.inf)
     return _build_plan(p, "static", k, bin_block[bin_of], microbatch_of=bin_of)
 
 
-def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 max_cp: Optional[int] = None) -> Plan:
     """Baseline: plain greedy — each sequence at its memory-minimum CP size, taken in the given order and put
     on the aligned block whose most-loaded rank is least loaded; each block's sequences are packed by first fit

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from .._checks import cu_seqlens_list
 from ..groups import group_ranks
-from ..scope import runtime_cp, scope_for
+from ..scope import check_comm, runtime_cp, scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
 from .sync import GradientSync, allreduce_gradients, allreduce_sum, gradient_sync
 
@@ -112,6 +112,12 @@ class LocalMicrobatch:
         max_seqlen: the longest padded document (global).
         num_targets: real (non-ignored) targets on this rank.
         seqs: indices of the documents in the global batch, in packing order.
+        cu_seqlens_real: ``[docs + 1]`` int32 global offsets of the real (unpadded) documents. A causal model needs
+            only ``cu_seqlens`` (padding follows every real token of its document); attention without a causal
+            mask takes both — ``cu_seqlens=mb.cu_seqlens_real, cu_seqlens_padded=mb.cu_seqlens`` — so padding is
+            masked.
+        comm: the attention communication variant planned for this microbatch (``None``: the default, ``"p2p"``);
+            :func:`run_microbatches` binds it with the group.
     """
 
     cp: int
@@ -122,6 +128,8 @@ class LocalMicrobatch:
     max_seqlen: int
     num_targets: int
     seqs: tuple[int, ...]
+    cu_seqlens_real: Optional[torch.Tensor] = None
+    comm: Optional[str] = None
 
 
 def next_token_labels(
@@ -169,6 +177,7 @@ def prepare_microbatch(
     pad_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
     device: Optional[Union[torch.device, str]] = None,
+    comm: Optional[str] = None,
 ) -> LocalMicrobatch:
     """Pack ``docs``, make next-token labels, pad each document to ``2·cp``, and keep this rank's zigzag part.
 
@@ -197,6 +206,7 @@ def prepare_microbatch(
     return LocalMicrobatch(
         cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p, max_seqlen=max_seqlen,
         num_targets=int((labels_l != ignore_index).sum()), seqs=tuple(int(s) for s in seqs),
+        cu_seqlens_real=padded.cu_seqlens, comm=check_comm(comm),
     )
 
 
@@ -235,7 +245,7 @@ def prepare_microbatches(
         out.append(
             prepare_microbatch(
                 [docs[i] for i in mb.seqs], cp=mb.cp, group=group, seqs=mb.seqs, pad_id=pad_id,
-                ignore_index=ignore_index, device=device,
+                ignore_index=ignore_index, device=device, comm=getattr(mb, "comm", None),
             )
         )
     return out
@@ -298,7 +308,7 @@ def run_microbatches(
         raise ValueError(f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
     total = torch.zeros((), dtype=torch.float64)
     for mb in microbatches:
-        with runtime_cp(mb.group, local_cp_size=mb.cp):
+        with runtime_cp(mb.group, local_cp_size=mb.cp, comm=mb.comm):  # the planned variant (None: p2p)
             out = forward(model, mb)
             loss_sum = loss_fn(out, mb.labels)
         if backward:

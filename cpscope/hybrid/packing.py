@@ -61,35 +61,55 @@ def _first_fit(tokens: list[int], capacity: int) -> list[int]:
 def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decreasing: bool = True,
                 lb: Optional[float] = None, microbatch_of: Optional[np.ndarray] = None) -> Plan:
     """Pack each (cp, block)'s sequences into microbatches by first fit (longest first if ``decreasing``, else
-    in the given order) unless ``microbatch_of`` already says which sequences share one; exact rank loads."""
+    in the given order) unless ``microbatch_of`` already says which sequences share one; exact rank loads.
+
+    With several communication variants, a (cp, block)'s sequences are first split by the variant each prefers
+    alone (``p.pref``), so a microbatch never costs more than the sum of its sequences' ``alone`` times (what
+    the planners placed); each microbatch then runs the variant that is cheapest for all of it."""
     cp_seq = p.cps[k]
     lp = p.lp[k, p.rows]
     tokens = lp // cp_seq
-    seq_cost = p.seq[k, p.rows]
+    multi = len(p.variants) > 1
     inner = -tokens if decreasing else np.zeros_like(tokens)
     given = np.zeros(p.n, dtype=np.int64) if microbatch_of is None else microbatch_of
-    order = np.lexsort((p.rows, inner, given, block, -cp_seq))
-    o_cp, o_block, o_tok = cp_seq[order], block[order], tokens[order]
-    sub = given[order]  # microbatch index inside its (cp, block) group
-    g_start = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0)])
+    pref = p.pref[k, p.rows] if multi and microbatch_of is None else np.zeros(p.n, dtype=np.int64)
+    order = np.lexsort((p.rows, inner, given, pref, block, -cp_seq))
+    o_cp, o_block, o_pref, o_tok = cp_seq[order], block[order], pref[order], tokens[order]
+    sub = given[order]  # microbatch index inside its (cp, block, variant) group
+    new_group = np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)]
+    g_start = np.flatnonzero(new_group)
     g_end = np.r_[g_start[1:], p.n]
     if microbatch_of is None:
         too_big = np.flatnonzero(np.add.reduceat(o_tok, g_start) > p.capacity)  # groups needing several
         for a, z in zip(g_start[too_big].tolist(), g_end[too_big].tolist()):
             sub[a:z] = _first_fit(o_tok[a:z].tolist(), p.capacity)
         if too_big.size:  # bring each microbatch's sequences together, keeping their order
-            group_id = np.repeat(np.arange(g_start.size), g_end - g_start)
+            group_id = np.cumsum(new_group)
             regroup = np.lexsort((np.arange(p.n), sub, group_id))
             order, o_cp, o_block, o_tok, sub = (x[regroup] for x in (order, o_cp, o_block, o_tok, sub))
-    starts = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(sub) != 0)])
-    latency = p.cost.latency
+            o_pref = o_pref[regroup]
+    starts = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)
+                                  | (np.diff(sub) != 0)])
     mb_cp, mb_block = o_cp[starts], o_block[starts]
+    mb_level = k[order][starts]
     mb_tok = np.add.reduceat(o_tok, starts)
-    mb_cost = np.add.reduceat(seq_cost[order], starts) + latency * (mb_cp - 1)
+    if multi:  # every variant's cost of every microbatch; the cheapest allowed one runs it
+        per_v = np.add.reduceat(p.seq_v[:, k[order], p.inv[order]], starts, axis=1)  # [V, microbatches]
+        per_v = np.where(p.allowed[:, mb_level], per_v + p.fixed_v[:, mb_level], np.inf)
+        mb_comm_i = np.argmin(per_v, axis=0)
+        mb_cost = np.take_along_axis(per_v, mb_comm_i[None], axis=0)[0]
+    else:
+        mb_comm_i = np.zeros(starts.size, dtype=np.int64)
+        mb_cost = np.add.reduceat(p.seq[k[order], order], starts) + p.lat[mb_level]
+    names = np.asarray(p.variants, dtype=object)[mb_comm_i]
+    namer = getattr(p.cost, "_comm_name", None)
+    if namer is not None and multi:  # e.g. "a2a+p2p:4": the sub-group size the cost was computed with
+        names = np.asarray([namer(v, c) for v, c in zip(names.tolist(), mb_cp.tolist())], dtype=object)
     order_l = order.tolist()
     seqs = [tuple(order_l[a:z]) for a, z in zip(starts.tolist(), starts[1:].tolist() + [p.n])]
     make = partial(tuple.__new__, Microbatch)  # Microbatch._make without its Python-level wrapper
-    mbs = list(map(make, zip(mb_cp.tolist(), mb_block.tolist(), seqs, mb_tok.tolist(), mb_cost.tolist())))
+    mbs = list(map(make, zip(mb_cp.tolist(), mb_block.tolist(), seqs, mb_tok.tolist(), mb_cost.tolist(),
+                             names.tolist())))
     loads = np.zeros(p.n_ranks)
     for s in np.unique(mb_cp).tolist():
         sel = mb_cp == s

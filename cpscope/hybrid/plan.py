@@ -7,8 +7,8 @@ A microbatch is a set of sequences packed in ``thd`` and run together by one ali
 Example::
 
     >>> mb = Microbatch(cp=2, block=1, seqs=(0, 3), tokens_per_rank=4096, cost=0.5)
-    >>> list(mb.ranks)
-    [2, 3]
+    >>> list(mb.ranks), mb.comm
+    ([2, 3], 'p2p')
 """
 from __future__ import annotations
 
@@ -20,13 +20,20 @@ __all__ = ["Microbatch", "Plan"]
 
 
 class Microbatch(NamedTuple):
-    """Sequences run together by ranks ``block·cp … (block+1)·cp − 1`` (positions in the planned rank list)."""
+    """Sequences run together by ranks ``block·cp … (block+1)·cp − 1`` (positions in the planned rank list).
+
+    ``comm`` is the communication variant planned for its attention (``"p2p"``, ``"all_gather"``, ``"a2a"``,
+    ``"a2a+p2p"``): bind it with the group, ``runtime_cp(group, comm=mb.comm)``. Under a plain
+    :class:`~cpscope.hybrid.cost.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
+    and the value does not matter.
+    """
 
     cp: int
     block: int
     seqs: tuple[int, ...]  # indices into the planned ``lengths``, in packing order
     tokens_per_rank: int  # Σ padded length / cp  (≤ capacity)
-    cost: float  # per-rank seconds under the cost model
+    cost: float  # per-rank seconds under the cost model (with the variant ``comm``)
+    comm: str = "p2p"  # the communication variant of its attention
 
     @property
     def ranks(self) -> range:

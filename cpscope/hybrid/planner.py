@@ -32,11 +32,10 @@ import numpy.typing as npt
 
 from .baselines import plan_greedy, plan_static
 from .bound import _lower_bound, lower_bound
-from .cost import CostModel
 from .lpt import _NO_LIMIT, _lpt_prefix
 from .packing import _build_plan
 from .plan import Microbatch, Plan
-from .problem import _first_within, _Problem, cp_candidates
+from .problem import Cost, _first_within, _Problem, cp_candidates
 
 # Microbatch, Plan, cp_candidates, lower_bound, plan_static and plan_greedy live in their own modules now;
 # they stay importable from here.
@@ -102,7 +101,7 @@ def _pack_to_target(p: _Problem, hq: np.ndarray, hq_min: np.ndarray,
     return k, block, int(loads.max())
 
 
-def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel] = None, *,
+def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
                 max_cp: Optional[int] = None, targets: Sequence[float] = DEFAULT_TARGETS) -> Plan:
     """Plan a global batch with a CP size per sequence, minimising the slowest rank's time.
 
@@ -120,6 +119,12 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
        target (the best plan found is kept); each block's sequences are then packed, longest first, into
        microbatches of ≤ ``capacity`` tokens per rank.
 
+    With a :class:`~cpscope.hybrid.step_cost.StepCost` the plan also chooses the communication variant per
+    microbatch: a sequence's time alone is that of its best variant at each CP size (so the CP size and the
+    variant are chosen together), a block's sequences are packed by the variant they prefer, and each
+    microbatch runs its cheapest allowed variant — ``Microbatch.comm``, to bind with
+    ``runtime_cp(group, comm=mb.comm)``.
+
     Deterministic (stable sorts, index tie-breaks, integer load arithmetic, no randomness): every rank computes
     the same plan from the same inputs and numpy build; otherwise compute it on one rank and broadcast it.
 
@@ -127,7 +132,8 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         lengths: token count of every sequence of the global batch.
         n_ranks: ranks to plan over (blocks are positions in this list, as ``new_cp_groups`` splits ``ranks``).
         capacity: tokens one rank can hold in a microbatch (after padding, ``Σ padded L / cp``).
-        cost: the cost model (default :class:`CostModel` ``()``).
+        cost: the cost model: :class:`CostModel` (the ring alone; default ``CostModel()``) or
+            :class:`~cpscope.hybrid.step_cost.StepCost` (a communication variant per microbatch).
         max_cp: largest CP size allowed (e.g. the GPUs of one node); default ``n_ranks``' largest power of two.
         targets: the target makespans tried, as multiples of the lower bound (increasing).
 

@@ -4,6 +4,13 @@
 values) and tabulates, for every allowed CP size (row) and sequence (column), the padded length, the time of
 the sequence alone in a microbatch and its work in rank-seconds.
 
+The cost is anything with ``_tables(padded [K, n], cps [K])`` returning ``(variants, seq [V, K, n], fixed [V, K],
+allowed [V, K])``: per communication variant, each sequence's per-rank seconds and each microbatch's fixed
+seconds (:class:`~cpscope.hybrid.cost.CostModel` is the one-variant case, ``"p2p"``;
+:class:`~cpscope.hybrid.step_cost.StepCost` has one row per variant). A microbatch runs one variant; the tables
+the planners read are the envelopes over the allowed variants: ``alone`` = min over v of (seq + fixed),
+``seq`` = min over v of seq and ``lat`` = min over v of fixed, and ``pref`` the variant that gives ``alone``.
+
 Example::
 
     >>> cp_candidates(24).tolist(), cp_candidates(64, max_cp=8).tolist()
@@ -14,12 +21,17 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from .cost import CostModel, padded_length
+
+if TYPE_CHECKING:
+    from .step_cost import StepCost
+
+Cost = Union[CostModel, "StepCost"]
 
 __all__ = ["cp_candidates"]
 
@@ -27,7 +39,7 @@ __all__ = ["cp_candidates"]
 class _Problem:
     """Validated inputs and the ``[n_cp, n_seqs]`` tables every planner reads (row k: CP size ``cps[k]``)."""
 
-    def __init__(self, lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[CostModel],
+    def __init__(self, lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost],
                  max_cp: Optional[int]) -> None:
         raw = np.asarray(lengths)
         if raw.ndim != 1 or raw.size == 0:
@@ -46,6 +58,8 @@ class _Problem:
             raise ValueError(f"max_cp must be a power of two ≥ 1 (or None), got {max_cp!r}")
         self.n, self.n_ranks, self.capacity = self.lengths.size, int(n_ranks), int(capacity)
         self.cost = CostModel() if cost is None else cost
+        if not callable(getattr(self.cost, "_tables", None)):
+            raise ValueError(f"cost must be a CostModel or a StepCost (or None), got {type(cost).__name__}")
         self.cps = cp_candidates(self.n_ranks, max_cp)
         cps = self.cps[:, None]
         lp = padded_length(self.lengths[None, :], cps)  # [K, n]
@@ -59,10 +73,30 @@ class _Problem:
                 f"capacity of {self.capacity} tokens; raise capacity or n_ranks, or split the sequence"
             )
         self.kmin = np.argmax(fits, axis=0)  # index of the memory-minimum CP size
-        self.seq = self.cost.padded_seq_cost(lp, cps)  # no latency
-        lat = self.cost.latency * (cps - 1.0)
-        self.alone = np.where(fits, self.seq + lat, np.inf)  # time of the sequence alone in a microbatch
-        self.work = np.where(fits, self.seq * cps, np.inf)  # rank-seconds (non-decreasing in cp)
+        # the cost tables, on the distinct lengths (batches repeat lengths a lot), then one column per sequence
+        _, first, inv, count = np.unique(self.lengths, return_index=True, return_inverse=True, return_counts=True)
+        self.inv = inv.reshape(-1)  # sequence -> its column in the compact tables
+        self.first, self.count = first, count  # a sequence of each distinct length, and how many have it
+        variants, seq_v, fixed_v, allowed = self.cost._tables(lp[:, first], self.cps)
+        self.variants: tuple[str, ...] = tuple(variants)
+        if not np.all(allowed.any(axis=0)):
+            bad = self.cps[~allowed.any(axis=0)].tolist()
+            raise ValueError(f"the cost model allows no communication variant at CP sizes {bad}")
+        if seq_v.shape[0] == 1:  # one variant (CostModel): no envelope to take
+            seq_u, self.lat = seq_v[0], fixed_v[0]
+            pref_u = np.zeros(seq_u.shape, dtype=np.int64)
+            alone_u = seq_u + self.lat[:, None]
+        else:
+            seq_m = np.where(allowed[:, :, None], seq_v, np.inf)  # [V, K, u]; a variant not allowed: never
+            fixed_m = np.where(allowed, fixed_v, np.inf)  # [V, K]
+            alone_v = seq_m + fixed_m[:, :, None]
+            pref_u = np.argmin(alone_v, axis=0)  # the variant of a sequence alone at each CP size
+            alone_u = np.take_along_axis(alone_v, pref_u[None], axis=0)[0]
+            seq_u, self.lat = seq_m.min(axis=0), fixed_m.min(axis=0)
+        self.seq, self.pref = seq_u[:, self.inv], pref_u[:, self.inv]  # [K, n]
+        self.seq_v, self.fixed_v, self.allowed = seq_v, fixed_v, allowed  # compact [V, K, u]: per-microbatch choice
+        self.alone = np.where(fits, alone_u[:, self.inv], np.inf)  # time alone in a microbatch (best variant)
+        self.work = np.where(fits, self.seq * cps, np.inf)  # rank-seconds, without the per-microbatch part
         self.rows = np.arange(self.n)
         self.fastest = np.argmin(self.alone, axis=0)
         self.prefix_min = np.minimum.accumulate(self.alone, axis=0)  # running minimum over CP sizes

@@ -301,3 +301,42 @@ def _run_example(name: str):
 @pytest.mark.parametrize("name,world", [("microbatch_loop", 4), ("decorated_forward", 2)])
 def test_examples_run_on_the_rank_pool(name, world):
     assert run_ranks(world, _run_example, name) == [True] * world
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The planned communication variant is bound per microbatch and gives the same step
+
+
+def _planned_variant_is_bound(comm: str):
+    from cpscope.attention import _dispatch
+
+    cfg = th.TrainConfig(mode="hybrid", **SMALL)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    docs = th.make_documents(cfg, 0)
+    plan = th.make_plan(cfg, [d.numel() for d in docs], world)
+    planned = [mb._replace(comm=comm) for mb in plan.microbatches_for_rank(rank)]
+    model = th.build_model(cfg, torch.device("cpu"))
+    ref = copy.deepcopy(model).double()
+    ran: list[int] = []
+    real = _dispatch._RUNNERS[comm]
+    _dispatch._RUNNERS[comm] = lambda *a, **k: ran.append(1) or real(*a, **k)
+    try:
+        mbs = prepare_microbatches(planned, docs, groups)
+        assert all(mb.comm == comm for mb in mbs)
+        n = global_num_targets(mbs)
+        loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n)).item() / n
+        allreduce_gradients(model)
+    finally:
+        _dispatch._RUNNERS[comm] = real
+    ref_loss = reference_loss(ref, docs)
+    ref_loss.backward()
+    assert abs(loss - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), (loss, ref_loss.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+    return len(ran), sum(mb.cp > 1 for mb in mbs)
+
+
+def test_run_microbatches_binds_the_planned_variant():
+    res = run_ranks(4, _planned_variant_is_bound, "all_gather")
+    assert sum(r[1] for r in res) > 0 and all(r[0] >= r[1] for r in res), res  # every CP>1 microbatch ran it

@@ -19,6 +19,10 @@ from cpscope.hybrid import (
     plan_hybrid,
     plan_static,
 )
+from cpscope.hybrid.comm_cost import CommCostModel, default_inner, variant_allowed
+from cpscope.hybrid.data import sft_like_lengths
+from cpscope.hybrid.problem import _Problem
+from cpscope.hybrid.step_cost import StepCost
 
 CAPACITY = 16384
 PLANNERS = (plan_hybrid, plan_static, plan_greedy)
@@ -31,7 +35,22 @@ def memory_min_cp(length: int, capacity: int) -> int:
     return cp
 
 
-def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost: CostModel) -> None:
+# A per-call attention model in which every variant wins somewhere: the ring pays per step, all-gather less per
+# step but more per byte, Ulysses one step and the most per byte (and a larger call overhead).
+TOY_FIT = {"bfloat16": {
+    "local": (1.0e-12, 1.0e-10, 0.0, 0.0, 1.0e-4),
+    "p2p": (1.0e-12, 1.0e-10, 1.0e-11, 3.0e-4, 1.0e-4),
+    "all_gather": (1.0e-12, 1.0e-10, 3.0e-11, 1.0e-4, 1.0e-4),
+    "a2a": (1.0e-12, 1.0e-10, 6.0e-11, 0.0, 3.0e-4),
+}}
+
+
+def toy_step(heads: int = 32, kv_heads: int = 8, **kw) -> StepCost:
+    return StepCost(CommCostModel(TOY_FIT), heads=heads, kv_heads=kv_heads, head_dim=128, layers=32,
+                    linear=kw.pop("linear", 4e-6), **kw)
+
+
+def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost) -> None:
     """Every invariant a plan must satisfy, asserted."""
     lengths = [int(x) for x in lengths]
     assert plan.n_ranks == n_ranks and plan.capacity == capacity and list(plan.lengths) == lengths
@@ -47,8 +66,16 @@ def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost: CostModel
         assert tokens == mb.tokens_per_rank <= capacity  # per-microbatch capacity
         for i in mb.seqs:
             assert plan.cp_sizes[i] == mb.cp >= memory_min_cp(lengths[i], capacity)
-        expected = cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp)
+        expected = cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp)  # the cheapest variant
         assert mb.cost == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        if isinstance(cost, StepCost):  # the variant it names is allowed there and gives that cost
+            name, _, sub = mb.comm.partition(":")  # "a2a+p2p:N" names its sub-group size
+            assert name in cost.variants and (sub == "") == (name != "a2a+p2p" or mb.cp == 1)
+            assert variant_allowed(name, mb.cp, cost.heads, cost.kv_heads, int(sub) if sub else cost.inner)
+            assert cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp, comm=mb.comm) == pytest.approx(
+                mb.cost, rel=1e-9, abs=1e-12)
+        else:
+            assert mb.comm == "p2p"
     # padding: Σ (padded − L)
     assert plan.padding_tokens == sum(int(padded_length(lengths[i], plan.cp_sizes[i])) - lengths[i]
                                       for i in range(len(lengths)))
@@ -289,7 +316,210 @@ def test_docstring_examples() -> None:
     import doctest
     import importlib
 
-    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner")
+    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner", "comm_cost",
+             "variants", "step_cost")
     for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# -- the SFT-like mix and the 8–4096-rank range -------------------------------------------------------------
+MIXES = {
+    "long_tail": lambda n, seed: long_tail_lengths(2 * n, seed=seed),
+    "sft": lambda n, seed: sft_like_lengths(2 * n, seed=seed),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("n_ranks", [8, 64, 512, 4096])
+def test_within_5_percent_of_lower_bound_on_both_mixes(mix: str, n_ranks: int) -> None:
+    for seed in (0, 1, 2):  # deterministic planning: a fixed-seed figure, not a timing
+        lengths = MIXES[mix](n_ranks, seed)
+        plan = plan_hybrid(lengths, n_ranks, CAPACITY)
+        assert plan.lower_bound <= plan.makespan <= 1.05 * plan.lower_bound, (mix, n_ranks, seed)
+
+
+def test_sft_mix_has_few_long_documents() -> None:
+    lengths = sft_like_lengths(1024, seed=0)
+    long = lengths[lengths >= 120 * 1024]
+    assert long.size == 8 and long.max() <= 131072 and np.all(lengths % 128 == 0)
+    assert np.median(lengths) < 2048 and np.sum(long.astype(float) ** 2) > 0.9 * np.sum(lengths.astype(float) ** 2)
+    with pytest.raises(ValueError, match="long_fraction=2"):
+        sft_like_lengths(10, long_fraction=2)
+
+
+def test_bound_charges_the_fixed_part_of_unavoidable_microbatches() -> None:
+    # one 125k document needs CP64 on 64 ranks: every rank pays its 63 ring steps, which the classic bound missed
+    lengths = sft_like_lengths(128, seed=0)
+    cost = CostModel()
+    p = _Problem(lengths, 64, CAPACITY, cost, None)
+    classic = max(float(np.max(p.prefix_min[-1])), float(np.min(p.work, axis=0).sum()) / 64)
+    bound = lower_bound(lengths, 64, CAPACITY, cost)
+    assert bound >= classic + 0.9 * cost.latency * 63  # at least (almost) the CP64 microbatch's latency above it
+    assert plan_hybrid(lengths, 64, CAPACITY, cost).makespan <= 1.02 * bound
+
+
+# -- the bound is a bound: exhaustive optimum of tiny instances ----------------------------------------------
+def _set_partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def optimum(lengths, n_ranks: int, capacity: int, cost) -> float:
+    """The least makespan of any plan, by exhaustive search: every (CP size, block) per sequence, every split of
+    each group into microbatches within capacity, every microbatch at its cheapest allowed variant. (Any such
+    assignment runs without waiting in the CP-size-descending order, so its makespan is its largest rank load.)"""
+    import itertools
+
+    p = _Problem(lengths, n_ranks, capacity, cost, None)
+    options = [[(k, b) for k in range(p.cps.size) if p.lp[k, i] <= capacity * p.cps[k]
+                for b in range(n_ranks // int(p.cps[k]))] for i in range(p.n)]
+    memo: dict = {}
+
+    def group_cost(k: int, members: tuple[int, ...]) -> float:
+        key = (k, members)
+        if key not in memo:
+            best = np.inf
+            for part in _set_partitions(list(members)):
+                total = 0.0
+                for mb in part:
+                    if sum(int(p.lp[k, i]) // int(p.cps[k]) for i in mb) > capacity:
+                        total = np.inf
+                        break
+                    per_v = [p.seq_v[v, k, p.inv[list(mb)]].sum() + p.fixed_v[v, k]
+                             for v in range(len(p.variants)) if p.allowed[v, k]]
+                    total += min(per_v)
+                best = min(best, total)
+            memo[key] = best
+        return memo[key]
+
+    best = np.inf
+    for choice in itertools.product(*options):
+        groups: dict = {}
+        for i, (k, b) in enumerate(choice):
+            groups.setdefault((k, b), []).append(i)
+        loads = np.zeros(n_ranks)
+        for (k, b), members in groups.items():
+            s = int(p.cps[k])
+            loads[b * s:(b + 1) * s] += group_cost(k, tuple(members))
+        best = min(best, float(loads.max()))
+    return best
+
+
+TINY_COSTS = [CostModel(), CostModel(1e-8, 1e-5, 1e-5, 5e-2), CostModel(0.0, 1e-4, 0.0, 0.3)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_ranks=st.sampled_from([1, 2, 4]),
+    capacity=st.sampled_from([64, 256, 2048]),
+    raw=st.lists(st.integers(min_value=1, max_value=8192), min_size=1, max_size=4),
+    cost_i=st.integers(min_value=0, max_value=len(TINY_COSTS)),  # the last one: variants (StepCost)
+)
+def test_lower_bound_never_exceeds_the_exhaustive_optimum(n_ranks, capacity, raw, cost_i) -> None:
+    cost = TINY_COSTS[cost_i] if cost_i < len(TINY_COSTS) else toy_step(heads=4, kv_heads=2, linear=1e-3)
+    largest = int(cp_candidates(n_ranks)[-1])
+    lengths = [1 + x % (largest * capacity) for x in raw]
+    if n_ranks == 4 and len(lengths) > 3:
+        lengths = lengths[:3]  # keeps the search small
+    best = optimum(lengths, n_ranks, capacity, cost)
+    bound = lower_bound(lengths, n_ranks, capacity, cost)
+    plan = plan_hybrid(lengths, n_ranks, capacity, cost)
+    assert bound <= best * (1 + 1e-9) + 1e-15
+    assert plan.makespan >= best * (1 - 1e-9) - 1e-15  # no plan beats the optimum (checks the search too)
+
+
+def test_exhaustive_optimum_is_reached_and_bound_is_tight_on_a_known_case() -> None:
+    # two sequences that fit CP1 on 2 ranks: the optimum puts one on each rank; the bound equals it
+    cost = CostModel()
+    best = optimum([1000, 1000], 2, 2048, cost)
+    assert best == pytest.approx(float(cost.cost(1000, 1)))
+    assert lower_bound([1000, 1000], 2, 2048, cost) == pytest.approx(best, rel=1e-3)
+
+
+# -- random mixes (Hypothesis): makespan ≥ bound always, plans valid, variants well chosen ------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    log_ranks=st.integers(min_value=0, max_value=7),
+    per_rank=st.integers(min_value=1, max_value=4),
+    long_fraction=st.sampled_from([0.0, 0.005, 1 / 128, 0.03, 0.2]),
+    median=st.sampled_from([256, 1024, 4096]),
+    seed=st.integers(min_value=0, max_value=2**16),
+    use_variants=st.booleans(),
+)
+def test_property_random_mixes(log_ranks, per_rank, long_fraction, median, seed, use_variants) -> None:
+    n_ranks = 2**log_ranks
+    capacity = 16384 if n_ranks >= 8 else 65536 * 2 // n_ranks  # every length fits the largest CP size
+    lengths = sft_like_lengths(per_rank * n_ranks, seed=seed, long_fraction=long_fraction, median=median)
+    cost = toy_step(heads=8, kv_heads=2) if use_variants else CostModel()
+    plan = plan_hybrid(lengths, n_ranks, capacity, cost)
+    if n_ranks <= 32:
+        check_plan(plan, lengths, n_ranks, capacity, cost)
+    assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
+    for planner in (plan_static, plan_greedy):
+        assert planner(lengths, n_ranks, capacity, cost).makespan >= plan.lower_bound * (1 - 1e-9)
+
+
+# -- the planner with a communication variant per microbatch ---------------------------------------------------
+@pytest.mark.parametrize("n_ranks", [8, 64, 512])
+def test_variant_plans_are_valid_and_within_5_percent(n_ranks: int) -> None:
+    step = toy_step()
+    seen = set()
+    for mix in sorted(MIXES):
+        lengths = MIXES[mix](n_ranks, 0)
+        plan = plan_hybrid(lengths, n_ranks, CAPACITY, step)
+        if n_ranks <= 64:
+            check_plan(plan, lengths, n_ranks, CAPACITY, step)
+        assert plan.lower_bound <= plan.makespan <= 1.05 * plan.lower_bound, (mix, n_ranks)
+        seen |= {mb.comm for mb in plan.microbatches if mb.cp > 1}
+    assert len(seen) >= 2  # the choice is made per microbatch: different microbatches, different variants
+
+
+def test_variants_lower_the_makespan_and_respect_heads() -> None:
+    lengths = sft_like_lengths(128, seed=1)
+    ring_only = toy_step(variants=("p2p",))
+    free = toy_step()
+    a, b = plan_hybrid(lengths, 64, CAPACITY, ring_only), plan_hybrid(lengths, 64, CAPACITY, free)
+    assert {mb.comm for mb in a.microbatches} == {"p2p"}
+    assert b.makespan <= a.makespan * (1 + 1e-9) and b.lower_bound <= a.lower_bound * (1 + 1e-9)
+    # 12 heads: a2a only at CP sizes dividing 12 (1, 2, 4), never at 8 or more
+    odd = toy_step(heads=12, kv_heads=4)
+    plan = plan_hybrid(long_tail_lengths(256, seed=2), 128, CAPACITY, odd)
+    assert all(mb.cp <= 4 for mb in plan.microbatches if mb.comm == "a2a")
+    check_plan(plan_hybrid(long_tail_lengths(64, seed=2), 32, CAPACITY, odd), long_tail_lengths(64, seed=2), 32,
+               CAPACITY, odd)
+
+
+def test_step_cost_bad_input() -> None:
+    model = CommCostModel(TOY_FIT)
+    with pytest.raises(ValueError, match=r"heads \(12\) must be a multiple of kv_heads \(8\)"):
+        StepCost(model, heads=12, kv_heads=8, head_dim=64)
+    with pytest.raises(ValueError, match="float16"):
+        StepCost(model, heads=8, kv_heads=8, head_dim=64, dtype="float16")
+    with pytest.raises(ValueError, match="a2a\\+p2p"):
+        StepCost(model, heads=8, kv_heads=8, head_dim=64, variants=("p2p", "a2a+p2p"))
+    with pytest.raises(ValueError, match="layers"):
+        StepCost(model, heads=8, kv_heads=8, head_dim=64, layers=0)
+    step = StepCost(model, heads=12, kv_heads=4, head_dim=64)
+    with pytest.raises(ValueError, match="'a2a' is not available at cp=8"):
+        step.microbatch_cost([4096], 8, comm="a2a")
+    with pytest.raises(ValueError, match="CostModel or a StepCost"):
+        plan_hybrid([100], 2, CAPACITY, cost=model)
+
+
+def test_hierarchical_variant_is_named_with_its_sub_group_size() -> None:
+    fit = {"bfloat16": {**TOY_FIT["bfloat16"], "a2a+p2p": (1.0e-12, 1.0e-10, 5.0e-12, 1.0e-5, 1.0e-4)}}
+    step = StepCost(CommCostModel(fit), heads=32, kv_heads=8, head_dim=128, layers=32, linear=4e-6)
+    lengths = sft_like_lengths(128, seed=0)
+    plan = plan_hybrid(lengths, 64, CAPACITY, step)
+    check_plan(plan, lengths, 64, CAPACITY, step)
+    hier = [mb for mb in plan.microbatches if mb.comm.startswith("a2a+p2p")]
+    assert hier and all(mb.comm == f"a2a+p2p:{default_inner(mb.cp, 32, 8)}" for mb in hier)  # as the dispatch
+    for planner in (plan_static, plan_greedy):
+        check_plan(planner(lengths, 64, CAPACITY, step), lengths, 64, CAPACITY, step)
