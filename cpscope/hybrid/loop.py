@@ -214,7 +214,9 @@ def prepare_microbatches(
         if ranks is not None:
             planned_ranks = [int(ranks[r]) for r in planned_ranks]
         actual = group_ranks(group)
-        if actual != planned_ranks:
+        # h7-groups: a group's CP ranks ascend with the global ranks (torch's order, what cp_rank() and the shards
+        # follow), whatever the order of `ranks` inside a block; the plan fixes membership only.
+        if sorted(actual) != sorted(planned_ranks):
             raise ValueError(
                 f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
                 f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "
