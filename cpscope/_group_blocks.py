@@ -124,22 +124,27 @@ def hierarchical_blocks(cp_ranks: Sequence[int], inner_size: int) -> tuple[tuple
     return inner, outer
 
 
-def pad_schedule(steps: Sequence[Sequence[Block]], counts: Mapping[int, int]) -> list[dict[int, int]]:
+def pad_schedule(
+    steps: Sequence[Sequence[Block]], counts: Mapping[int, int], floors: Optional[Mapping[Block, int]] = None
+) -> list[dict[int, int]]:
     """How many placeholder groups each member creates before each block so that all members agree on its name.
 
     torch names a group made with ``use_local_synchronization=True`` after its ranks **and the number of groups
     this rank has registered** (``len(_world.pg_names)``); members that disagree on that number wait for each other
-    under different store keys — a hang. ``counts`` is every participant's number before the first step;
-    ``steps[k]`` the blocks created at step ``k`` (each rank in at most one). A member behind the most advanced
-    member of its block first creates that many single-rank groups. Returns, per step, ``{rank: placeholders}``
-    (ranks with 0 are left out). Pure: every rank computes the same schedule from the same gathered counts.
+    under different store keys — a hang. And a name used before by a destroyed group of the same ranks finds that
+    group's stale addresses in the store (gloo: "connection refused"). ``counts`` is every participant's number
+    before the first step; ``steps[k]`` the blocks created at step ``k`` (each rank in at most one); ``floors[b]``
+    the lowest number not used for block ``b`` yet. A member first creates as many single-rank groups as it is
+    behind ``max(floor, the most advanced member of its block)``. Returns, per step, ``{rank: placeholders}``
+    (ranks with 0 are left out). Pure: every rank computes the same schedule from the same gathered records.
     """
     now = dict(counts)
+    floors = floors or {}
     out: list[dict[int, int]] = []
     for blocks in steps:
         pads: dict[int, int] = {}
         for b in blocks:
-            top = max(now[r] for r in b)
+            top = max(floors.get(b, 0), max(now[r] for r in b))
             for r in b:
                 if top > now[r]:
                     pads[r] = top - now[r]

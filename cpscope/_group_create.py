@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ._group_blocks import Block, pad_schedule
 
-__all__ = ["TorchLayer", "Report", "create_blocks", "resolve_method", "METHODS", "digest"]
+__all__ = ["TorchLayer", "SimulatedLayer", "SimGroup", "Report", "create_blocks", "resolve_method", "METHODS", "digest"]
 
 METHODS = ("auto", "split", "local", "global")
 
@@ -91,6 +91,17 @@ class TorchLayer:
 
     def split(self, parent: Any, split_ranks: Sequence[Sequence[int]]) -> Any:
         return dist.split_group(parent_pg=parent, split_ranks=[list(b) for b in split_ranks])
+
+    def ranks_of(self, group: Any) -> list[int]:
+        """``get_process_group_ranks(group)``; ``ValueError`` for the non-member sentinel or a destroyed group."""
+        if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+            raise ValueError("got GroupMember.NON_GROUP_MEMBER — this rank is not a member of that group")
+        try:
+            return list(dist.get_process_group_ranks(group))
+        except KeyError:
+            raise ValueError(
+                f"{group!r} is not registered with torch.distributed (destroyed, or not a process group)"
+            ) from None
 
     def registered(self, group: Any) -> bool:
         """``group`` is still a live process group (``destroy_process_group`` unregisters it)."""
@@ -172,12 +183,14 @@ def create_blocks(
     participant_ranks: Sequence[int],
     cached: Callable[[Block], Any],
     where: str,
+    used: Optional[dict] = None,
 ) -> tuple[list[Any], Report]:
     """This rank's group for each step (``None`` where it is in no block), creating what is missing.
 
     ``participants`` is the group every participant calls this through (``None``: the world) and
     ``participant_ranks`` its global ranks in group-rank order; it is also the parent for ``"split"``.
-    ``cached(block)`` returns a live cached group for a block of this rank, or ``None``.
+    ``cached(block)`` returns a live cached group for a block of this rank, or ``None``. ``used`` maps a block to
+    the lowest torch group count not yet used to name it on this rank (``"local"``; updated here).
     """
     t0 = time.perf_counter()
     report = Report(method)
@@ -185,8 +198,10 @@ def create_blocks(
     mine: list[Optional[Block]] = [next((b for b in blocks if me in b), None) for blocks in steps]
     have = [cached(b) if b is not None else None for b in mine]
     mask = sum(1 << k for k, (b, h) in enumerate(zip(mine, have)) if b is not None and h is None)
+    used = {} if used is None else used
     count = layer.local_name_count() if method == "local" else 0
-    records = layer.all_gather((fingerprint, summary, count, mask), participants)
+    floors = tuple(used.get(b, 0) if b is not None else 0 for b in mine)
+    records = layer.all_gather((fingerprint, summary, count, mask, floors), participants)
     report.gathers += 1
     index = {r: i for i, r in enumerate(participant_ranks)}
     odd = [(participant_ranks[i], rec[1]) for i, rec in enumerate(records) if rec[0] != fingerprint]
@@ -217,7 +232,8 @@ def create_blocks(
                 out[k] = h
                 report.created += 1
     else:  # local
-        pads = pad_schedule(todo, {r: records[i][2] for i, r in enumerate(participant_ranks)})
+        floor = {b: max(records[index[r]][4][k] for r in b) for k, blocks in enumerate(todo) for b in blocks}
+        pads = pad_schedule(todo, {r: records[i][2] for i, r in enumerate(participant_ranks)}, floor)
         mine_count = count
         for k, blocks in enumerate(todo):
             if mine[k] is None or mine[k] not in blocks:
@@ -237,5 +253,97 @@ def create_blocks(
             report.calls += 1
             report.created += 1
             mine_count += 1
+            used[mine[k]] = mine_count  # its name used count mine_count - 1: never again for these ranks
     report.seconds = time.perf_counter() - t0
     return out, report
+
+
+class SimGroup:
+    """A simulated process group: its sorted member ranks."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = sorted(ranks)
+        self.alive = True
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"SimGroup({self.ranks})"
+
+
+class SimulatedLayer(TorchLayer):
+    """One rank of a simulated ``world``-rank job: records every call, communicates nothing.
+
+    Every other participant is assumed to send the same record as this rank (same arguments, torch group count
+    ``counts.get(rank, own)``, same cached blocks) unless ``fingerprints`` overrides a rank's argument digest.
+    ``calls`` lists ``("new_group" | "split" | "gather", ranks, local)``.
+
+    Example::
+
+        layer = SimulatedLayer(4096, rank=17)
+        # cpscope.groups._LAYER = layer; cpscope.new_cp_groups([1, 2, 4, ..., 4096]); layer.calls
+    """
+
+    def __init__(self, world: int, rank: int, *, split: bool = False, bound: bool = False,
+                 counts: Optional[dict] = None, fingerprints: Optional[dict] = None, count: int = 1) -> None:
+        self._world, self._rank = world, rank
+        self._split, self._bound = split, bound
+        self.counts, self.fingerprints = dict(counts or {}), dict(fingerprints or {})
+        self.count = self.counts.get(rank, count)
+        self.world_token = SimGroup(range(world))
+        self.calls: list[tuple] = []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return self._world
+
+    def rank(self) -> int:
+        return self._rank
+
+    def world(self) -> Any:
+        return self.world_token
+
+    def bound_device(self) -> Any:
+        return "cuda:0" if self._bound else None
+
+    def can_split(self) -> bool:
+        return self._split
+
+    def local_name_count(self) -> Optional[int]:
+        return self.count
+
+    def local_ok(self) -> bool:
+        return True
+
+    def all_gather(self, obj: Any, group: Any) -> list:
+        ranks = range(self._world) if group is None else group.ranks
+        self.calls.append(("gather", tuple(ranks), False))
+        fp, summary, count, mask, floors = obj
+        return [obj if r == self._rank else
+                (self.fingerprints.get(r, fp), summary, self.counts.get(r, count), mask, floors) for r in ranks]
+
+    def new_group(self, ranks: Sequence[int], *, local: bool) -> Any:
+        self.calls.append(("new_group", tuple(ranks), local))
+        if self._rank not in ranks:
+            return None if local else "NON_GROUP_MEMBER"
+        self.count += 1
+        return SimGroup(ranks)
+
+    def split(self, parent: Any, split_ranks: Sequence[Sequence[int]]) -> Any:
+        members = range(self._world) if parent is None else parent.ranks
+        blocks = [[members[i] for i in b] for b in split_ranks]
+        self.calls.append(("split", tuple(map(tuple, blocks)), False))
+        for b in blocks:
+            if self._rank in b:
+                self.count += 1
+                return SimGroup(b)
+        return None
+
+    def ranks_of(self, group: Any) -> list[int]:
+        return list(group.ranks)
+
+    def registered(self, group: Any) -> bool:
+        return bool(getattr(group, "alive", False))

@@ -40,7 +40,8 @@ __all__ = ["new_cp_groups", "hierarchical_cp_groups", "group_ranks", "clear_cp_g
 
 logger = logging.getLogger(__name__)
 
-_LAYER = TorchLayer()  # replaced by a fake layer in simulations (benchmarks/bench_groups.py)
+_TORCH = TorchLayer()
+_LAYER = _TORCH  # creation goes through this; a SimulatedLayer stands in for it in simulations
 _LOCK = threading.RLock()
 _LAST_REPORT: Optional[Report] = None
 
@@ -55,6 +56,9 @@ class _Registry:
 
 
 _STATE: Optional[_Registry] = None
+# Per world, the torch group counts already used to name each block locally (kept across clear_cp_group_cache:
+# a destroyed group's name must not come back, its stale addresses are still in the store).
+_USED: "weakref.WeakKeyDictionary[Any, dict[Block, int]]" = weakref.WeakKeyDictionary()
 
 
 def _registry() -> _Registry:
@@ -94,6 +98,7 @@ def _create(steps: Sequence[Sequence[Block]], how: str, fingerprint: str, summar
     handles, report = create_blocks(
         _LAYER, steps, method=how, fingerprint=fingerprint, summary=summary, participants=participants,
         participant_ranks=participant_ranks, cached=lambda b: _live(reg.blocks.get(b)), where=where,
+        used=_USED.setdefault(_LAYER.world(), {}),
     )
     me = _LAYER.rank()
     for blocks, handle in zip(steps, handles):
@@ -200,12 +205,15 @@ def hierarchical_cp_groups(
         # inner: this node's 4 ranks (Ulysses all-to-all), outer: the 2 ranks with the same local index (ring)
     """
     where = "hierarchical_cp_groups"
-    if group is None or (isinstance(group, dist.ProcessGroup) and group.size() == 1):
+    try:
+        cp_ranks = [_LAYER.rank()] if group is None else _LAYER.ranks_of(group)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if len(cp_ranks) == 1:
         m = as_int(inner_size, "inner_size", where)
         if m != 1:
             raise ValueError(f"{where}: inner_size {m} does not divide the CP size 1 (CP1); use inner_size=1")
         return None, None
-    cp_ranks = group_ranks(group)
     inner_blocks, outer_blocks = hierarchical_blocks(cp_ranks, inner_size)
     m, n = len(inner_blocks[0]), len(cp_ranks)
     if m == n:
@@ -242,14 +250,10 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
     """
     if group is None:
         return [dist.get_rank()] if dist.is_initialized() else [0]
-    if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
-        raise ValueError("group_ranks: got GroupMember.NON_GROUP_MEMBER — this rank is not a member of that group")
     try:
-        return list(dist.get_process_group_ranks(group))
-    except KeyError:
-        raise ValueError(
-            f"group_ranks: {group!r} is not registered with torch.distributed (destroyed, or not a process group)"
-        ) from None
+        return _TORCH.ranks_of(group)
+    except ValueError as e:
+        raise ValueError(f"group_ranks: {e}") from None
 
 
 def clear_cp_group_cache() -> None:
