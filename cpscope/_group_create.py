@@ -86,6 +86,26 @@ class TorchLayer:
         dist.all_gather_object(out, obj, group=group)
         return out
 
+    def all_gather_ints(self, values: Sequence[int], group: Any) -> list[list[int]]:
+        """Every participant's ``values`` (same length everywhere): one ``all_gather`` of an int64 tensor on the
+        group's device (a CUDA tensor for NCCL), or ``all_gather_object`` for other backends."""
+        backend = str(dist.get_backend(group))
+        if backend == "nccl":
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif "gloo" in backend:
+            device = "cpu"
+        else:
+            return [list(v) for v in self.all_gather(list(values), group)]
+        import torch
+
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        out = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(out, mine, group=group)
+        return torch.stack(out).cpu().tolist()
+
     def new_group(self, ranks: Sequence[int], *, local: bool) -> Any:
         return dist.new_group(list(ranks), use_local_synchronization=local)
 
@@ -176,6 +196,8 @@ def create_blocks(
     layer: TorchLayer,
     steps: Sequence[Sequence[Block]],
     *,
+    mine: Sequence[Optional[Block]],
+    domain: Sequence[int],
     method: str,
     fingerprint: str,
     summary: str,
@@ -187,30 +209,50 @@ def create_blocks(
 ) -> tuple[list[Any], Report]:
     """This rank's group for each step (``None`` where it is in no block), creating what is missing.
 
-    ``participants`` is the group every participant calls this through (``None``: the world) and
-    ``participant_ranks`` its global ranks in group-rank order; it is also the parent for ``"split"``.
+    ``steps[k]`` partitions ``domain`` (the ranks in blocks) and ``mine[k]`` is this rank's block in it (``None``
+    off the domain). ``participants`` is the group every participant calls this through (``None``: the world)
+    and ``participant_ranks`` its global ranks in group-rank order; it is also the parent for ``"split"``.
     ``cached(block)`` returns a live cached group for a block of this rank, or ``None``. ``used`` maps a block to
     the lowest torch group count not yet used to name it on this rank (``"local"``; updated here).
+
+    The record exchange is one ``all_gather`` of five int64 per rank; only when the ranks' caches or torch group
+    counts differ (a partial cache, groups of the user's own on some ranks) does a second, detailed one follow.
     """
     t0 = time.perf_counter()
     report = Report(method)
     me = layer.rank()
-    mine: list[Optional[Block]] = [next((b for b in blocks if me in b), None) for blocks in steps]
     have = [cached(b) if b is not None else None for b in mine]
     mask = sum(1 << k for k, (b, h) in enumerate(zip(mine, have)) if b is not None and h is None)
     used = {} if used is None else used
     count = layer.local_name_count() if method == "local" else 0
     floors = tuple(used.get(b, 0) if b is not None else 0 for b in mine)
-    records = layer.all_gather((fingerprint, summary, count, mask, floors), participants)
+    slack = max((f - k for k, f in enumerate(floors) if f), default=-1)  # pads are needed iff slack > count
+    fp = int(fingerprint[:15], 16)
+    mine_steps = sum(1 << k for k, b in enumerate(mine) if b is not None)
+    brief = layer.all_gather_ints([fp, count, int(mask == mine_steps), int(mask == 0), slack], participants)
     report.gathers += 1
-    index = {r: i for i, r in enumerate(participant_ranks)}
-    odd = [(participant_ranks[i], rec[1]) for i, rec in enumerate(records) if rec[0] != fingerprint]
+    odd = [participant_ranks[i] for i, rec in enumerate(brief) if rec[0] != fp]
     if odd:
         raise ValueError(
             f"{where} is collective: every rank must pass the same arguments. This rank ({me}) passed {summary}; "
-            + "; ".join(f"rank {r} passed {s}" for r, s in odd[:4]) + (f" (and {len(odd) - 4} more)" if len(odd) > 4 else "")
+            f"ranks {odd[:8]}{' …' if len(odd) > 8 else ''} passed different ones"
         )
-    todo = [tuple(b for b in blocks if any(records[index[r]][3] >> k & 1 for r in b)) for k, blocks in enumerate(steps)]
+    pos = {r: i for i, r in enumerate(participant_ranks)}
+    on = [brief[pos[r]] for r in domain]
+    uniform_count = all(rec[1] == on[0][1] and rec[4] <= rec[1] for rec in on)
+    if all(rec[2] for rec in on) and (method != "local" or uniform_count):
+        todo = [tuple(blocks) for blocks in steps]  # nothing cached anywhere; local names agree without pads
+        pads: list[dict[int, int]] = [{} for _ in steps]
+    elif all(rec[3] for rec in on):
+        todo = [() for _ in steps]  # everything cached everywhere
+        pads = [{} for _ in steps]
+    else:  # mixed: exchange the details
+        records = layer.all_gather((mask, floors), participants)
+        report.gathers += 1
+        todo = [tuple(b for b in blocks if any(records[pos[r]][0] >> k & 1 for r in b))
+                for k, blocks in enumerate(steps)]
+        floor = {b: max(records[pos[r]][1][k] for r in b) for k, blocks in enumerate(todo) for b in blocks}
+        pads = pad_schedule(todo, {r: brief[pos[r]][1] for r in domain}, floor) if method == "local" else []
     out = list(have)
     if method == "global":
         for k, blocks in enumerate(todo):
@@ -225,15 +267,13 @@ def create_blocks(
         for k, blocks in enumerate(todo):
             if not blocks:
                 continue
-            h = layer.split(participants, [[index[r] for r in b] for b in blocks])  # ranks in the parent
+            h = layer.split(participants, [[pos[r] for r in b] for b in blocks])  # ranks in the parent
             report.calls += 1
             report.lockstep += 1
             if mine[k] in blocks:
                 out[k] = h
                 report.created += 1
     else:  # local
-        floor = {b: max(records[index[r]][4][k] for r in b) for k, blocks in enumerate(todo) for b in blocks}
-        pads = pad_schedule(todo, {r: records[i][2] for i, r in enumerate(participant_ranks)}, floor)
         mine_count = count
         for k, blocks in enumerate(todo):
             if mine[k] is None or mine[k] not in blocks:
@@ -321,9 +361,15 @@ class SimulatedLayer(TorchLayer):
     def all_gather(self, obj: Any, group: Any) -> list:
         ranks = range(self._world) if group is None else group.ranks
         self.calls.append(("gather", tuple(ranks), False))
-        fp, summary, count, mask, floors = obj
-        return [obj if r == self._rank else
-                (self.fingerprints.get(r, fp), summary, self.counts.get(r, count), mask, floors) for r in ranks]
+        return [obj for _ in ranks]
+
+    def all_gather_ints(self, values: Sequence[int], group: Any) -> list[list[int]]:
+        ranks = range(self._world) if group is None else group.ranks
+        self.calls.append(("gather", tuple(ranks), False))
+        fp, count = values[0], values[1]
+        over = {r: int(self.fingerprints[r], 16) if self.fingerprints[r] else 0 for r in self.fingerprints}
+        return [list(values) if r == self._rank else
+                [over.get(r, fp), self.counts.get(r, count), *values[2:]] for r in ranks]
 
     def new_group(self, ranks: Sequence[int], *, local: bool) -> Any:
         self.calls.append(("new_group", tuple(ranks), local))

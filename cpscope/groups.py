@@ -91,18 +91,18 @@ def _cached_hit(entry: dict, where: str) -> dict:
     return out
 
 
-def _create(steps: Sequence[Sequence[Block]], how: str, fingerprint: str, summary: str, participants: Any,
-            participant_ranks: Sequence[int], where: str) -> list[Any]:
+def _create(steps: Sequence[Sequence[Block]], mine: Sequence[Optional[Block]], domain: Sequence[int], how: str,
+            fingerprint: str, summary: str, participants: Any, participant_ranks: Sequence[int],
+            where: str) -> list[Any]:
     global _LAST_REPORT
     reg = _registry()
     handles, report = create_blocks(
-        _LAYER, steps, method=how, fingerprint=fingerprint, summary=summary, participants=participants,
+        _LAYER, steps, mine=mine, domain=domain, method=how, fingerprint=fingerprint, summary=summary,
+        participants=participants,
         participant_ranks=participant_ranks, cached=lambda b: _live(reg.blocks.get(b)), where=where,
         used=_USED.setdefault(_LAYER.world(), {}),
     )
-    me = _LAYER.rank()
-    for blocks, handle in zip(steps, handles):
-        block = next((b for b in blocks if me in b), None)
+    for block, handle in zip(mine, handles):
         if block is not None and handle is not None:
             reg.blocks[block] = weakref.ref(handle)
     _LAST_REPORT = report
@@ -162,9 +162,10 @@ def new_cp_groups(
                         list(map(list, plan.reordered[:4])), [sorted(b) for b in plan.reordered[:4]])
         ranks_short = list(plan.ranks[:8]) + (["…"] if len(plan.ranks) > 8 else [])
         summary = f"sizes={list(plan.sizes)}, ranks={ranks_short} ({len(plan.ranks)}), method={how}"
-        handles = iter(_create(plan.steps(), how, digest(*key), summary, None, range(_LAYER.world_size()),
-                               "new_cp_groups"))
         me = _LAYER.rank()
+        mine = [plan.block_of(me, s) for s in plan.sizes if s > 1]
+        handles = iter(_create(plan.steps(), mine, plan.ranks, how, digest(*key), summary, None,
+                               range(_LAYER.world_size()), "new_cp_groups"))
         entry: dict[int, Optional[tuple[Block, Any]]] = {}
         out: dict[int, Optional[dist.ProcessGroup]] = {}
         for s in plan.sizes:
@@ -228,9 +229,10 @@ def hierarchical_cp_groups(
             hit = _cached_hit(reg.calls[key], where)
             return hit["inner"], hit["outer"]
         summary = f"CP group {cp_ranks[:8]}{'…' if n > 8 else ''} ({n}), inner_size={m}, method={how}"
-        inner, outer = _create([inner_blocks, outer_blocks], how, digest(*key), summary, group, cp_ranks, where)
-        me = _LAYER.rank()
-        mine = [next(b for b in blocks if me in b) for blocks in (inner_blocks, outer_blocks)]
+        c = cp_ranks.index(_LAYER.rank())
+        mine = [inner_blocks[c // m], outer_blocks[c % m]]
+        inner, outer = _create([inner_blocks, outer_blocks], mine, cp_ranks, how, digest(*key), summary, group,
+                               cp_ranks, where)
         reg.calls[key] = {"inner": (mine[0], weakref.ref(inner)), "outer": (mine[1], weakref.ref(outer))}
         return inner, outer
 

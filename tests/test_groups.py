@@ -249,8 +249,9 @@ def test_methods_that_cannot_work_are_refused_before_any_call(simulated):
 
 
 def test_arguments_that_differ_between_ranks_raise_instead_of_hanging(simulated):
-    layer = simulated(16, 2, fingerprints={5: "x", 9: "y"})
-    with pytest.raises(ValueError, match=r"every rank must pass the same arguments.*rank 5 passed.*rank 9 passed"):
+    layer = simulated(16, 2, fingerprints={5: "abc", 9: "def"})  # their argument digests differ
+    with pytest.raises(ValueError, match=r"every rank must pass the same arguments. This rank \(2\) passed "
+                                         r"sizes=\[2, 4\].*ranks \[5, 9\] passed different ones"):
         G.new_cp_groups([2, 4])
     assert [c[0] for c in layer.calls] == ["gather"]  # nothing created
 
@@ -335,7 +336,8 @@ def _contract_semantics():
         dist.new_group([me], use_local_synchronization=True)
     got = cpscope.new_cp_groups([4, 1, 2], ranks=[3, 2, 1, 0], method="local")
     rep = G._LAST_REPORT
-    assert (rep.method, rep.created, rep.lockstep, rep.gathers) == ("local", 2, 0, 1)
+    # counts differ: the brief record exchange, then the detailed one
+    assert (rep.method, rep.created, rep.lockstep, rep.gathers) == ("local", 2, 0, 2)
     # ranks 2, 3 catch up before the 4-block; after it all are equal, so the pairs need none
     assert rep.placeholders == (top - counts[me] if me >= 2 else 0) and rep.calls == 2 + rep.placeholders
     assert set(got) == {1, 2, 4} and got[1] is None
