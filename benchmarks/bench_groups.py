@@ -18,7 +18,7 @@ real
     group calls it made, how many of them every rank had to make (*lockstep*: each a step of the whole job; under
     NCCL bound to a device each is a world-wide ``ncclCommSplit``), the process groups torch registered on it.
 simulated
-    The same registry code with its dist layer swapped for :class:`cpscope._group_create.SimulatedLayer` (one rank
+    The same registry code with its dist layer swapped for :class:`cpscope._group_sim.SimulatedLayer` (one rank
     of an N-rank job; calls are counted, nothing is sent), for N = 8 … 4096.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def real_run(repeats: int, backend: str, device: torch.device) -> dict:
 def simulate(worlds: list[int], rank_of=lambda n: n // 2 + 1) -> list[dict]:
     import cpscope
     from cpscope import groups as G
-    from cpscope._group_create import SimulatedLayer
+    from cpscope._group_sim import SimulatedLayer
 
     rows = []
     real = G._LAYER
@@ -215,7 +215,8 @@ def _main_rank(rank: int, world: int, args: argparse.Namespace, out) -> None:
 
 def _table_real(res: dict) -> str:
     lines = [f"real: {res['world']} {res['backend']} ranks, sizes {res['sizes']}, median of {res['repeats']}",
-             "| method | creation (slowest rank) | vs before | group calls / rank | lockstep calls | groups registered / rank |",
+             "| method | creation (slowest rank) | vs before | group calls / rank | lockstep calls "
+             "| groups registered / rank |",
              "| --- | --- | --- | --- | --- | --- |"]
     for m, r in res["methods"].items():
         lines.append(f"| {m} | {r['seconds_median'] * 1e3:.1f} ms | {r['time_vs_before']:.2f}x | {r['calls']} | "

@@ -186,9 +186,9 @@ def hierarchical_cp_groups(
 
     For a CP group of size ``n`` and ``inner_size = m`` dividing ``n``: ``inner`` holds the ``m`` consecutive CP
     ranks ``m·⌊c/m⌋ … m·⌊c/m⌋+m-1`` around this rank's CP rank ``c``; ``outer`` the ``n/m`` CP ranks with the same
-    index ``c mod m`` inside their inner group. Both number their members in CP order: this rank is rank ``c mod m``
-    of ``inner`` and rank ``⌊c/m⌋`` of ``outer``, so a zigzag ring over ``outer`` visits the inner groups in CP
-    order. Size-1 sub-groups are ``None``; ``m == n`` returns ``(group, None)``, ``m == 1`` ``(None, group)``.
+    index ``c mod m`` inside their inner group. Both number their members in CP order: this rank is rank
+    ``c mod m`` of ``inner`` and rank ``⌊c/m⌋`` of ``outer``, so a zigzag ring over ``outer`` visits the inner
+    groups in CP order. Size-1 sub-groups are ``None``; ``m == n`` returns ``(group, None)``, ``m == 1`` ``(None, group)``.
 
     **Collective among the CP group's members only** (each calls it with the same ``inner_size``); other ranks do
     nothing. Created once (``split_group`` from ``group`` under NCCL bound to a device, else locally synchronised

@@ -198,7 +198,7 @@ def test_loop_accepts_groups_over_a_permuted_rank_list():
 @pytest.fixture
 def simulated(monkeypatch):
     """``make(world, rank, **kw)`` swaps the registry's dist layer for a SimulatedLayer (restored after)."""
-    from cpscope._group_create import SimulatedLayer
+    from cpscope._group_sim import SimulatedLayer
 
     def make(world: int, rank: int, **kw) -> SimulatedLayer:
         layer = SimulatedLayer(world, rank, **kw)
@@ -226,6 +226,11 @@ def test_4096_ranks_each_rank_creates_only_its_own_blocks(simulated, method, cal
     assert got[1] is None
     n = len(layer.calls)
     assert G.new_cp_groups(POW2, method=method) == got and len(layer.calls) == n  # cached: no call at all
+
+
+def test_cp1_only_makes_no_call(simulated):
+    layer = simulated(8, 5)
+    assert G.new_cp_groups([1]) == {1: None} and layer.calls == []
 
 
 def test_auto_picks_split_when_bound_else_local(simulated):
@@ -268,7 +273,7 @@ def test_local_names_are_aligned_with_placeholders(simulated):
 
 
 def test_hierarchical_calls_stay_among_the_cp_groups_members(simulated):
-    from cpscope._group_create import SimGroup
+    from cpscope._group_sim import SimGroup
 
     layer = simulated(4096, 1029)
     cp = SimGroup(range(1024, 1032))  # a CP8 group inside a 4096-rank job
@@ -464,3 +469,63 @@ def test_a_new_world_after_destroy_gets_new_groups(tmp_path):
 def test_pad_schedule_never_reuses_a_name():
     # block (0, 1) was named at count 5 before (then destroyed): now at counts 3, 3 both pad to 6
     assert pad_schedule([((0, 1),)], {0: 3, 1: 3}, {(0, 1): 6}) == [{0: 3, 1: 3}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NCCL (GPU machines): split_group when the default group is bound to a device, local groups when it is not
+
+
+def _nccl_rank(rank: int, world: int, init_file: str, bound: bool, results) -> None:
+    import os
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    kw = {"device_id": dev} if bound else {}
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, **kw)
+    try:
+        sizes = [s for s in (1, 2, 4, 8) if world % s == 0]
+        ranks = list(range(world))[::-1]  # every block listed backwards
+        got = cpscope.new_cp_groups(sizes, ranks=ranks)
+        assert G._LAST_REPORT.method == ("split" if bound else "local"), G._LAST_REPORT
+        for s in sizes[1:]:
+            g = got[s]
+            members = cpscope.group_ranks(g)
+            assert members == sorted(members) == dist.get_process_group_ranks(g)
+            c = dist.get_rank(g)
+            with cpscope.runtime_cp(g):
+                assert cpscope.cp_rank() == c
+            t = torch.ones(1, device=dev)
+            dist.all_reduce(t, group=g)
+            assert t.item() == s
+            # one step around the ring the way RingComm picks its peers: the CP rank before mine arrives
+            send, recv = torch.tensor([float(c)], device=dev), torch.zeros(1, device=dev)
+            ops = [dist.P2POp(dist.isend, send, members[(c + 1) % s], g),
+                   dist.P2POp(dist.irecv, recv, members[(c - 1) % s], g)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            assert recv.item() == (c - 1) % s
+        if world >= 4:
+            inner, outer = cpscope.groups.hierarchical_cp_groups(got[4], 2)
+            c = dist.get_rank(got[4])
+            assert dist.get_rank(inner) == c % 2 and dist.get_rank(outer) == c // 2
+            t = torch.tensor([float(c)], device=dev)
+            dist.all_reduce(t, group=outer)
+            assert t.item() == (c % 2) * 2 + 2, t.item()  # c%2 + (c%2 + 2)
+        torch.cuda.synchronize()
+        results[rank] = True
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bound", [True, False], ids=["bound-split", "lazy-local"])
+def test_nccl_registry(bound, tmp_path):
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    world = 8 if n >= 8 else (4 if n >= 4 else 2)
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Manager().dict()
+    torch.multiprocessing.start_processes(_nccl_rank, args=(world, str(tmp_path / "pg"), bound, results),
+                                          nprocs=world, start_method="spawn", join=True)
+    assert dict(results) == {r: True for r in range(world)}
