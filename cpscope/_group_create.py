@@ -16,10 +16,11 @@ of three methods:
     synchronisation; the registry's behaviour before the local path existed). For MPI, TorchComms, or comparison.
 
 Before creating, the participants (all ranks, or the CP group's members) exchange one small record each — a digest
-of the arguments, how many groups torch has registered on the rank, which of its blocks it has cached — by one
-``all_gather_object``. Arguments that differ between ranks raise ``ValueError`` there instead of hanging later;
-a block is (re)created when any member lacks it; and in ``"local"`` mode members whose torch group counts differ
-(torch names local groups after that count) first create single-rank placeholder groups so that they agree
+of the arguments, how many groups torch has registered on the rank, whether its blocks are cached — by one
+``all_gather`` of five int64 (a second, detailed exchange only when caches or counts differ between ranks).
+Arguments that differ between ranks raise ``ValueError`` there instead of hanging later; a block is (re)created
+when any member lacks it; and in ``"local"`` mode members whose torch group counts differ (torch names local groups
+after that count) first create single-rank placeholder groups so that they agree
 (:func:`cpscope._group_blocks.pad_schedule`).
 
 :class:`TorchLayer` is the only place that calls ``torch.distributed``; a fake layer stands in for it to count the

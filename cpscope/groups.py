@@ -125,8 +125,8 @@ def new_cp_groups(
     Each rank creates only its own blocks: ``method="auto"`` uses ``split_group`` when the default group is bound to
     an NCCL device, else ``new_group(..., use_local_synchronization=True)`` by the members only; ``"split"``,
     ``"local"`` force one, ``"global"`` is torch's every-rank-every-block ``new_group`` (for comparison, MPI).
-    Creating starts with one ``all_gather_object`` over the world, so arguments that differ between ranks raise
-    ``ValueError`` instead of hanging.
+    Creating starts with one small ``all_gather`` over the world (five int64 per rank), so arguments that differ
+    between ranks raise ``ValueError`` instead of hanging.
 
     Args:
         sizes: CP sizes wanted, e.g. ``[1, 2, 4]``. Each must be ≥ 1 and divide ``len(ranks)``.
