@@ -47,7 +47,8 @@ def _sizes(n: int) -> list[int]:
 def _methods(backend: str) -> list[str]:
     from cpscope.groups import _LAYER
 
-    return ["before", "global", "split"] if _LAYER.can_split() else ["before", "global", "local"]
+    after = "split" if _LAYER.can_split() else "local"
+    return ["before", "global", after, "exchange only"]
 
 
 def _before(sizes: list[int]) -> tuple[dict, tuple]:
@@ -77,6 +78,9 @@ def _one(method: str, sizes: list[int], device: torch.device) -> dict:
     t0 = time.perf_counter()
     if method == "before":
         got, counts = _before(sizes)
+    elif method == "exchange only":  # the registry's record exchange alone: one all_gather of 5 int64
+        G._LAYER.all_gather_ints([0] * 5, None)
+        got, counts = {}, (0, 0, 0, 0)
     else:
         got = cpscope.new_cp_groups(sizes, method=method)
         rep = G._LAST_REPORT
