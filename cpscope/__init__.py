@@ -26,7 +26,7 @@ Example::
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
-from .groups import clear_cp_group_cache, group_ranks, new_cp_groups
+from .groups import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
 from .scope import (
     CPScope,
     ScopeReadInBackwardError,
@@ -86,6 +86,7 @@ __all__ = [
     "cp_stream",
     "current_cp_group",
     "group_ranks",
+    "hierarchical_cp_groups",
     "new_cp_groups",
     "resolve_scope",
     "runtime_cp",
