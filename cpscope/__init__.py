@@ -31,7 +31,7 @@ Example::
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
 from .caches import clear_caches
-from .groups import clear_cp_group_cache, group_ranks, new_cp_groups
+from .groups import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
 from .scope import (
     CPScope,
     ScopeReadInBackwardError,
@@ -100,6 +100,7 @@ __all__ = [
     "cp_stream",
     "current_cp_group",
     "group_ranks",
+    "hierarchical_cp_groups",
     "new_cp_groups",
     "resolve_scope",
     "runtime_cp",

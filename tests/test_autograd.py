@@ -529,10 +529,10 @@ def test_backward_read_check_switches_and_deprecated_alias():
 
     assert opted_out() is False and cpscope.backward_read_check_enabled()
     with pytest.warns(DeprecationWarning, match="turns it OFF"):
-        cpscope.set_backward_read_check(True)  # back to the default (on)
+        cpscope.set_debug_autograd_reads(False)
     assert not cpscope.backward_read_check_enabled()
     with pytest.warns(DeprecationWarning, match="on by default"):
-        cpscope.set_backward_read_check(True)
+        cpscope.set_debug_autograd_reads(True)
     assert cpscope.backward_read_check_enabled()
     with pytest.warns(DeprecationWarning, match="MicrobatchScope"):
         assert cpscope.Microbatch is MicrobatchScope

@@ -14,8 +14,8 @@ the outer ring's local layout for ``h/inner`` heads; the ring (:mod:`cpscope.att
 group; the reverse exchange brings the rows home. One autograd function (:mod:`cpscope.attention.ulysses`) does all.
 
 Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups for a CP group, from the registry
-(``cpscope.groups.hierarchical_cp_groups``) when it exists, else from a private stand-in here (created on first use,
-collectively over the members of the CP group, with ``new_group(..., use_local_synchronization=True)``; cached).
+(:func:`cpscope.hierarchical_cp_groups`: created on first use, collectively over the members of the CP group only;
+cached).
 
 Inner size: ``comm="a2a+p2p:N"`` names it; plain ``"a2a+p2p"`` takes :func:`default_inner_size` (the largest
 proper divisor of ``cp`` that divides both head counts, at most 8 — one node of 8 GPUs).
@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -41,7 +42,7 @@ from .ulysses import UlyssesPlan, check_heads, run
 __all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hierarchical_attention"]
 
 _MAX_DEFAULT_INNER = 8
-_GROUPS: dict[tuple[Any, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_GROUPS: dict[tuple[int, int], tuple[Any, tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}  # verified pairs
 _LOCK = threading.Lock()
 
 
@@ -86,42 +87,28 @@ def _expected(group: dist.ProcessGroup, inner: int) -> tuple[list[int], list[int
     return ranks[o * inner:(o + 1) * inner], ranks[i::inner]
 
 
-def _stand_in_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Private stand-in for the registry's hierarchical groups: this rank's inner and outer group, created once.
-
-    Collective over the members of ``group`` only (local synchronisation): every member creates its inner group,
-    then its outer group, so the creations pair up without a deadlock.
-    """
-    key = (group, inner)
-    with _LOCK:
-        hit = _GROUPS.get(key)
-    if hit is not None:
-        return hit
-    in_ranks, out_ranks = _expected(group, inner)
-    pair = (dist.new_group(in_ranks, use_local_synchronization=True),
-            dist.new_group(out_ranks, use_local_synchronization=True))
-    with _LOCK:
-        return _GROUPS.setdefault(key, pair)
-
-
 def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """``(inner_group, outer_group)`` of this rank for the CP ``group`` split into inner groups of ``inner`` ranks.
 
-    Collective over the members of ``group`` the first time (cached after). Uses the registry's
-    ``cpscope.groups.hierarchical_cp_groups(group, inner)`` when it exists, and checks that its groups follow the
-    numbering above (inner: consecutive group ranks; outer: every ``inner``-th).
+    The registry's :func:`cpscope.hierarchical_cp_groups` (collective over the members of ``group`` the first time,
+    cached), checked once per (group, inner) to follow the numbering above (inner: consecutive group ranks; outer:
+    every ``inner``-th).
 
     Raises:
-        ValueError: the registry's groups are numbered otherwise.
+        ValueError: the groups are numbered otherwise.
 
     Example::
 
         inner_g, outer_g = hierarchical_groups(groups[8], 4)    # on global rank 5: ranks [4..7] and [1, 5]
     """
-    from .. import groups as registry
+    key = (id(group), inner)
+    with _LOCK:
+        hit = _GROUPS.get(key)
+    if hit is not None and hit[0]() is group:
+        return hit[1]
+    from ..groups import hierarchical_cp_groups
 
-    make = getattr(registry, "hierarchical_cp_groups", None)
-    pair = make(group, inner) if make is not None else _stand_in_groups(group, inner)
+    pair = hierarchical_cp_groups(group, inner)
     want = _expected(group, inner)
     got = (group_ranks(pair[0]), group_ranks(pair[1]))
     if got != want:
@@ -129,6 +116,8 @@ def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.Proc
             f"hierarchical CP groups of a group with ranks {group_ranks(group)} and inner size {inner} must be inner "
             f"{want[0]} and outer {want[1]} on this rank (TE's numbering), got inner {got[0]} and outer {got[1]}"
         )
+    with _LOCK:
+        _GROUPS[key] = (weakref.ref(group), pair)
     return pair
 
 

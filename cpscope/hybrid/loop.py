@@ -235,7 +235,9 @@ def prepare_microbatches(
         planned_ranks = [int(r) for r in mb.ranks]
         if ranks is not None:
             planned_ranks = [int(ranks[r]) for r in planned_ranks]
-        actual = group_ranks(group)  # torch's member order (ascending); a plan's block is a set of ranks
+        actual = group_ranks(group)
+        # a group's CP ranks ascend with the global ranks (torch's order, what cp_rank() and the shards follow),
+        # whatever the order of `ranks` inside a block; the plan fixes membership only
         if sorted(actual) != sorted(planned_ranks):
             raise ValueError(
                 f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
