@@ -56,6 +56,7 @@ from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
 from .attention import ContextParallelAttention, context_parallel_attention
 from .checkpoint import checkpoint, scope_context_fn, scoped
 from .microbatch import Microbatch
+from ._sentinel import SentinelError, sentinel
 
 __all__ = [
     "CPScope",
@@ -91,6 +92,8 @@ __all__ = [
     "runtime_cp",
     "set_build_time_cp_group",
     "set_debug_autograd_reads",
+    "sentinel",
+    "SentinelError",
 ]
 
 __version__ = "0.1.0"

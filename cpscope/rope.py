@@ -38,6 +38,7 @@ from ._checks import (
     check_tensor_dims,
     cu_seqlens_list,
 )
+from . import _sentinel
 from .scope import _UNSET, resolve_scope
 from .sharding import _positions
 
@@ -199,6 +200,7 @@ def apply_rotary_pos_emb(
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     cu = checked_rope_inputs(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp)
+    if _sentinel.ACTIVE is not None: _sentinel.ACTIVE.on_rope(scope, cu, qkv_format, t)  # noqa: E701 (sentinel)
 
     use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
     if use_te:

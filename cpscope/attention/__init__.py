@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import _sentinel
 from ..scope import _UNSET, CPScope, resolve_scope
 from ._inputs import check_attention_inputs
 from .module import ContextParallelAttention
@@ -77,6 +78,7 @@ def context_parallel_attention(
     )
 
 
+@_sentinel.watch_attention  # correctness sentinel: checked calls when cpscope.sentinel is on; else a None check
 def attention_with_scope(
     q: torch.Tensor,
     k: torch.Tensor,

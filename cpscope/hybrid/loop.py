@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _sentinel
 from .._checks import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import runtime_cp, scope_for
@@ -302,6 +303,7 @@ def run_microbatches(
     if num_targets <= 0:
         raise ValueError(f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
     total = torch.zeros((), dtype=torch.float64)
+    if _sentinel.ACTIVE is not None: microbatches = _sentinel.ACTIVE.watch_loop(microbatches, num_targets)  # noqa: E701
     for mb in microbatches:
         with runtime_cp(mb.group, local_cp_size=mb.cp):
             out = forward(model, mb)

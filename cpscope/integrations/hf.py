@@ -46,6 +46,7 @@ from typing import Any, Optional
 import torch
 from transformers import AttentionInterface
 
+from .. import _sentinel
 from .._checks import check_cu_seqlens, check_divisible_seq
 from ..attention import context_parallel_attention
 from ..scope import _UNSET, CPScope, resolve_scope
@@ -168,6 +169,7 @@ def cpscope_attention_forward(
             out, _ = cpscope_attention_forward(self, query, key, value, None, scaling=self.scaling)  # [b, s, h, d]
     """
     scope = resolve_scope()  # read once, here in forward
+    if _sentinel.ACTIVE is not None: _sentinel.ACTIVE.on_hf_positions(module, query, scope, kwargs)  # noqa: E701
     if attention_mask is not None:
         _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
     if dropout:

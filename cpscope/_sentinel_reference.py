@@ -1,0 +1,135 @@
+"""The sentinel's independent attention reference: plain masked softmax attention, forward and backward by hand.
+
+Nothing here shares code with the ring (``cpscope.attention``): the reference is the textbook formula, evaluated for
+a set of query rows against **all** keys of the packed global stream, in a wide dtype (float64 on CPU, float32 on
+CUDA), chunked over query rows so that memory stays bounded (``[heads, chunk, T]`` scores at a time).
+
+Canonical layout: every layout is seen as a packed stream of documents. ``thd`` is that already; ``bshd`` /
+``sbhd`` with ``b`` rows of local length ``s`` under CP size ``cp`` is ``b`` documents of global length ``s·cp``
+(``cu = 0, g, 2g, …``), which is exactly how the zigzag layout cuts them.
+
+Backward (for rows ``i``, keys ``j``, ``P = softmax(scale·qKᵀ)`` masked, ``O = PV``)::
+
+    dV_j = Σ_i P_ij dO_i            dP_ij = dO_i · V_j            D_i = dO_i · O_i
+    dS_ij = P_ij (dP_ij − D_i)      dq_i = scale Σ_j dS_ij K_j     dK_j = scale Σ_i dS_ij q_i
+
+Example::
+
+    seg = segment_ids(cu, device)                              # [T] document of every global token
+    out = reference_rows(q_rows, rows, K, V, seg, causal=True, scale=0.125, dtype=torch.float64)
+    out, dq, dK, dV = reference_rows(q_rows, rows, K, V, seg, causal=True, scale=0.125, dtype=torch.float64,
+                                     dout=dout_rows)           # dK / dV: contributions of these rows only
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["canonical", "canonical_offsets", "segment_ids", "reference_rows", "relative_error", "reference_dtype"]
+
+# Scores held at once by the reference: heads × rows × keys elements (≈ 256 MiB in float64).
+_CHUNK_ELEMS = 1 << 25
+
+
+def reference_dtype(device: torch.device) -> torch.dtype:
+    """float64 on CPU (exact); float32 on CUDA (float64 is slow there and float32 is ~1e3× finer than bf16)."""
+    return torch.float32 if device.type == "cuda" else torch.float64
+
+
+def canonical(x: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """``[rows, heads, d]`` view (or copy) of a ``bshd`` / ``sbhd`` / ``thd`` tensor, row-major by batch row."""
+    if qkv_format == "thd":
+        return x
+    if qkv_format == "bshd":  # [b, s, h, d] -> [b*s, h, d]
+        return x.reshape(-1, *x.shape[2:])
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])  # sbhd [s, b, h, d] -> [b*s, h, d]
+
+
+def canonical_offsets(qkv_format: str, shape: Sequence[int], cp: int, cu: Optional[Sequence[int]]) -> tuple[int, ...]:
+    """Global offsets of the canonical packed stream: ``cu`` for ``thd``, ``0, g, 2g, …`` (``g = s·cp``) otherwise."""
+    if qkv_format == "thd":
+        assert cu is not None
+        return tuple(int(c) for c in cu)
+    b, s = (shape[0], shape[1]) if qkv_format == "bshd" else (shape[1], shape[0])
+    g = s * cp
+    return tuple(range(0, b * g + 1, g)) if b else (0,)
+
+
+def segment_ids(cu: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[T]`` int64: the document of every token of the packed global stream (empty documents hold none)."""
+    cu_t = torch.tensor(list(cu), dtype=torch.long)
+    lens = cu_t[1:] - cu_t[:-1]
+    return torch.repeat_interleave(torch.arange(lens.numel()), lens).to(device)
+
+
+def reference_rows(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    dtype: torch.dtype,
+    dout: Optional[torch.Tensor] = None,
+):
+    """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over all keys ``k``/``v``.
+
+    ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream), ``seg`` ``[T]`` the document of each token.
+    A key ``j`` is visible to row ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``.
+    Returns ``out`` ``[n, h, d]``; with ``dout`` also ``dq`` ``[n, h, d]`` and the contributions of these rows to
+    ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum them over the ranks that hold the other rows. All in ``dtype``.
+    """
+    n, h, d = q.shape
+    t_all, h_kv = k.shape[0], k.shape[1]
+    g = h // h_kv
+    kk = k.to(dtype).repeat_interleave(g, dim=1) if g > 1 else k.to(dtype)  # [T, h, d]
+    vv = v.to(dtype).repeat_interleave(g, dim=1) if g > 1 else v.to(dtype)
+    qq = q.to(dtype)
+    key_idx = torch.arange(t_all, device=q.device)
+    out = torch.empty(n, h, d, dtype=dtype, device=q.device)
+    if dout is not None:
+        do_all = dout.to(dtype)
+        dq = torch.empty_like(out)
+        dk = torch.zeros(t_all, h, d, dtype=dtype, device=q.device)
+        dv = torch.zeros_like(dk)
+    step = max(1, _CHUNK_ELEMS // max(1, h * t_all))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        r = rows[a:b]
+        visible = seg[r][:, None] == seg[None, :]  # [c, T]
+        if causal:
+            visible &= key_idx[None, :] <= r[:, None]
+        s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, T]
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
+        out[a:b] = o
+        if dout is not None:
+            do = do_all[a:b]  # [c, h, d]
+            dp = torch.einsum("ihd,jhd->hij", do, vv)
+            delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
+            ds = p * (dp - delta)
+            dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
+            dk += torch.einsum("hij,ihd->jhd", ds, qq[a:b]) * scale
+            dv += torch.einsum("hij,ihd->jhd", p, do)
+    if dout is None:
+        return out
+    if g > 1:  # the q heads of one group share a kv head: sum their contributions
+        dk = dk.view(t_all, h_kv, g, d).sum(2)
+        dv = dv.view(t_all, h_kv, g, d).sum(2)
+    return out, dq, dk, dv
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(max |got − ref| / max |ref|, max |got − ref|)``, computed in ``ref``'s dtype; 0/0 counts as 0."""
+    diff = (got.to(ref.dtype) - ref).abs()
+    err = float(diff.max()) if diff.numel() else 0.0
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    if err == 0.0:
+        return 0.0, 0.0
+    if not (err == err):  # NaN in the result
+        return float("inf"), err
+    return (err / scale if scale > 0 else float("inf")), err
