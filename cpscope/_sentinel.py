@@ -96,12 +96,13 @@ def group_of(scope: CPScope) -> tuple[int, ...]:
 class _Microbatch:
     """What the sentinel knows about the microbatch being run: its group, index, whether it is sampled."""
 
-    __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked")
+    __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified")
 
     def __init__(self, scope: CPScope, index: int, sampled: bool, step: Optional[int], marked: bool) -> None:
         self.scope, self.index, self.sampled, self.step, self.marked = scope, index, sampled, step, marked
         self.calls = 0  # attention calls so far (forward): the next call's index = the layer
         self.rope_layouts: list = []  # offsets RoPE used since the last attention call (sampled only)
+        self.unverified = 0  # local-only checks since the last group verdict (RoPE / positions after attention)
 
     def where(self, call: Optional[int]) -> dict:
         """Where-fields of a report; without markers the unit is one call: its index among calls of its kind."""
@@ -265,7 +266,8 @@ class sentinel:
                 ACTIVE = self._prev
             self._on = False
             _ALIVE.discard(self)
-            logger.info("%s", self._summary.text())
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("%s", self._summary.text())
         return self._summary
 
     def __enter__(self) -> "sentinel":
@@ -305,7 +307,7 @@ class sentinel:
             self._mb = None
         if not flush:  # the microbatch failed: its pending mismatches were logged, the error is on its way
             self._pending, self._pending_exc = [], None
-        elif mb is not None and mb.sampled:
+        elif mb is not None and mb.sampled and mb.unverified:  # else the last attention digest was the verdict
             self.verdict_point(mb.scope)
 
     def current(self, kind: str, scope: CPScope) -> _Microbatch:
@@ -402,28 +404,23 @@ class sentinel:
     # -------------------------------------------------------------------------------------------------------------
     # Hooks (called from attention/__init__.py, rope.py, integrations/hf.py, hybrid/loop.py)
 
-    @torch.compiler.disable
     def on_attention(self, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scope: CPScope, kwargs: dict) -> torch.Tensor:
-        from ._sentinel_attention import checked_attention
+        if torch.compiler.is_compiling():  # under torch.compile: run the check outside the graph (a graph break)
+            return _compiler_disabled(_attention_hook)(self, fn, q, k, v, scope, kwargs)
+        return _attention_hook(self, fn, q, k, v, scope, kwargs)
 
-        return checked_attention(self, fn, q, k, v, scope, kwargs)
-
-    @torch.compiler.disable
     def on_rope(self, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) -> None:
         if self.check_positions_:
-            from ._sentinel_positions import on_rope
+            hook = _compiler_disabled(_rope_hook) if torch.compiler.is_compiling() else _rope_hook
+            hook(self, scope, cu, qkv_format, t)
 
-            on_rope(self, scope, cu, qkv_format, t)
-
-    @torch.compiler.disable
     def on_hf_positions(self, module: Any, query: torch.Tensor, scope: CPScope, kwargs: dict) -> None:
         """Hook in the transformers attention function (``query`` ``[b, h, s_local, d]``, its ``**kwargs``)."""
         if self.check_positions_:
-            from ._sentinel_positions import on_hf_positions
-
-            on_hf_positions(self, kwargs.get("position_ids"), scope, query.shape[2], kwargs.get("cu_seq_lens_q"),
-                            getattr(module, "layer_idx", None))
+            hook = _compiler_disabled(_hf_hook) if torch.compiler.is_compiling() else _hf_hook
+            hook(self, kwargs.get("position_ids"), scope, query.shape[2], kwargs.get("cu_seq_lens_q"),
+                 getattr(module, "layer_idx", None))
 
     def watch_loop(self, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
         """``run_microbatches``' microbatches, marked one by one; checks layout and loss normalisation."""
@@ -460,6 +457,31 @@ class sentinel:
         from ._sentinel_loop import check_loss
 
         check_loss(self, int(targets_used), int(num_targets), device, step=None)
+
+
+def _attention_hook(*args: Any) -> torch.Tensor:
+    from ._sentinel_attention import checked_attention
+
+    return checked_attention(*args)
+
+
+def _rope_hook(*args: Any) -> None:
+    from ._sentinel_positions import on_rope
+
+    on_rope(*args)
+
+
+def _hf_hook(*args: Any) -> None:
+    from ._sentinel_positions import on_hf_positions
+
+    on_hf_positions(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` excluded from torch.compile graphs (made once: the wrapper costs tens of µs per call, so the eager
+    path calls ``fn`` directly)."""
+    return torch.compiler.disable(fn)
 
 
 # Sentinels switched on and not stopped: their summary is logged at exit.

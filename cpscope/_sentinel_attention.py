@@ -34,7 +34,7 @@ from ._sentinel_agree import (
     float_bits,
     hash64,
 )
-from ._sentinel_reference import canonical, canonical_offsets, reference_dtype, reference_rows, relative_error, segment_ids
+from ._sentinel_reference import canonical, canonical_offsets, reference_dtype, reference_rows, relative_error
 from .scope import CPScope
 
 __all__ = ["checked_attention"]
@@ -115,6 +115,7 @@ def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, 
                 f"with {_show_layout(layout)}: positions and attention disagree on the layout",
                 {"rope": mb.rope_layouts[0], "attention": layout}, group=group_of(vscope), **where))
     mb.rope_layouts = []
+    mb.unverified = 0  # the agreement below carries every pending mismatch of this rank
     s.emit(local, consistent=vscope.size == 1)
 
     ok = True
@@ -212,7 +213,6 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
     offs = canonical_offsets(fmt, tuple(q.shape), cp, cu)
     dt = s.reference_dtype or reference_dtype(dev)
     rows = zigzag_indices(list(offs), cp, rank, device=dev)
-    seg = segment_ids(offs, dev)
     kc, vc = canonical(k.detach(), fmt).to(dt), canonical(v.detach(), fmt).to(dt)
     if cp > 1:  # K/V of the whole group, back in global order
         kv = torch.stack([kc, vc]).contiguous()  # [2, n, h_kv, d]
@@ -224,14 +224,14 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
         kf, vf = full[0], full[1]
     else:
         kf, vf = kc, vc
-    rec = _Call(s, scope, fmt, causal, scale, dt, rows, seg, kf, vf, canonical(q.detach(), fmt), q.dtype, where)
+    rec = _Call(s, scope, fmt, causal, scale, dt, rows, offs, kf, vf, canonical(q.detach(), fmt), q.dtype, where)
     grads = s.check_gradients and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     sig, fp = _signature(q, k, kw), fingerprint(v)
     if grads:
         q, k, v = _TapIn.apply(rec, q, k, v)
     out = fn(q, k, v, scope, **kw)
     with torch.no_grad():
-        ref = reference_rows(rec.q, rows, kf, vf, seg, causal=causal, scale=scale, dtype=dt)
+        ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt)
         ratio, err = relative_error(canonical(out.detach(), fmt), ref)
     rec.verdict("attention", [("out", ratio, err, s.tolerance(rec.dtype, grad=False))])
     s.records.put(sig, fp, (scope, where))
@@ -267,22 +267,22 @@ class _Call:
     """One sampled attention call: the reference inputs (detached) and, after dO arrives, its gradients."""
 
     def __init__(self, s: Any, scope: CPScope, fmt: str, causal: bool, scale: float, dt: torch.dtype,
-                 rows: torch.Tensor, seg: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, q: torch.Tensor,
+                 rows: torch.Tensor, offs: tuple, kf: torch.Tensor, vf: torch.Tensor, q: torch.Tensor,
                  dtype: torch.dtype, where: dict) -> None:
         self.s, self.scope, self.fmt, self.causal, self.scale, self.dt = s, scope, fmt, causal, scale, dt
-        self.rows, self.seg, self.kf, self.vf, self.q, self.dtype, self.where = rows, seg, kf, vf, q, dtype, where
+        self.rows, self.offs, self.kf, self.vf, self.q, self.dtype, self.where = rows, offs, kf, vf, q, dtype, where
         self.members = group_of(scope)
         self.refs: Optional[tuple] = None
 
     def release(self) -> None:
-        self.kf = self.vf = self.q = self.seg = None
+        self.kf = self.vf = self.q = None
 
     def reference_grads(self, dout: torch.Tensor) -> None:
         """In backward (from ``_TapOut``): dq of this rank's rows, dk/dv of its keys (summed over the group)."""
         if self.kf is None:
             return
         do = canonical(dout.detach(), self.fmt)
-        _, dq, dk, dv = reference_rows(self.q, self.rows, self.kf, self.vf, self.seg, causal=self.causal,
+        _, dq, dk, dv = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
                                        scale=self.scale, dtype=self.dt, dout=do)
         if self.scope.size > 1:  # every rank's rows contribute to every key
             kv = torch.stack([dk, dv])

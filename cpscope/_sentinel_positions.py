@@ -68,9 +68,12 @@ def _figures_text(f: dict) -> str:
 def on_rope(s: Any, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) -> None:
     """Hook in ``apply_rotary_pos_emb`` (after validation): ``scope`` is what RoPE rotates with, ``cu`` the offsets."""
     shape = tuple(t.shape)
-    # dense layouts: cu = [0, s·cp] depends on the scope, so only thd offsets (scope-independent) go in the key
-    sig = ("rope", qkv_format, shape, str(t.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
+
+    def signature() -> tuple:  # dense layouts: cu = [0, s·cp] depends on the scope; thd offsets do not
+        return ("rope", qkv_format, shape, str(t.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
+
     if in_backward():  # recompute: the forward of this call recorded its scope
+        sig = signature()
         if s.records.has_signature(sig):
             hit = s.records.get(sig, fingerprint(t))
             if hit is not None:
@@ -89,7 +92,8 @@ def on_rope(s: Any, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) 
     if not mb.sampled:
         return
     s._summary.count("rope")
-    s.records.put(sig, fingerprint(t), (scope, mb.where(mb.calls)))
+    mb.unverified += 1
+    s.records.put(signature(), fingerprint(t), (scope, mb.where(mb.calls)))
     expected = s.expected_scope(mb)
     seq = 0 if qkv_format == "thd" else (shape[1] if qkv_format == "bshd" else shape[0])
     if expected is None or same_scope(expected, scope):
@@ -118,6 +122,7 @@ def _check(s: Any, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: 
     layout = list(cu) if cu is not None else n_local * scope.size
     want, why = _expected(layout, scope, n_local, got.device)
     s._summary.count("positions")
+    mb.unverified += 1
     if want is None:
         figs: Optional[dict] = {"note": why}
         text = why

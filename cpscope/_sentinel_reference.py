@@ -1,8 +1,9 @@
 """The sentinel's independent attention reference: plain masked softmax attention, forward and backward by hand.
 
 Nothing here shares code with the ring (``cpscope.attention``): the reference is the textbook formula, evaluated for
-a set of query rows against **all** keys of the packed global stream, in a wide dtype (float64 on CPU, float32 on
-CUDA), chunked over query rows so that memory stays bounded (``[heads, chunk, T]`` scores at a time).
+a set of query rows against the keys of their documents in the packed global stream, in a wide dtype (float64 on
+CPU, float32 on CUDA), document by document and chunked over query rows so that memory stays bounded
+(``[heads, chunk, L]`` scores at a time for a document of length ``L``).
 
 Canonical layout: every layout is seen as a packed stream of documents. ``thd`` is that already; ``bshd`` /
 ``sbhd`` with ``b`` rows of local length ``s`` under CP size ``cp`` is ``b`` documents of global length ``s·cp``
@@ -15,9 +16,8 @@ Backward (for rows ``i``, keys ``j``, ``P = softmax(scale·qKᵀ)`` masked, ``O 
 
 Example::
 
-    seg = segment_ids(cu, device)                              # [T] document of every global token
-    out = reference_rows(q_rows, rows, K, V, seg, causal=True, scale=0.125, dtype=torch.float64)
-    out, dq, dK, dV = reference_rows(q_rows, rows, K, V, seg, causal=True, scale=0.125, dtype=torch.float64,
+    out = reference_rows(q_rows, rows, K, V, cu, causal=True, scale=0.125, dtype=torch.float64)
+    out, dq, dK, dV = reference_rows(q_rows, rows, K, V, cu, causal=True, scale=0.125, dtype=torch.float64,
                                      dout=dout_rows)           # dK / dV: contributions of these rows only
 """
 from __future__ import annotations
@@ -68,53 +68,63 @@ def reference_rows(
     rows: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seg: torch.Tensor,
+    cu: Sequence[int],
     *,
     causal: bool,
     scale: float,
     dtype: torch.dtype,
     dout: Optional[torch.Tensor] = None,
 ):
-    """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over all keys ``k``/``v``.
+    """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
-    ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream), ``seg`` ``[T]`` the document of each token.
-    A key ``j`` is visible to row ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``.
+    ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream of documents ``cu``). A key ``j`` is visible to row
+    ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``. ``rows`` must be grouped by document in
+    document order (the zigzag local order is). Each document is computed on its own keys only.
     Returns ``out`` ``[n, h, d]``; with ``dout`` also ``dq`` ``[n, h, d]`` and the contributions of these rows to
     ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum them over the ranks that hold the other rows. All in ``dtype``.
     """
     n, h, d = q.shape
     t_all, h_kv = k.shape[0], k.shape[1]
     g = h // h_kv
-    kk = k.to(dtype).repeat_interleave(g, dim=1) if g > 1 else k.to(dtype)  # [T, h, d]
-    vv = v.to(dtype).repeat_interleave(g, dim=1) if g > 1 else v.to(dtype)
+    dev = q.device
+    cu_t = torch.tensor(list(cu), dtype=torch.long, device=dev)
+    doc = torch.searchsorted(cu_t, rows, right=True) - 1  # [n] document of each row
+    if n and bool((doc[1:] < doc[:-1]).any()):
+        raise ValueError("reference_rows: rows must be grouped by document, in document order")
+    bounds = torch.searchsorted(doc, torch.arange(len(cu), device=dev)).tolist()  # rows of doc i: bounds[i]:bounds[i+1]
     qq = q.to(dtype)
-    key_idx = torch.arange(t_all, device=q.device)
-    out = torch.empty(n, h, d, dtype=dtype, device=q.device)
+    out = torch.zeros(n, h, d, dtype=dtype, device=dev)
     if dout is not None:
         do_all = dout.to(dtype)
-        dq = torch.empty_like(out)
-        dk = torch.zeros(t_all, h, d, dtype=dtype, device=q.device)
+        dq = torch.zeros_like(out)
+        dk = torch.zeros(t_all, h, d, dtype=dtype, device=dev)
         dv = torch.zeros_like(dk)
-    step = max(1, _CHUNK_ELEMS // max(1, h * t_all))
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        r = rows[a:b]
-        visible = seg[r][:, None] == seg[None, :]  # [c, T]
-        if causal:
-            visible &= key_idx[None, :] <= r[:, None]
-        s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, T]
-        s = s.masked_fill(~visible, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
-        out[a:b] = o
-        if dout is not None:
-            do = do_all[a:b]  # [c, h, d]
-            dp = torch.einsum("ihd,jhd->hij", do, vv)
-            delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
-            ds = p * (dp - delta)
-            dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
-            dk += torch.einsum("hij,ihd->jhd", ds, qq[a:b]) * scale
-            dv += torch.einsum("hij,ihd->jhd", p, do)
+    for i in range(len(cu) - 1):
+        r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), int(cu[i + 1])
+        if r0 == r1 or k0 == k1:
+            continue
+        kk = k[k0:k1].to(dtype)
+        vv = v[k0:k1].to(dtype)
+        if g > 1:
+            kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)  # [L, h, d]
+        step = max(1, _CHUNK_ELEMS // max(1, h * (k1 - k0)))
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, L]
+            if causal:
+                visible = torch.arange(k0, k1, device=dev)[None, :] <= rows[a:b, None]  # [c, L]
+                s = s.masked_fill(~visible, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
+            out[a:b] = o
+            if dout is not None:
+                do = do_all[a:b]  # [c, h, d]
+                dp = torch.einsum("ihd,jhd->hij", do, vv)
+                delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
+                ds = p * (dp - delta)
+                dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
+                dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, qq[a:b]) * scale
+                dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
     if dout is None:
         return out
     if g > 1:  # the q heads of one group share a kv head: sum their contributions

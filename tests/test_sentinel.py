@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cpscope
-from cpscope._sentinel_reference import reference_rows, segment_ids
+from cpscope._sentinel_reference import reference_rows
 from cpscope.hybrid.loop import (
     global_num_targets,
     next_token_labels,
@@ -97,14 +97,17 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     ref = reference_attention(q, k, v, causal=causal, cu=cu, scale=scale)
     dout = torch.randn_like(ref)
     gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
-    rows = torch.tensor(zigzag_index(cu, 2, 1).tolist() + zigzag_index(cu, 2, 0).tolist())  # any row subset, order
-    seg = segment_ids(cu, q.device)
-    out, dq, dk, dv = reference_rows(q.detach()[rows], rows, k.detach(), v.detach(), seg, causal=causal, scale=scale,
-                                     dtype=torch.float64, dout=dout[rows])
-    torch.testing.assert_close(out, ref.detach()[rows], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dq, gq[rows], rtol=1e-11, atol=1e-11)
-    torch.testing.assert_close(dk, gk, rtol=1e-11, atol=1e-11)  # all rows given: the full contributions
+    out, dq, dk, dv = reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=causal,
+                                     scale=scale, dtype=torch.float64, dout=dout)  # every row: full dk / dv
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, gq, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(dk, gk, rtol=1e-11, atol=1e-11)
     torch.testing.assert_close(dv, gv, rtol=1e-11, atol=1e-11)
+    rows = zigzag_index(cu, 2, 1)  # one rank's rows (grouped by document): its output and dq
+    out1, dq1, _, _ = reference_rows(q.detach()[rows], rows, k.detach(), v.detach(), cu, causal=causal, scale=scale,
+                                     dtype=torch.float64, dout=dout[rows])
+    torch.testing.assert_close(out1, ref.detach()[rows], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq1, gq[rows], rtol=1e-11, atol=1e-11)
 
 
 def test_switch_and_context_manager_restore_what_was_active():
