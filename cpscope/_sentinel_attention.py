@@ -34,11 +34,12 @@ from ._sentinel_agree import (
     float_bits,
     hash64,
 )
-from ._sentinel_reference import canonical, canonical_offsets, reference_dtype, reference_rows, relative_error
+from ._sentinel_reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .scope import CPScope
 
 __all__ = ["checked_attention"]
 
+_FIGURES = ("ratio", "abs_error", "tolerance", "max_error", "ref_max")
 _SHARED = ("members", "cp_size", "step", "microbatch", "call", "qkv_format", "causal", "comm", "dtype", "batch",
            "local_len", "heads", "kv_heads", "head_dim", "offsets", "docs", "scale")
 # A disagreement in these would make the ring deadlock or crash: raised whatever the policy.
@@ -232,8 +233,10 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
     out = fn(q, k, v, scope, **kw)
     with torch.no_grad():
         ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt)
-        ratio, err = relative_error(canonical(out.detach(), fmt), ref)
-    rec.verdict("attention", [("out", ratio, err, s.tolerance(rec.dtype, grad=False))])
+        v_max = float(vf.abs().max()) if vf.numel() else 0.0  # |out| ≤ max |V|: the magnitude of its terms
+        res = compare(canonical(out.detach(), fmt), ref, rtol=s.tolerance(rec.dtype, grad=False),
+                      atol=error_floor(rec.dtype, rec.longest), terms=v_max)
+    rec.verdict("attention", [("out", res)])
     s.records.put(sig, fp, (scope, where))
     if grads:
         out = _TapOut.apply(rec, out)
@@ -272,6 +275,7 @@ class _Call:
         self.s, self.scope, self.fmt, self.causal, self.scale, self.dt = s, scope, fmt, causal, scale, dt
         self.rows, self.offs, self.kf, self.vf, self.q, self.dtype, self.where = rows, offs, kf, vf, q, dtype, where
         self.members = group_of(scope)
+        self.longest = max((b - a for a, b in zip(offs[:-1], offs[1:])), default=0)
         self.refs: Optional[tuple] = None
 
     def release(self) -> None:
@@ -282,33 +286,36 @@ class _Call:
         if self.kf is None:
             return
         do = canonical(dout.detach(), self.fmt)
-        _, dq, dk, dv = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
-                                       scale=self.scale, dtype=self.dt, dout=do)
+        _, dq, dk, dv, (dq_t, dk_t, dv_t) = reference_rows(
+            self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal, scale=self.scale, dtype=self.dt,
+            dout=do)
         if self.scope.size > 1:  # every rank's rows contribute to every key
-            kv = torch.stack([dk, dv])
+            kv = torch.stack([dk, dv, dk_t, dv_t])
             dist.all_reduce(kv, group=self.scope.group)
-            dk, dv = kv[0], kv[1]
-        self.refs = (dq, dk.index_select(0, self.rows), dv.index_select(0, self.rows))
+            dk, dv, dk_t, dv_t = kv.unbind(0)
+        pick = self.rows
+        self.refs = ((dq, dq_t), (dk.index_select(0, pick), dk_t.index_select(0, pick)),
+                     (dv.index_select(0, pick), dv_t.index_select(0, pick)))
         self.release()
 
     def check_grads(self, grads: tuple, needs: tuple) -> None:
         """In backward (from ``_TapIn``): the ring's dq, dk, dv against the reference's."""
         items = []
         refs, self.refs = self.refs, None
-        tol = self.s.tolerance(self.dtype, grad=True)
+        rtol, atol = self.s.tolerance(self.dtype, grad=True), error_floor(self.dtype, self.longest)
         for i, (name, got) in enumerate(zip(("dq", "dk", "dv"), grads)):
             if refs is None or not needs[i] or got is None:
-                items.append((name, 0.0, 0.0, tol))
+                items.append((name, dict.fromkeys(_FIGURES, 0.0)))
                 continue
-            ratio, err = relative_error(canonical(got.detach(), self.fmt), refs[i])
-            items.append((name, ratio, err, tol))
+            ref, terms = refs[i]
+            items.append((name, compare(canonical(got.detach(), self.fmt), ref, rtol=rtol, atol=atol, terms=terms)))
         self.verdict("attention-grad", items)
 
-    def verdict(self, check: str, items: list[tuple[str, float, float, float]]) -> None:
+    def verdict(self, check: str, items: list[tuple[str, dict]]) -> None:
         """Agree over the group on the comparison (every rank learns every rank's figures) and report."""
         s = self.s
         s._summary.count(check)
-        vec = [x for (_, ratio, err, tol) in items for x in (ratio, err, tol)]
+        vec = [float(res[f]) for (_, res) in items for f in _FIGURES]
         if self.scope.size > 1:
             mine = torch.tensor(vec, dtype=torch.float64, device=collective_device(self.scope.group, self.rows.device))
             parts = [torch.empty_like(mine) for _ in range(self.scope.size)]
@@ -318,20 +325,23 @@ class _Call:
             per_rank = [vec]
         ms = []
         dname = str(self.dtype).replace("torch.", "")
+        n = len(_FIGURES)
         for gi, vals in enumerate(per_rank):
             rank = self.members[gi] if gi < len(self.members) else gi
-            for j, (name, *_rest) in enumerate(items):
-                ratio, err, tol = vals[3 * j: 3 * j + 3]
-                excess = ratio / tol if tol > 0 else math.inf
-                s._summary.worst_ratio(f"{check} {name} {dname}", excess if excess == excess else math.inf)
-                if not ratio <= tol:  # also NaN
+            for j, (name, _) in enumerate(items):
+                res = dict(zip(_FIGURES, vals[n * j: n * j + n]))
+                ratio = res["ratio"]
+                s._summary.worst_ratio(f"{check} {name} {dname}", ratio if ratio == ratio else math.inf)
+                if not ratio <= 1.0:  # also NaN
                     what = "output" if name == "out" else f"gradient {name}"
                     ms.append(Mismatch(
                         check, name, rank,
-                        f"attention {what} of rank {rank} differs from the reference: max error {ratio:.3g} of "
-                        f"max |ref| (absolute {err:.3g}), tolerance {tol:.2g} ({dname}); layer (call) "
-                        f"{self.where.get('call')}, {describe(self.scope)} group {list(self.members)}",
-                        {"max_error": ratio, "abs_error": err, "tolerance": tol, "dtype": dname},
+                        f"attention {what} of rank {rank} differs from the reference: max error "
+                        f"{res['max_error']:.3g} of max |ref| {res['ref_max']:.3g}; worst element off by "
+                        f"{res['abs_error']:.3g} against a tolerance of {res['tolerance']:.3g} "
+                        f"({ratio:.3g}x; {dname}, rtol {s.tolerance(self.dtype, grad=name != 'out'):.2g}); layer "
+                        f"(call) {self.where.get('call')}, {describe(self.scope)} group {list(self.members)}",
+                        {**res, "rtol": s.tolerance(self.dtype, grad=name != "out"), "dtype": dname},
                         group=tuple(self.members), **self.where))
         s.emit(ms, consistent=True)
 

@@ -22,11 +22,13 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["canonical", "canonical_offsets", "segment_ids", "reference_rows", "relative_error", "reference_dtype"]
+__all__ = ["canonical", "canonical_offsets", "segment_ids", "reference_rows", "compare", "error_floor",
+           "reference_dtype"]
 
 # Scores held at once by the reference: heads × rows × keys elements (≈ 256 MiB in float64).
 _CHUNK_ELEMS = 1 << 25
@@ -80,8 +82,11 @@ def reference_rows(
     ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream of documents ``cu``). A key ``j`` is visible to row
     ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``. ``rows`` must be grouped by document in
     document order (the zigzag local order is). Each document is computed on its own keys only.
-    Returns ``out`` ``[n, h, d]``; with ``dout`` also ``dq`` ``[n, h, d]`` and the contributions of these rows to
-    ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum them over the ranks that hold the other rows. All in ``dtype``.
+    Returns ``out`` ``[n, h, d]``; with ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to
+    ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum them over the ranks that hold the other rows — and the magnitudes of the
+    terms each gradient element sums (``(dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP``
+    and ``D`` in absolute value too): the scale of the rounding error any implementation makes, even when the
+    terms cancel to a tiny gradient. All in ``dtype``.
     """
     n, h, d = q.shape
     t_all, h_kv = k.shape[0], k.shape[1]
@@ -99,6 +104,7 @@ def reference_rows(
         dq = torch.zeros_like(out)
         dk = torch.zeros(t_all, h, d, dtype=dtype, device=dev)
         dv = torch.zeros_like(dk)
+        dq_t, dk_t, dv_t = torch.zeros_like(dq), torch.zeros_like(dk), torch.zeros_like(dk)
     for i in range(len(cu) - 1):
         r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), int(cu[i + 1])
         if r0 == r1 or k0 == k1:
@@ -125,21 +131,57 @@ def reference_rows(
                 dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
                 dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, qq[a:b]) * scale
                 dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
+                dp_abs = torch.einsum("ihd,jhd->hij", do.abs(), vv.abs())  # Σ_d |dO_id V_jd| ≥ |dP_ij|
+                delta_abs = (do * o).abs().sum(-1).transpose(0, 1)[:, :, None]  # Σ_d |dO_id O_id| ≥ |D_i|
+                ds_abs = p * (dp_abs + delta_abs)
+                dq_t[a:b] = torch.einsum("hij,jhd->ihd", ds_abs, kk.abs()) * scale
+                dk_t[k0:k1] += torch.einsum("hij,ihd->jhd", ds_abs, qq[a:b].abs()) * scale
+                dv_t[k0:k1] += torch.einsum("hij,ihd->jhd", p, do.abs())
     if dout is None:
         return out
     if g > 1:  # the q heads of one group share a kv head: sum their contributions
-        dk = dk.view(t_all, h_kv, g, d).sum(2)
-        dv = dv.view(t_all, h_kv, g, d).sum(2)
-    return out, dq, dk, dv
+        dk, dv, dk_t, dv_t = (x.view(t_all, h_kv, g, d).sum(2) for x in (dk, dv, dk_t, dv_t))
+    return out, dq, dk, dv, (dq_t, dk_t, dv_t)
 
 
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """``(max |got − ref| / max |ref|, max |got − ref|)``, computed in ``ref``'s dtype; 0/0 counts as 0."""
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def error_floor(dtype: torch.dtype, longest: int) -> float:
+    """Rounding error per unit of term magnitude that a correct implementation may make with ``dtype`` inputs over
+    documents of up to ``longest`` tokens: the inputs' own rounding (e.g. ``D = rowsum(dO∘O)`` from a rounded
+    ``O``) plus fp32 (fp64 for fp64 inputs) softmax, merges and sums: ``2·u(dtype) + (128 + 16·√longest)·u(compute)``.
+    (docs/sentinel.md lists the worst error / tolerance measured on correct runs.)"""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return 2 * unit_roundoff(dtype) + (128 + 16 * math.sqrt(max(1, longest))) * unit_roundoff(compute)
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, *, rtol: float, atol: float,
+            terms: "torch.Tensor | float | None" = None) -> dict[str, float]:
+    """Compare ``got`` with ``ref`` elementwise against ``tol = rtol·max|ref| + atol·terms``.
+
+    Returns ``ratio`` (max of ``|got − ref| / tol``: > 1 is a mismatch; NaN counts as inf), and at the worst element
+    ``abs_error`` and ``tolerance``, plus ``max_error`` = ``max |got − ref| / max |ref|`` and ``ref_max``.
+    """
+    if not ref.numel():
+        return {"ratio": 0.0, "abs_error": 0.0, "tolerance": 0.0, "max_error": 0.0, "ref_max": 0.0}
     diff = (got.to(ref.dtype) - ref).abs()
-    err = float(diff.max()) if diff.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    if err == 0.0:
-        return 0.0, 0.0
-    if not (err == err):  # NaN in the result
-        return float("inf"), err
-    return (err / scale if scale > 0 else float("inf")), err
+    ref_max = ref.abs().max()
+    tol = rtol * ref_max
+    if terms is not None:
+        tol = tol + atol * (terms if isinstance(terms, float) else terms.to(ref.dtype))
+    tol = torch.as_tensor(tol, dtype=ref.dtype, device=ref.device).expand_as(diff)
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / tol)
+    ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, float("inf")), ratio)
+    worst = int(ratio.reshape(-1).argmax())
+    rm = float(ref_max)
+    err_max = float(diff.max())
+    return {
+        "ratio": float(ratio.reshape(-1)[worst]),
+        "abs_error": float(diff.reshape(-1)[worst]),
+        "tolerance": float(tol.reshape(-1)[worst]),
+        "max_error": (err_max / rm if rm > 0 else (0.0 if err_max == 0 else float("inf"))) if err_max == err_max
+        else float("inf"),
+        "ref_max": rm,
+    }
