@@ -238,6 +238,7 @@ class sentinel:
         self._pending: list[Mismatch] = []
         self._pending_exc: Optional[BaseException] = None
         self.records = _Records()
+        self._warned_nonfinite = False
         self._prev: Optional[sentinel] = None
         self._on = False
         self.start()
@@ -365,6 +366,16 @@ class sentinel:
             raise exc if exc is not None and not force_raise else SentinelError(mismatches)
         self._pending.extend(mismatches)
         self._pending_exc = self._pending_exc or exc
+
+    def nonfinite(self, what: str, rank: int) -> None:
+        """A comparison skipped because its inputs held inf / NaN or scores beyond the arithmetic's range (a
+        diverged run, not a CP fault): counted, and logged once as a warning."""
+        self._summary.count("skipped: non-finite inputs")
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            logger.warning("cpscope sentinel: %s of rank %d skipped: its inputs hold inf / NaN or scores too large "
+                           "for the kernels' arithmetic (the run has diverged); further skips are only counted in "
+                           "the summary", what, rank)
 
     @property
     def has_pending(self) -> bool:

@@ -39,7 +39,8 @@ from .scope import CPScope
 
 __all__ = ["checked_attention"]
 
-_FIGURES = ("ratio", "abs_error", "tolerance", "max_error", "ref_max")
+_FIGURES = ("ratio", "abs_error", "tolerance", "max_error", "ref_max", "nonfinite")
+_SKIPPED = dict.fromkeys(_FIGURES, 0.0)
 _SHARED = ("members", "cp_size", "step", "microbatch", "call", "qkv_format", "causal", "comm", "dtype", "batch",
            "local_len", "heads", "kv_heads", "head_dim", "offsets", "docs", "scale")
 # A disagreement in these would make the ring deadlock or crash: raised whatever the policy.
@@ -232,10 +233,21 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
         q, k, v = _TapIn.apply(rec, q, k, v)
     out = fn(q, k, v, scope, **kw)
     with torch.no_grad():
-        ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt)
-        v_max = float(vf.abs().max()) if vf.numel() else 0.0  # |out| ≤ max |V|: the magnitude of its terms
-        res = compare(canonical(out.detach(), fmt), ref, rtol=s.tolerance(rec.dtype, grad=False),
-                      atol=error_floor(rec.dtype, rec.longest), terms=v_max)
+        # inputs already inf / NaN (a diverged run): not attention's doing; counted, not compared
+        rec.finite = bool(torch.isfinite(rec.q).all()) and bool(torch.isfinite(kf).all()) and bool(
+            torch.isfinite(vf).all())
+        if rec.finite:
+            ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt)
+            rec.score_max = ref.score_max
+            # scores so large that exp(s − lse) has no correct digit left in the ring's arithmetic (|s| ≳ 1e6 in
+            # fp32): the model has diverged; nothing to compare
+            rec.finite = error_floor(rec.dtype, rec.longest, ref.score_max) < 1.0
+        if rec.finite:
+            v_max = float(vf.abs().max()) if vf.numel() else 0.0  # |out| ≤ max |V|: the magnitude of its terms
+            res = {**compare(canonical(out.detach(), fmt), ref.out, rtol=s.tolerance(rec.dtype, grad=False),
+                             atol=error_floor(rec.dtype, rec.longest, ref.score_max), terms=v_max), "nonfinite": 0.0}
+        else:
+            res = {**_SKIPPED, "nonfinite": 1.0}
     rec.verdict("attention", [("out", res)])
     s.records.put(sig, fp, (scope, where))
     if grads:
@@ -276,6 +288,8 @@ class _Call:
         self.rows, self.offs, self.kf, self.vf, self.q, self.dtype, self.where = rows, offs, kf, vf, q, dtype, where
         self.members = group_of(scope)
         self.longest = max((b - a for a, b in zip(offs[:-1], offs[1:])), default=0)
+        self.score_max = 0.0
+        self.finite = True
         self.refs: Optional[tuple] = None
 
     def release(self) -> None:
@@ -286,13 +300,24 @@ class _Call:
         if self.kf is None:
             return
         do = canonical(dout.detach(), self.fmt)
-        _, dq, dk, dv, (dq_t, dk_t, dv_t) = reference_rows(
-            self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal, scale=self.scale, dtype=self.dt,
-            dout=do)
+        finite = self.finite and bool(torch.isfinite(do).all())
+        if finite:
+            ref = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
+                                 scale=self.scale, dtype=self.dt, dout=do)
+            dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
+        else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
+            dq = torch.zeros_like(self.q, dtype=self.dt)
+            dk = dv = dk_t = dv_t = torch.zeros_like(self.kf)
         if self.scope.size > 1:  # every rank's rows contribute to every key
             kv = torch.stack([dk, dv, dk_t, dv_t])
-            dist.all_reduce(kv, group=self.scope.group)
-            dk, dv, dk_t, dv_t = kv.unbind(0)
+            buf = torch.cat([kv.reshape(-1), kv.new_tensor([0.0 if finite else 1.0])])
+            dist.all_reduce(buf, group=self.scope.group)
+            finite = float(buf[-1]) == 0.0
+            dk, dv, dk_t, dv_t = buf[:-1].view_as(kv).unbind(0)
+        if not finite:
+            self.refs = "nonfinite"
+            self.release()
+            return
         pick = self.rows
         self.refs = ((dq, dq_t), (dk.index_select(0, pick), dk_t.index_select(0, pick)),
                      (dv.index_select(0, pick), dv_t.index_select(0, pick)))
@@ -302,13 +327,18 @@ class _Call:
         """In backward (from ``_TapIn``): the ring's dq, dk, dv against the reference's."""
         items = []
         refs, self.refs = self.refs, None
-        rtol, atol = self.s.tolerance(self.dtype, grad=True), error_floor(self.dtype, self.longest)
+        rtol = self.s.tolerance(self.dtype, grad=True)
+        atol = error_floor(self.dtype, self.longest, self.score_max)
         for i, (name, got) in enumerate(zip(("dq", "dk", "dv"), grads)):
+            if refs == "nonfinite":
+                items.append((name, {**_SKIPPED, "nonfinite": 1.0}))
+                continue
             if refs is None or not needs[i] or got is None:
-                items.append((name, dict.fromkeys(_FIGURES, 0.0)))
+                items.append((name, dict(_SKIPPED)))
                 continue
             ref, terms = refs[i]
-            items.append((name, compare(canonical(got.detach(), self.fmt), ref, rtol=rtol, atol=atol, terms=terms)))
+            items.append((name, {**compare(canonical(got.detach(), self.fmt), ref, rtol=rtol, atol=atol, terms=terms),
+                                 "nonfinite": 0.0}))
         self.verdict("attention-grad", items)
 
     def verdict(self, check: str, items: list[tuple[str, dict]]) -> None:
@@ -330,6 +360,9 @@ class _Call:
             rank = self.members[gi] if gi < len(self.members) else gi
             for j, (name, _) in enumerate(items):
                 res = dict(zip(_FIGURES, vals[n * j: n * j + n]))
+                if res["nonfinite"]:
+                    s.nonfinite(f"{check} {name}", rank)
+                    continue
                 ratio = res["ratio"]
                 s._summary.worst_ratio(f"{check} {name} {dname}", ratio if ratio == ratio else math.inf)
                 if not ratio <= 1.0:  # also NaN
@@ -341,7 +374,8 @@ class _Call:
                         f"{res['abs_error']:.3g} against a tolerance of {res['tolerance']:.3g} "
                         f"({ratio:.3g}x; {dname}, rtol {s.tolerance(self.dtype, grad=name != 'out'):.2g}); layer "
                         f"(call) {self.where.get('call')}, {describe(self.scope)} group {list(self.members)}",
-                        {**res, "rtol": s.tolerance(self.dtype, grad=name != "out"), "dtype": dname},
+                        {**res, "rtol": s.tolerance(self.dtype, grad=name != "out"), "dtype": dname,
+                         "score_max": self.score_max},
                         group=tuple(self.members), **self.where))
         s.emit(ms, consistent=True)
 

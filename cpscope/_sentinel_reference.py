@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -65,6 +65,17 @@ def segment_ids(cu: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lens.numel()), lens).to(device)
 
 
+class Reference(NamedTuple):
+    """What :func:`reference_rows` returns (the gradient fields only when ``dout`` was given)."""
+
+    out: torch.Tensor
+    score_max: float
+    dq: Optional[torch.Tensor] = None
+    dk: Optional[torch.Tensor] = None
+    dv: Optional[torch.Tensor] = None
+    terms: Optional[tuple] = None
+
+
 def reference_rows(
     q: torch.Tensor,
     rows: torch.Tensor,
@@ -82,11 +93,12 @@ def reference_rows(
     ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream of documents ``cu``). A key ``j`` is visible to row
     ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``. ``rows`` must be grouped by document in
     document order (the zigzag local order is). Each document is computed on its own keys only.
-    Returns ``out`` ``[n, h, d]``; with ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to
-    ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum them over the ranks that hold the other rows — and the magnitudes of the
-    terms each gradient element sums (``(dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP``
-    and ``D`` in absolute value too): the scale of the rounding error any implementation makes, even when the
-    terms cancel to a tiny gradient. All in ``dtype``.
+    Returns a :class:`Reference`: ``out`` ``[n, h, d]`` and ``score_max`` (the largest ``|scale·q·k|``); with
+    ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum
+    them over the ranks that hold the other rows — and the magnitudes of the terms each gradient element sums
+    (``terms = (dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP`` and ``D`` in absolute value
+    too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
+    All in ``dtype``.
     """
     n, h, d = q.shape
     t_all, h_kv = k.shape[0], k.shape[1]
@@ -99,6 +111,7 @@ def reference_rows(
     bounds = torch.searchsorted(doc, torch.arange(len(cu), device=dev)).tolist()  # rows of doc i: bounds[i]:bounds[i+1]
     qq = q.to(dtype)
     out = torch.zeros(n, h, d, dtype=dtype, device=dev)
+    score_max = 0.0
     if dout is not None:
         do_all = dout.to(dtype)
         dq = torch.zeros_like(out)
@@ -117,6 +130,7 @@ def reference_rows(
         for a in range(r0, r1, step):
             b = min(r1, a + step)
             s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, L]
+            score_max = max(score_max, float(s.abs().amax()))
             if causal:
                 visible = torch.arange(k0, k1, device=dev)[None, :] <= rows[a:b, None]  # [c, L]
                 s = s.masked_fill(~visible, float("-inf"))
@@ -138,23 +152,26 @@ def reference_rows(
                 dk_t[k0:k1] += torch.einsum("hij,ihd->jhd", ds_abs, qq[a:b].abs()) * scale
                 dv_t[k0:k1] += torch.einsum("hij,ihd->jhd", p, do.abs())
     if dout is None:
-        return out
+        return Reference(out, score_max)
     if g > 1:  # the q heads of one group share a kv head: sum their contributions
         dk, dv, dk_t, dv_t = (x.view(t_all, h_kv, g, d).sum(2) for x in (dk, dv, dk_t, dv_t))
-    return out, dq, dk, dv, (dq_t, dk_t, dv_t)
+    return Reference(out, score_max, dq, dk, dv, (dq_t, dk_t, dv_t))
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def error_floor(dtype: torch.dtype, longest: int) -> float:
+def error_floor(dtype: torch.dtype, longest: int, score_max: float) -> float:
     """Rounding error per unit of term magnitude that a correct implementation may make with ``dtype`` inputs over
-    documents of up to ``longest`` tokens: the inputs' own rounding (e.g. ``D = rowsum(dO∘O)`` from a rounded
-    ``O``) plus fp32 (fp64 for fp64 inputs) softmax, merges and sums: ``2·u(dtype) + (128 + 16·√longest)·u(compute)``.
+    documents of up to ``longest`` tokens with scores up to ``score_max``: the inputs' own rounding (e.g.
+    ``D = rowsum(dO∘O)`` from a rounded ``O``), plus what fp32 (fp64 for fp64 inputs) arithmetic loses — sums over
+    a document, and ``exp(s − lse)``, whose relative error grows with the size of the scores (large logits, as in
+    a model whose q·k has grown): ``2·u(dtype) + (128 + 16·√longest + 16·score_max)·u(compute)``.
     (docs/sentinel.md lists the worst error / tolerance measured on correct runs.)"""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    return 2 * unit_roundoff(dtype) + (128 + 16 * math.sqrt(max(1, longest))) * unit_roundoff(compute)
+    growth = 128 + 16 * math.sqrt(max(1, longest)) + 16 * score_max
+    return 2 * unit_roundoff(dtype) + growth * unit_roundoff(compute)
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor, *, rtol: float, atol: float,

@@ -97,8 +97,12 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     ref = reference_attention(q, k, v, causal=causal, cu=cu, scale=scale)
     dout = torch.randn_like(ref)
     gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
-    out, dq, dk, dv, terms = reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=causal,
-                                            scale=scale, dtype=torch.float64, dout=dout)  # every row: full dk / dv
+    out, score_max, dq, dk, dv, terms = reference_rows(  # every row: the full dk / dv
+        q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=causal, scale=scale, dtype=torch.float64,
+        dout=dout)
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+    scores = torch.einsum("ihd,jhd->hij", q.detach(), k.detach().repeat_interleave(h // h_kv, 1)) * scale
+    assert score_max == pytest.approx(float(scores.abs()[:, doc[:, None] == doc[None, :]].max()))  # within documents
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dq, gq, rtol=1e-11, atol=1e-11)
     torch.testing.assert_close(dk, gk, rtol=1e-11, atol=1e-11)
@@ -106,7 +110,7 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     for g, t_abs in zip((dq, dk, dv), terms):  # the term magnitudes bound the gradients
         assert bool((g.abs() <= t_abs + 1e-12).all()) and bool((t_abs > 0).any())
     rows = zigzag_index(cu, 2, 1)  # one rank's rows (grouped by document): its output and dq
-    out1, dq1, _, _, _ = reference_rows(q.detach()[rows], rows, k.detach(), v.detach(), cu, causal=causal, scale=scale,
+    out1, _, dq1, _, _, _ = reference_rows(q.detach()[rows], rows, k.detach(), v.detach(), cu, causal=causal, scale=scale,
                                      dtype=torch.float64, dout=dout[rows])
     torch.testing.assert_close(out1, ref.detach()[rows], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dq1, gq[rows], rtol=1e-11, atol=1e-11)
@@ -141,6 +145,19 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="rtol"):
         cpscope.sentinel(rtol={torch.float32: (0.0, 1e-3)})
     assert cpscope.sentinel.active() is None
+
+
+def test_check_positions_and_check_targets_for_your_own_code():
+    cu = [0, 4, 12]
+    with cpscope.sentinel(every=1, on_mismatch="log") as s:
+        cpscope.sentinel.check_positions(torch.cat([torch.arange(4), torch.arange(8)]), cu_seqlens=cu)  # right
+        cpscope.sentinel.check_positions(torch.arange(12), cu_seqlens=cu, where="my rope")  # not restarted
+        cpscope.sentinel.check_positions(torch.arange(5, 13)[None])  # one sequence per row: CP1 allows an offset
+        s.check_targets(10, 10)
+        s.check_targets(10, 12)
+    assert [(m.check, m.field) for m in s.reports] == [("positions", "my rope"), ("loss-normalisation", "num_targets")]
+    assert s.reports[0].figures["first"] == 4 and s.reports[0].figures["expected"] == 0
+    cpscope.sentinel.check_positions(torch.arange(3))  # no sentinel on: nothing happens
 
 
 def test_single_process_cp1_checks_pass_and_a_planted_kernel_bug_is_reported(monkeypatch):
