@@ -197,6 +197,9 @@ class sentinel:
             loss.backward()
     """
 
+    Mismatch = Mismatch  # what reports and callbacks receive
+    SentinelError = SentinelError
+
     def __init__(
         self,
         every: int = 100,

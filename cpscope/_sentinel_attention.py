@@ -237,7 +237,8 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
         rec.finite = bool(torch.isfinite(rec.q).all()) and bool(torch.isfinite(kf).all()) and bool(
             torch.isfinite(vf).all())
         if rec.finite:
-            ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt)
+            ref = reference_rows(rec.q, rows, kf, vf, offs, causal=causal, scale=scale, dtype=dt,
+                                 cache=rec.cache if grads else None)
             rec.score_max = ref.score_max
             # scores so large that exp(s − lse) has no correct digit left in the ring's arithmetic (|s| ≳ 1e6 in
             # fp32): the model has diverged; nothing to compare
@@ -290,10 +291,12 @@ class _Call:
         self.longest = max((b - a for a, b in zip(offs[:-1], offs[1:])), default=0)
         self.score_max = 0.0
         self.finite = True
+        self.cache: dict = {}  # the reference's forward probabilities, for its backward
         self.refs: Optional[tuple] = None
 
     def release(self) -> None:
         self.kf = self.vf = self.q = None
+        self.cache = {}
 
     def reference_grads(self, dout: torch.Tensor) -> None:
         """In backward (from ``_TapOut``): dq of this rank's rows, dk/dv of its keys (summed over the group)."""
@@ -303,7 +306,7 @@ class _Call:
         finite = self.finite and bool(torch.isfinite(do).all())
         if finite:
             ref = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
-                                 scale=self.scale, dtype=self.dt, dout=do)
+                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache)
             dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
         else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
             dq = torch.zeros_like(self.q, dtype=self.dt)

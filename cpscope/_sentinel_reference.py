@@ -32,6 +32,8 @@ __all__ = ["canonical", "canonical_offsets", "segment_ids", "reference_rows", "c
 
 # Scores held at once by the reference: heads × rows × keys elements (≈ 256 MiB in float64).
 _CHUNK_ELEMS = 1 << 25
+# Probabilities kept from the forward check for the gradient check (≈ 64 MiB in float64); larger: recomputed.
+_CACHE_ELEMS = 1 << 23
 
 
 def reference_dtype(device: torch.device) -> torch.dtype:
@@ -87,6 +89,7 @@ def reference_rows(
     scale: float,
     dtype: torch.dtype,
     dout: Optional[torch.Tensor] = None,
+    cache: Optional[dict] = None,
 ):
     """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
@@ -99,6 +102,9 @@ def reference_rows(
     (``terms = (dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP`` and ``D`` in absolute value
     too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
     All in ``dtype``.
+
+    ``cache``: a dict, filled by a forward call (the probabilities of every chunk, when they take at most
+    ``_CACHE_ELEMS`` elements) and emptied by the backward call that is given it, which then skips recomputing them.
     """
     n, h, d = q.shape
     t_all, h_kv = k.shape[0], k.shape[1]
@@ -118,6 +124,10 @@ def reference_rows(
         dk = torch.zeros(t_all, h, d, dtype=dtype, device=dev)
         dv = torch.zeros_like(dk)
         dq_t, dk_t, dv_t = torch.zeros_like(dq), torch.zeros_like(dk), torch.zeros_like(dk)
+    if cache is not None and dout is None:
+        size = sum(h * (bounds[i + 1] - bounds[i]) * (int(cu[i + 1]) - int(cu[i])) for i in range(len(cu) - 1))
+        if size > _CACHE_ELEMS:
+            cache = None
     for i in range(len(cu) - 1):
         r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), int(cu[i + 1])
         if r0 == r1 or k0 == k1:
@@ -129,13 +139,19 @@ def reference_rows(
         step = max(1, _CHUNK_ELEMS // max(1, h * (k1 - k0)))
         for a in range(r0, r1, step):
             b = min(r1, a + step)
-            s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, L]
-            score_max = max(score_max, float(s.abs().amax()))
-            if causal:
-                visible = torch.arange(k0, k1, device=dev)[None, :] <= rows[a:b, None]  # [c, L]
-                s = s.masked_fill(~visible, float("-inf"))
-            p = torch.softmax(s, dim=-1)
-            o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
+            hit = cache.pop(a, None) if cache is not None and dout is not None else None
+            if hit is not None:  # the forward's probabilities and output of this chunk
+                p, o = hit
+            else:
+                s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, L]
+                score_max = max(score_max, float(s.abs().amax()))
+                if causal:
+                    visible = torch.arange(k0, k1, device=dev)[None, :] <= rows[a:b, None]  # [c, L]
+                    s = s.masked_fill(~visible, float("-inf"))
+                p = torch.softmax(s, dim=-1)
+                o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
+                if cache is not None and dout is None:
+                    cache[a] = (p, o)
             out[a:b] = o
             if dout is not None:
                 do = do_all[a:b]  # [c, h, d]

@@ -106,6 +106,9 @@ class SentinelError(RuntimeError):
         more = len(self.mismatches) - len(lines)
         super().__init__("cpscope sentinel: " + "\n  ".join(lines) + (f"\n  … and {more} more" if more > 0 else ""))
 
+    def __reduce__(self) -> tuple:  # picklable with its mismatches (multiprocessing, test harnesses)
+        return (SentinelError, (self.mismatches,))
+
 
 @dataclass
 class Summary:

@@ -109,6 +109,13 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     torch.testing.assert_close(dv, gv, rtol=1e-11, atol=1e-11)
     for g, t_abs in zip((dq, dk, dv), terms):  # the term magnitudes bound the gradients
         assert bool((g.abs() <= t_abs + 1e-12).all()) and bool((t_abs > 0).any())
+    cache: dict = {}  # the forward's probabilities reused by the backward: the same numbers
+    reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=causal, scale=scale,
+                   dtype=torch.float64, cache=cache)
+    assert cache
+    again = reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=causal, scale=scale,
+                           dtype=torch.float64, dout=dout, cache=cache)
+    assert not cache and all(torch.equal(x, y) for x, y in zip(again[2:5], (dq, dk, dv)))
     rows = zigzag_index(cu, 2, 1)  # one rank's rows (grouped by document): its output and dq
     out1, _, dq1, _, _, _ = reference_rows(q.detach()[rows], rows, k.detach(), v.detach(), cu, causal=causal, scale=scale,
                                      dtype=torch.float64, dout=dout[rows])
@@ -503,3 +510,11 @@ def test_ring_autograd_is_untouched_when_off_or_unsampled():
     for names, checks in run_ranks(2, _zero_cost):
         assert names[0] == names[2] and "Tap" not in names[0] and names[1] == "_TapOutBackward"
         assert checks == {"agreement": 1, "attention": 1}
+
+
+def test_sentinel_error_pickles_with_its_mismatches():
+    import pickle
+
+    m = cpscope.sentinel.Mismatch("agreement", "offsets", 1, "rank 1 differs", {"values": {0: 1, 1: 2}}, step=0)
+    e = pickle.loads(pickle.dumps(cpscope.SentinelError([m])))
+    assert isinstance(e, cpscope.SentinelError) and e.mismatches == [m] and "rank 1 differs" in str(e)
