@@ -44,6 +44,7 @@ import functools
 import logging
 import math
 import numbers
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -53,25 +54,39 @@ import torch.distributed as dist
 from ._sentinel_report import Mismatch, SentinelError, Summary, logger
 from .scope import _ACTIVE, _UNSET, CPScope, resolve_scope, scope_for
 
-__all__ = ["sentinel", "SentinelError", "Mismatch", "watch_attention"]
+__all__ = ["sentinel", "SentinelError", "Mismatch"]
 
 # The active sentinel, or None. Every hook starts with ``if _sentinel.ACTIVE is not None`` — all it costs when off.
+# (attention_with_scope's hook also asks ``busy()``: the sentinel's own call of the ring passes through.)
 ACTIVE: Optional["sentinel"] = None
 
 _POLICIES = ("raise", "log")
 
 
-def watch_attention(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Decorator for ``attention_with_scope`` (the one place cpscope attention runs): checked calls when on."""
+_LOCAL = threading.local()
 
-    @functools.wraps(fn)
-    def attention_with_scope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, **kwargs: Any):
-        s = ACTIVE
-        if s is None:
-            return fn(q, k, v, scope, **kwargs)
-        return s.on_attention(fn, q, k, v, scope, kwargs)
 
-    return attention_with_scope
+def busy() -> bool:
+    """True while the sentinel itself runs the checked attention (the hook then lets the call through)."""
+    return getattr(_LOCAL, "busy", False)
+
+
+def attention(fn: Callable[..., torch.Tensor], args: dict) -> torch.Tensor:
+    """The hook at the top of ``attention_with_scope``: ``args`` are its ``locals()`` (its arguments)."""
+    s = ACTIVE
+    if s is None:  # switched off meanwhile (another thread)
+        return call_unchecked(fn, **{name: args[name] for name in _parameters(fn)})
+    return s.on_attention(fn, args)
+
+
+def call_unchecked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with the attention hook passing through (this thread only)."""
+    outer = busy()
+    _LOCAL.busy = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _LOCAL.busy = outer
 
 
 def in_backward() -> bool:
@@ -418,11 +433,14 @@ class sentinel:
     # -------------------------------------------------------------------------------------------------------------
     # Hooks (called from attention/__init__.py, rope.py, integrations/hf.py, hybrid/loop.py)
 
-    def on_attention(self, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scope: CPScope, kwargs: dict) -> torch.Tensor:
+    def on_attention(self, fn: Callable[..., torch.Tensor], args: dict) -> torch.Tensor:
+        """Hook at the top of ``attention_with_scope`` (``args``: its ``locals()``, i.e. its arguments): runs the
+        call, checked when sampled. The real call goes through :func:`call_unchecked`."""
+        kw = {name: args[name] for name in _parameters(fn)}  # locals() may hold more (a closure's free variables)
+        q, k, v, scope = kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("scope")
         if torch.compiler.is_compiling():  # under torch.compile: run the check outside the graph (a graph break)
-            return _compiler_disabled(_attention_hook)(self, fn, q, k, v, scope, kwargs)
-        return _attention_hook(self, fn, q, k, v, scope, kwargs)
+            return _compiler_disabled(_attention_hook)(self, fn, q, k, v, scope, kw)
+        return _attention_hook(self, fn, q, k, v, scope, kw)
 
     def on_rope(self, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) -> None:
         if self.check_positions_:
@@ -489,6 +507,13 @@ def _hf_hook(*args: Any) -> None:
     from ._sentinel_positions import on_hf_positions
 
     on_hf_positions(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    import inspect
+
+    return tuple(inspect.signature(fn).parameters)
 
 
 @functools.lru_cache(maxsize=None)

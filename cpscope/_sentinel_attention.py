@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel import Mismatch, describe, fingerprint, group_of, in_backward, same_scope
+from ._sentinel import Mismatch, call_unchecked, describe, fingerprint, group_of, in_backward, same_scope
 from ._sentinel_agree import (
     DTYPES,
     FORMATS,
@@ -74,12 +74,12 @@ def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, 
     """Run ``fn(q, k, v, scope, **kw)`` (the ring), checked when this call is sampled."""
     if in_backward():
         _recompute_check(s, q, k, v, scope, kw)
-        return fn(q, k, v, scope, **kw)
+        return call_unchecked(fn, q, k, v, scope, **kw)
     mb = s.current("attention", scope)
     call = mb.calls
     mb.calls += 1
     if not mb.sampled:
-        return fn(q, k, v, scope, **kw)
+        return call_unchecked(fn, q, k, v, scope, **kw)
     from .attention._inputs import check_attention_inputs
 
     fmt = kw.get("qkv_format", "bshd")
@@ -128,7 +128,7 @@ def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, 
     else:
         s.raise_pending()
     if not (ok and scope_ok and s.check_attention) or kw.get("cu_seqlens_padded") is not None:
-        return fn(q, k, v, scope, **kw)
+        return call_unchecked(fn, q, k, v, scope, **kw)
     return _numeric(s, fn, q, k, v, scope, kw, fmt, causal, cu, float(scale), where)
 
 
@@ -231,7 +231,7 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
     sig, fp = _signature(q, k, kw), fingerprint(v)
     if grads:
         q, k, v = _TapIn.apply(rec, q, k, v)
-    out = fn(q, k, v, scope, **kw)
+    out = call_unchecked(fn, q, k, v, scope, **kw)
     with torch.no_grad():
         # inputs already inf / NaN (a diverged run): not attention's doing; counted, not compared
         rec.finite = bool(torch.isfinite(rec.q).all()) and bool(torch.isfinite(kf).all()) and bool(

@@ -78,7 +78,6 @@ def context_parallel_attention(
     )
 
 
-@_sentinel.watch_attention  # correctness sentinel: checked calls when cpscope.sentinel is on; else a None check
 def attention_with_scope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,6 +100,7 @@ def attention_with_scope(
         scope = cpscope.resolve_scope()            # once, in forward
         out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
     """
+    if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_with_scope, locals())  # noqa
     cu = check_attention_inputs(
         q, k, v, qkv_format=qkv_format, cp=scope.size, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
     )
