@@ -52,8 +52,9 @@ def _random_calls(n_cases: int, seed: int, device: str = "cpu"):
 
     groups = cpscope.new_cp_groups([1, 2]) if dist.is_initialized() else {1: None}
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)  # the same draws on every rank: shapes, layouts, sizes
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank's own data: its shards differ
     with cpscope.sentinel(every=1) as s:
         for case in range(n_cases):
             cp = rng.choice(sorted(groups))
@@ -83,7 +84,6 @@ def _random_calls(n_cases: int, seed: int, device: str = "cpu"):
                 kw = {}
             if rng.random() < 0.3:
                 kw["softmax_scale"] = rng.uniform(0.05, 0.5)
-            # the same random tensors on both ranks: each rank takes them as its local shard
             q = torch.randn(shape_q, generator=gen).to(dev, dtype).requires_grad_()
             k = torch.randn(shape_kv, generator=gen).to(dev, dtype).requires_grad_()
             v = torch.randn(shape_kv, generator=gen).to(dev, dtype).requires_grad_()
@@ -112,7 +112,7 @@ def _cancelling_gradients(dtype_name: str):
     where a correct fp32 ring is 1e-4 off *relative to |dq|*); the check must measure against the terms' size."""
     groups = cpscope.new_cp_groups([1, 2])
     dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(9)
+    gen = torch.Generator().manual_seed(9 + 100 * torch.distributed.get_rank())  # each rank its own shards
     reports = []
     with cpscope.sentinel(every=1) as s:
         for cp in (1, 2):
