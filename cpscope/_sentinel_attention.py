@@ -22,7 +22,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel import Mismatch, call_unchecked, describe, fingerprint, group_of, in_backward, same_scope
+from ._sentinel import call_unchecked
+from ._sentinel_report import Mismatch
+from ._sentinel_state import describe, fingerprint, group_of, in_backward, same_scope
 from ._sentinel_agree import (
     DTYPES,
     FORMATS,

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel import Mismatch, describe, group_of
+from ._sentinel_report import Mismatch
+from ._sentinel_state import describe, group_of
 from ._sentinel_agree import collective_device, disagreements, exchange, exchange_objects, hash64
 from .scope import CPScope, scope_for
 

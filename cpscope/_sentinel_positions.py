@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel import Mismatch, describe, fingerprint, group_of, in_backward, same_scope
+from ._sentinel_report import Mismatch
+from ._sentinel_state import describe, fingerprint, group_of, in_backward, same_scope
 from ._sentinel_agree import hash64
 from .scope import CPScope
 
