@@ -66,6 +66,7 @@ from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
 from .attention import ContextParallelAttention, context_parallel_attention
 from .recompute import checkpoint, scope_context_fn, scoped
 from .microbatch import MicrobatchScope
+from ._sentinel import SentinelError, sentinel
 
 __all__ = [
     "CPScope",
@@ -108,6 +109,8 @@ __all__ = [
     "set_backward_read_check",
     "set_build_time_cp_group",
     "set_debug_autograd_reads",
+    "sentinel",
+    "SentinelError",
 ]
 
 __version__ = "0.1.0"

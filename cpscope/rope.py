@@ -38,7 +38,7 @@ from ._checks import (
     check_rope_freqs,
     check_tensor_dims,
 )
-from . import _rope_kernel
+from . import _rope_kernel, _sentinel
 from ._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
@@ -184,6 +184,7 @@ def apply_rotary_pos_emb(
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
                       cu_seqlens_padded=cu_seqlens_padded)
+    if _sentinel.ACTIVE is not None: _sentinel.ACTIVE.on_rope(scope, list(pack.cu), qkv_format, t)  # noqa: E701
 
     if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
         if not _rope_kernel.usable(t):

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import _sentinel
 from .._pack import Pack, pack_for
 from ..scope import _UNSET, CPScope, resolve_scope
 from ._dispatch import Variant, resolve_variant, run_variant, set_auto_chooser
@@ -120,6 +121,7 @@ def attention_with_scope(
         scope = cpscope.resolve_scope()            # once, in forward
         out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
     """
+    if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_with_scope, locals())  # noqa
     check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     pack: Optional[Pack] = None

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _sentinel
 from .._checks import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import check_comm, runtime_cp, scope_for
@@ -287,6 +288,7 @@ def run_microbatches(
     forward: Callable[[Any, LocalMicrobatch], torch.Tensor] = _default_forward,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
     backward: bool = True,
+    before_last: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
     """Forward (and backward) every microbatch in order, each under ``runtime_cp(mb.group)``.
 
@@ -294,6 +296,8 @@ def run_microbatches(
     returns the **sum** of per-token losses over the local real targets and ``num_targets`` is the global count
     (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards
     — or use :func:`run_step`, which does both and also drives DDP and FSDP2.
+
+    ``before_last`` (used by :func:`run_step`) is called right before the last microbatch runs.
 
     Returns:
         This rank's summed (un-normalised) loss, a float64 scalar tensor on the loss's device (no host sync);
@@ -309,7 +313,12 @@ def run_microbatches(
     if num_targets <= 0:
         raise ValueError(f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
     total = torch.zeros((), dtype=torch.float64)
-    for mb in microbatches:
+    microbatches = list(microbatches)
+    last = len(microbatches) - 1
+    if _sentinel.ACTIVE is not None: microbatches = _sentinel.ACTIVE.watch_loop(microbatches, num_targets)  # noqa: E701
+    for i, mb in enumerate(microbatches):
+        if i == last and before_last is not None:
+            before_last()
         with runtime_cp(mb.group, local_cp_size=mb.cp, comm=mb.comm):  # the planned variant (None: p2p)
             out = forward(model, mb)
             loss_sum = loss_fn(out, mb.labels)
@@ -441,18 +450,17 @@ def run_step(
     # reduce-scatter would stall a CP peer still exchanging keys and values with it in that microbatch's backward.
     # So it rides on the last microbatch only when that is CP1, else on an extra empty (CP1) microbatch.
     inline = bool(mbs) and (not sync.needs_backward or mbs[-1].cp == 1)
-    head = mbs[:-1] if inline else mbs
     sync.begin_step()
     try:
-        if head:
-            total = total + run_microbatches(sync.module, head, num_targets=num_targets, forward=forward,
-                                             loss_fn=loss_fn)
-        sync.before_last_microbatch()
-        if inline:
-            total = total + run_microbatches(sync.module, mbs[-1:], num_targets=num_targets, forward=forward,
-                                             loss_fn=loss_fn)
-        elif sync.needs_backward:
-            _run_empty(sync.module, forward, sync.device)
+        # one call for all microbatches (what a per-step observer such as the sentinel sees as the step)
+        if mbs:
+            total = total + run_microbatches(sync.module, mbs, num_targets=num_targets, forward=forward,
+                                             loss_fn=loss_fn, before_last=sync.before_last_microbatch if inline
+                                             else None)
+        if not inline:
+            sync.before_last_microbatch()
+            if sync.needs_backward:
+                _run_empty(sync.module, forward, sync.device)
     except BaseException:
         sync.abort_step()
         raise

@@ -1,0 +1,90 @@
+"""The sentinel's bookkeeping: which microbatch is running and whether it is sampled, what sampled forwards
+recorded for their recomputes, and small helpers on scopes (nothing here reads the ContextVar).
+
+Example::
+
+    mb = _Microbatch(scope, index=0, sampled=True, step=None, marked=True)
+    mb.where(call=1)            # {"step": None, "microbatch": 0, "call": 1}: the where-fields of a report
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .scope import CPScope
+
+__all__ = ["in_backward", "same_scope", "describe", "group_of", "fingerprint", "_Microbatch", "_Records"]
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward (hooks, recompute): the ContextVar must not be read there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def same_scope(a: CPScope, b: CPScope) -> bool:
+    return a is b or (a.size == b.size and a.rank == b.rank and (a.size == 1 or a.group is b.group))
+
+
+def describe(scope: CPScope) -> str:
+    return "CP1" if scope.size == 1 else f"CP{scope.size} rank {scope.rank}"
+
+
+def group_of(scope: CPScope) -> tuple[int, ...]:
+    from .groups import group_ranks
+
+    return tuple(group_ranks(scope.group)) if dist.is_initialized() else (0,)
+
+
+class _Microbatch:
+    """What the sentinel knows about the microbatch being run: its group, index, whether it is sampled."""
+
+    __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified")
+
+    def __init__(self, scope: CPScope, index: int, sampled: bool, step: Optional[int], marked: bool) -> None:
+        self.scope, self.index, self.sampled, self.step, self.marked = scope, index, sampled, step, marked
+        self.calls = 0  # attention calls so far (forward): the next call's index = the layer
+        self.rope_layouts: list = []  # offsets RoPE used since the last attention call (sampled only)
+        self.unverified = 0  # local-only checks since the last group verdict (RoPE / positions after attention)
+
+    def where(self, call: Optional[int]) -> dict:
+        """Where-fields of a report; without markers the unit is one call: its index among calls of its kind."""
+        if self.marked:
+            return {"step": self.step, "microbatch": self.index, "call": call}
+        return {"step": None, "microbatch": None, "call": self.index}
+
+
+class _Records:
+    """(scope, where) of sampled forward calls, keyed by (signature, fingerprint of an input): what a recompute
+    of the same call must use."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._d: OrderedDict = OrderedDict()
+        self._sigs: dict[tuple, int] = {}
+        self.capacity = capacity
+
+    def put(self, sig: tuple, fp: tuple, scope: tuple) -> None:
+        key = (sig, fp)
+        if key not in self._d:
+            self._sigs[sig] = self._sigs.get(sig, 0) + 1
+        self._d[key] = scope
+        self._d.move_to_end(key)
+        while len(self._d) > self.capacity:
+            (old_sig, _), _ = self._d.popitem(last=False)
+            self._sigs[old_sig] -= 1
+            if not self._sigs[old_sig]:
+                del self._sigs[old_sig]
+
+    def has_signature(self, sig: tuple) -> bool:
+        return sig in self._sigs
+
+    def get(self, sig: tuple, fp: tuple) -> Optional[tuple]:
+        return self._d.get((sig, fp))
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """Two float64 moments of ``t``: equal for a bitwise-equal recompute, different for other data."""
+    x = t.detach().double()
+    return tuple(torch.stack([x.sum(), (x * x).sum()]).tolist())
