@@ -25,7 +25,7 @@ case $mode in
   tests)
     timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/attention/test_gpu.py tests/test_rope.py \
       tests/test_autograd.py tests/attention/test_variants_gpu.py tests/integrations/test_te_gpu.py \
-      tests/integrations/test_megatron_core_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v -i warn | tail -n 30
+      tests/integrations/test_megatron_core_gpu.py tests/test_sentinel_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v -i warn | tail -n 30
     timeout 100 torchrun --nproc_per_node=1 benchmarks/bench_hybrid_fsdp.py --smoke --out "$OUT/hfsdp" 2>&1 |
       tee "$OUT/fsdp_smoke.log" | grep -v -i warn | tail -n 12
     timeout 100 python3 benchmarks/bench_variants.py --one-gpu --out "$OUT" 2>&1 | tee "$OUT/variants_one_gpu.log" |
