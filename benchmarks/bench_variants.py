@@ -231,6 +231,8 @@ def one_gpu(args: argparse.Namespace) -> int:
 
     dev = torch.device(args.device)
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     # compile the fused kernels once on this thread before the virtual ranks' threads use them
     o, l = torch.zeros(4, 2, 8, device=dev), torch.zeros(2, 4, device=dev)

@@ -21,7 +21,9 @@ __all__ = ["in_backward", "same_scope", "describe", "group_of", "fingerprint", "
 
 def in_backward() -> bool:
     """True while autograd runs a backward (hooks, recompute): the ContextVar must not be read there."""
-    return torch._C._current_graph_task_id() != -1
+    from .scope import _current_graph_task_id  # also sees torch checkpoint's recompute on CUDA device threads
+
+    return _current_graph_task_id() != -1
 
 
 def same_scope(a: CPScope, b: CPScope) -> bool:

@@ -35,7 +35,26 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C import _current_graph_task_id  # -1 on this thread outside every autograd backward (graph task)
+from torch._C import _current_graph_task_id as _graph_task_id  # -1 on this thread outside every graph task
+from torch._C._autograd import _top_saved_tensors_default_hooks as _top_saved_tensors_hooks
+
+
+def _current_graph_task_id() -> int:
+    """The autograd graph task this thread is running (``>= 0``), ``-2`` inside the recompute of a non-reentrant
+    ``torch.utils.checkpoint`` where the engine shows no graph task, else ``-1`` (not inside a backward pass).
+
+    Why the second signal: on CUDA the recompute runs in a saved-tensor unpack hook on autograd's device thread,
+    where ``torch._C._current_graph_task_id()`` reads -1 (H200, torch 2.11: a plain non-reentrant checkpoint's
+    recompute read the scope unchecked); torch marks its recompute by installing its ``_recomputation_hook``
+    saved-tensor hooks, which is what is looked for (one more C call, ~60 ns, only when the first reads -1).
+    """
+    task = _graph_task_id()
+    if task != -1:
+        return task
+    hooks = _top_saved_tensors_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook"):
+        return -2
+    return -1
 
 __all__ = [
     "CPScope",
@@ -572,9 +591,13 @@ def set_debug_autograd_reads(enabled: bool = True) -> None:
 
 def _raise_read_in_backward(task: int) -> None:
     node = torch._C._current_autograd_node()
-    where = f"node {node.name()}" if node is not None else "a callback of the backward pass"
+    if task == -2:
+        where = "the recompute of a non-reentrant torch.utils.checkpoint"
+    else:
+        where = f"node {node.name()}, graph task {task}" if node is not None else \
+            f"a callback of the backward pass, graph task {task}"
     raise ScopeReadInBackwardError(
-        f"the active CP scope was read inside autograd backward ({where}, graph task {task}) without re-entering "
+        f"the active CP scope was read inside autograd backward ({where}) without re-entering "
         "the scope captured in forward; outside the forward's runtime_cp the read would see another microbatch's "
         "group or none (and, on CUDA, autograd's threads never see the caller's binding). Fix: checkpoint with "
         "cpscope.checkpoint(fn, *args) instead of torch.utils.checkpoint.checkpoint, or pass "
@@ -604,7 +627,7 @@ def runtime_scope_or(default: CPScope) -> CPScope:
     """
     if _check_reads:
         task = _current_graph_task_id()
-        if task != -1 and _BOUND_IN_TASK.get() == -1:
+        if task != -1 and _BOUND_IN_TASK.get() != task:  # bound in THIS backward (a stale marker must not pass)
             _raise_read_in_backward(task)
     scope = _ACTIVE.get()
     return default if scope is None else scope
@@ -626,7 +649,7 @@ def capture_scope() -> CPScope:
     """
     if _check_reads:
         task = _current_graph_task_id()
-        if task != -1 and _BOUND_IN_TASK.get() == -1:
+        if task != -1 and _BOUND_IN_TASK.get() != task:  # bound in THIS backward (a stale marker must not pass)
             _raise_read_in_backward(task)
     scope = _ACTIVE.get()
     return _build_time if scope is None else scope
@@ -659,7 +682,7 @@ def current_cp_group() -> Optional[dist.ProcessGroup]:
     """
     if _check_reads:
         task = _current_graph_task_id()
-        if task != -1 and _BOUND_IN_TASK.get() == -1:
+        if task != -1 and _BOUND_IN_TASK.get() != task:  # bound in THIS backward (a stale marker must not pass)
             _raise_read_in_backward(task)
     scope = _ACTIVE.get()
     if scope is None:

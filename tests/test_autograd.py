@@ -579,7 +579,8 @@ def test_cuda_plain_checkpoint_read_on_device_thread_raises(debug_reads, use_ree
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         threads.append(threading.get_ident())
-        return t.sin() * cpscope.cp_size()
+        n = cpscope.cp_size()  # read first: torch's non-reentrant recompute stops once the saved tensors exist
+        return t.sin() * n
 
     x = torch.linspace(0.1, 1.0, 8, device="cuda", requires_grad=True)
     with S2.bind():

@@ -30,11 +30,11 @@ def reference_attention(
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cu = [0, t] if cu is None else list(cu)
-    doc = torch.zeros(t, dtype=torch.long)
-    pos = torch.zeros(t, dtype=torch.long)
+    doc = torch.zeros(t, dtype=torch.long, device=q.device)
+    pos = torch.zeros(t, dtype=torch.long, device=q.device)
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         doc[a:b] = i
-        pos[a:b] = torch.arange(b - a)
+        pos[a:b] = torch.arange(b - a, device=q.device)
     allowed = doc[:, None] == doc[None, :]
     if causal:
         allowed &= pos[None, :] <= pos[:, None]
