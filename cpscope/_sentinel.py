@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ._sentinel_report import Mismatch, SentinelError, Summary, logger
-from ._sentinel_state import _Microbatch, _Records, describe, fingerprint, group_of, in_backward, same_scope  # noqa: F401
-from .scope import _ACTIVE, _UNSET, CPScope, resolve_scope, scope_for
+from ._sentinel_state import _Microbatch, _Records, group_of, in_backward
+from .scope import _ACTIVE, _UNSET, CPScope, resolve_scope
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
 

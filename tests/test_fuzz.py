@@ -77,7 +77,6 @@ def ref_attention(q, k, v, doc_lens, causal):
     """float64 [t, h, D] attention per document (k/v heads repeated), positions restarting per document."""
     h, hk = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
-    t = q.shape[0]
     doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens, dtype=torch.long))
     pos = torch.cat([torch.arange(n) for n in doc_lens]) if doc_lens else torch.zeros(0, dtype=torch.long)
     allowed = doc[:, None] == doc[None, :]
@@ -148,7 +147,6 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
             out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", causal=case.causal,
                                                      comm=case.comm, **kw)
             do = cpscope.zigzag_shard(dout_l, seq_dim=0, cu_seqlens=cu_lay)
-            outs, grads = out, None
         else:
             b, S = len(real), case.seq
             dense = [t.view(b, S, *t.shape[1:]) for t in full]  # [b, S, h, D]

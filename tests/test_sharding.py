@@ -99,6 +99,9 @@ def test_index_cache_lives_with_the_offsets():
     assert _pack.cache_stats()["tensors"] == 0  # gone with its tensor
     cpscope.clear_caches()
     assert _pack.cache_stats() == {"tensors": 0, "packs": 0, "values": 0}
+    zigzag_indices([0, 8, 16], 2, 1)
+    clear_index_cache()  # the older name clears everything too
+    assert _pack.cache_stats() == {"tensors": 0, "packs": 0, "values": 0}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ __all__ = [
     "pack_documents",
     "prepare_microbatch",
     "prepare_microbatches",
+    "planned_group",
     "global_num_targets",
     "token_loss_sum",
     "run_microbatches",
@@ -211,6 +212,35 @@ def prepare_microbatch(
     )
 
 
+def planned_group(
+    mb: MicrobatchSpec, groups: Mapping[int, Optional[dist.ProcessGroup]], *, ranks: Optional[Sequence[int]] = None,
+) -> Optional[dist.ProcessGroup]:
+    """This rank's group for planned microbatch ``mb`` from ``groups`` (:func:`cpscope.new_cp_groups` over ``ranks``,
+    default the world), checked against the planned ranks: a plan that does not match the groups fails here with a
+    ``ValueError`` instead of hanging in a collective. Membership is compared, not order: a group's CP ranks ascend
+    with the global ranks (torch's order, which ``cp_rank()`` and the shards follow), whatever the order of ``ranks``
+    inside a block.
+
+    Example::
+
+        group = planned_group(mb, cpscope.new_cp_groups([1, 2, 4]))
+    """
+    if mb.cp not in groups:
+        raise ValueError(f"the plan uses CP size {mb.cp} but groups only has sizes {sorted(groups)}")
+    group = groups[mb.cp]
+    planned_ranks = [int(r) for r in mb.ranks]
+    if ranks is not None:
+        planned_ranks = [int(ranks[r]) for r in planned_ranks]
+    actual = group_ranks(group)
+    if sorted(actual) != sorted(planned_ranks):
+        raise ValueError(
+            f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
+            f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "
+            f"new_cp_groups over the same ranks the plan was made for"
+        )
+    return group
+
+
 def prepare_microbatches(
     planned: Iterable[MicrobatchSpec],
     docs: Sequence[torch.Tensor],
@@ -230,21 +260,7 @@ def prepare_microbatches(
     """
     out = []
     for mb in planned:
-        if mb.cp not in groups:
-            raise ValueError(f"the plan uses CP size {mb.cp} but groups only has sizes {sorted(groups)}")
-        group = groups[mb.cp]
-        planned_ranks = [int(r) for r in mb.ranks]
-        if ranks is not None:
-            planned_ranks = [int(ranks[r]) for r in planned_ranks]
-        actual = group_ranks(group)
-        # a group's CP ranks ascend with the global ranks (torch's order, what cp_rank() and the shards follow),
-        # whatever the order of `ranks` inside a block; the plan fixes membership only
-        if sorted(actual) != sorted(planned_ranks):
-            raise ValueError(
-                f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
-                f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "
-                f"new_cp_groups over the same ranks the plan was made for"
-            )
+        group = planned_group(mb, groups, ranks=ranks)
         out.append(
             prepare_microbatch(
                 [docs[i] for i in mb.seqs], cp=mb.cp, group=group, seqs=mb.seqs, pad_id=pad_id,

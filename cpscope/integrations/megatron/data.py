@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..._checks import cu_seqlens_list
-from ...groups import group_ranks
-from ...hybrid.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec
+from ...hybrid.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, planned_group
 from ...scope import _UNSET, resolve_scope, scope_for
 from ...sharding import pad_packed_batch, zigzag_positions, zigzag_shard
 
@@ -249,18 +248,7 @@ def prepare_megatron_microbatches(
     """
     out = []
     for mb in planned:
-        if mb.cp not in groups:
-            raise ValueError(f"the plan uses CP size {mb.cp} but groups only has sizes {sorted(groups)}")
-        group = groups[mb.cp]
-        want = [int(r) for r in mb.ranks]
-        if ranks is not None:
-            want = [int(ranks[r]) for r in want]
-        have = group_ranks(group) if group is not None else [dist.get_rank() if dist.is_initialized() else 0]
-        if have != want:
-            raise ValueError(
-                f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {want} at CP {mb.cp}, but this "
-                f"rank's group of that size has ranks {have}; build groups with new_cp_groups over the planned ranks"
-            )
+        group = planned_group(mb, groups, ranks=ranks)
         out.append(prepare_megatron_microbatch(
             [docs[i] for i in mb.seqs], cp=mb.cp, group=group, seqs=mb.seqs, pad_id=pad_id,
             ignore_index=ignore_index, device=device,
