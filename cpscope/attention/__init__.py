@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import _sentinel
 from .._pack import Pack, pack_for
@@ -29,6 +30,9 @@ from .module import ContextParallelAttention
 from .ring import RingGeometry, RingPlan, ring_attention
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser"]
+
+# CP1 bshd/sbhd on CUDA through F.scaled_dot_product_attention (True) or the ring's CP1 path (False); private knob.
+_CP1_SDPA: bool = True
 
 # How bshd/sbhd run: with the dense kernels (default; cuDNN attention on CUDA) or as packed varlen blocks (each
 # batch row one zigzag-sharded "document"; flash varlen on CUDA). Private knob: tests cover both routes on CPU.
@@ -168,6 +172,12 @@ def attention_with_scope(
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
         out = ring_attention(q2, k2, v2, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
         out = out.view(b, s, *q.shape[2:])
+    elif scope.size == 1 and q.is_cuda and _CP1_SDPA:
+        # CP1 on CUDA is plain attention: PyTorch's SDPA (cuDNN on Hopper; GQA without expanded K/V) with its own
+        # autograd — the same kernels as cpscope's blocks, without the ring's Function around them (host time)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal, scale=scale,
+                                             enable_gqa=k.shape[-2] != q.shape[-2]).transpose(1, 2)
     else:
         plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s)
         out = ring_attention(q, k, v, plan=plan, group=scope.group)
