@@ -76,6 +76,7 @@ __all__ = [
     "prepare_microbatch",
     "prepare_microbatches",
     "planned_group",
+    "pad_and_shard",
     "global_num_targets",
     "token_loss_sum",
     "run_microbatches",
@@ -197,19 +198,36 @@ def prepare_microbatch(
     scope_for(group, local_cp_size=cp)  # ValueError if cp and group disagree, or this rank is not a member
     ids, cu = pack_documents(docs)
     labels = next_token_labels(ids, cu, ignore_index)
+    ids_l, labels_l, cu_p = pad_and_shard(ids, labels, cu, cp=cp, group=group, pad_id=pad_id,
+                                          ignore_index=ignore_index, device=device)
+    return LocalMicrobatch(
+        cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p,
+        max_seqlen=int((cu_p[1:] - cu_p[:-1]).max()), num_targets=int((labels_l != ignore_index).sum()),
+        seqs=tuple(int(s) for s in seqs), cu_seqlens_real=cu, comm=check_comm(comm),
+    )
+
+
+def pad_and_shard(
+    ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, *, cp: int, group: Optional[dist.ProcessGroup],
+    pad_id: int = 0, ignore_index: int = IGNORE_INDEX, device: Optional[Union[torch.device, str]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad each document of a packed ``[T]`` pair (tokens, targets) to ``2·cp`` and keep this rank's zigzag part.
+
+    Returns ``(ids_local, labels_local, cu_seqlens_padded)``: padding gets ``pad_id`` / ``ignore_index``; the
+    offsets stay on the host (cpscope reads them there; no device sync per layer), the tokens move to ``device``.
+
+    Example::
+
+        ids_l, labels_l, cu_p = pad_and_shard(ids, labels, cu, cp=2, group=groups[2])
+    """
     padded = pad_packed_batch(ids, labels, cu_seqlens=cu, cp=cp, pad_value=(pad_id, ignore_index))
     ids_p, labels_p = padded.tensors  # [T_padded] each
     cu_p = padded.cu_seqlens_padded
     ids_l = zigzag_shard(ids_p, seq_dim=0, cu_seqlens=cu_p, group=group)  # [T_padded / cp]
     labels_l = zigzag_shard(labels_p, seq_dim=0, cu_seqlens=cu_p, group=group)
-    if device is not None:  # cu_seqlens stay on the host: cpscope reads them there (no device sync per layer)
+    if device is not None:
         ids_l, labels_l = ids_l.to(device), labels_l.to(device)
-    max_seqlen = int((cu_p[1:] - cu_p[:-1]).max())
-    return LocalMicrobatch(
-        cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p, max_seqlen=max_seqlen,
-        num_targets=int((labels_l != ignore_index).sum()), seqs=tuple(int(s) for s in seqs),
-        cu_seqlens_real=padded.cu_seqlens, comm=check_comm(comm),
-    )
+    return ids_l, labels_l, cu_p
 
 
 def planned_group(

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ..._checks import cu_seqlens_list
-from ...hybrid.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, planned_group
+from ...hybrid.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, pad_and_shard, planned_group
 from ...scope import _UNSET, resolve_scope, scope_for
-from ...sharding import pad_packed_batch, zigzag_positions, zigzag_shard
+from ...sharding import zigzag_positions, zigzag_shard
 
 __all__ = [
     "Document",
@@ -212,14 +212,11 @@ def prepare_megatron_microbatch(
     labels = torch.cat([d.labels for d in docs])
     lens = torch.tensor([0] + [len(d) for d in docs], dtype=torch.long)
     cu = torch.cumsum(lens, 0).to(torch.int32)
-    padded = pad_packed_batch(ids, labels, cu_seqlens=cu, cp=cp, pad_value=(pad_id, ignore_index))
-    ids_p, labels_p = padded.tensors
-    cu_p = padded.cu_seqlens_padded
-    ids_l = zigzag_shard(ids_p, seq_dim=0, cu_seqlens=cu_p, group=group)  # [T_padded / cp]
-    labels_l = zigzag_shard(labels_p, seq_dim=0, cu_seqlens=cu_p, group=group)
+    ids_l, labels_l, cu_p = pad_and_shard(ids, labels, cu, cp=cp, group=group, pad_id=pad_id,
+                                          ignore_index=ignore_index, device=device)
     pos = zigzag_positions(cu_p, scope.size, scope.rank).clone()
     if device is not None:
-        ids_l, labels_l, pos = ids_l.to(device), labels_l.to(device), pos.to(device)
+        pos = pos.to(device)
     return MegatronMicrobatch(
         cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p,
         max_seqlen=int((cu_p[1:] - cu_p[:-1]).max()), num_targets=int((labels_l != ignore_index).sum()),
