@@ -18,7 +18,7 @@ real
     group calls it made, how many of them every rank had to make (*lockstep*: each a step of the whole job; under
     NCCL bound to a device each is a world-wide ``ncclCommSplit``), the process groups torch registered on it.
 simulated
-    The same registry code with its dist layer swapped for :class:`cpscope._group_sim.SimulatedLayer` (one rank
+    The same registry code with its dist layer swapped for :class:`cpscope.groups.sim.SimulatedLayer` (one rank
     of an N-rank job; calls are counted, nothing is sent), for N = 8 … 4096.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _sizes(n: int) -> list[int]:
 
 
 def _methods(backend: str) -> list[str]:
-    from cpscope.groups import _LAYER
+    from cpscope.groups.registry import _LAYER
 
     after = "split" if _LAYER.can_split() else "local"
     return ["before", "global", after, "exchange only"]
@@ -70,7 +70,7 @@ def _before(sizes: list[int]) -> tuple[dict, tuple]:
 
 def _one(method: str, sizes: list[int], device: torch.device) -> dict:
     import cpscope
-    from cpscope import groups as G
+    from cpscope.groups import registry as G
 
     cpscope.clear_cp_group_cache()
     before = G._LAYER.local_name_count()
@@ -124,8 +124,8 @@ def real_run(repeats: int, backend: str, device: torch.device) -> dict:
 
 def simulate(worlds: list[int], rank_of=lambda n: n // 2 + 1) -> list[dict]:
     import cpscope
-    from cpscope import groups as G
-    from cpscope._group_sim import SimulatedLayer
+    from cpscope.groups import registry as G
+    from cpscope.groups.sim import SimulatedLayer
 
     rows = []
     real = G._LAYER
@@ -168,7 +168,7 @@ def fake_torch(n: int, repeats: int) -> list[dict]:
     """torch's own Python path at ``n`` ranks in this one process: the ``fake`` backend (no communication) as
     rank ``n // 2 + 1``; ``before`` (every block) vs the registry's ``local`` method. Bookkeeping only."""
     import cpscope
-    from cpscope import groups as G
+    from cpscope.groups import registry as G
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=n // 2 + 1, world_size=n)

@@ -225,7 +225,7 @@ def timings(args: argparse.Namespace) -> None:
 
 def one_gpu(args: argparse.Namespace) -> int:
     """Each variant's kernels on virtual CP2 / CP4 ranks and every comm at CP1, bf16 vs float64; returns failures."""
-    from cpscope.attention._fused import merge_rows_, rows_add_
+    from cpscope.attention.merge import merge_rows_, rows_add_
     from tests.attention._reference import reference_attention
     from tests.attention._virtual import check_virtual
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpscope  # noqa: E402
-from cpscope.hybrid.calibrate import calibrate, ring_stand_in  # noqa: E402
+from cpscope.train.calibrate import calibrate, ring_stand_in  # noqa: E402
 from cpscope.hybrid.comm_cost import LOCAL, VARIANTS, CommCostModel, cache_path  # noqa: E402
 from cpscope.hybrid.variants import choose, predict  # noqa: E402
 

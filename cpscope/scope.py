@@ -199,7 +199,7 @@ class CPScope:
 
 CP1 = CPScope(None, 1, 0)
 
-# Attention communication variants a scope may carry (cpscope.attention._dispatch runs them); "a2a+p2p:N" too.
+# Attention communication variants a scope may carry (cpscope.attention.variants runs them); "a2a+p2p:N" too.
 COMM_CHOICES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
 
 

@@ -2,14 +2,14 @@
 
 Every step draws a global batch of documents with a long-tail length distribution; the planner
 (:func:`cpscope.hybrid.plan_hybrid`) gives each document a CP size and each rank its ordered microbatches; the
-loop (:mod:`cpscope.hybrid.loop`) packs, pads, shards and binds each microbatch's group with ``runtime_cp``; the
+loop (:mod:`cpscope.train.loop`) packs, pads, shards and binds each microbatch's group with ``runtime_cp``; the
 loss is normalised by the global number of targets and gradients are summed over the world, so every mode
 computes the same update as one process training on the whole batch.
 
-Each step is one :func:`cpscope.hybrid.loop.run_step`: the model may be a plain module (gradients summed by hand),
+Each step is one :func:`cpscope.train.loop.run_step`: the model may be a plain module (gradients summed by hand),
 wrapped in ``DistributedDataParallel`` (``--ddp``) or sharded by FSDP2 (``--fsdp``); the ranks run different numbers
 of microbatches (some none) and the gradients are synchronised once per step either way
-(:mod:`cpscope.hybrid.sync`).
+(:mod:`cpscope.train.sync`).
 
 Run it (4 ranks, gloo on CPU; NCCL when at least 4 GPUs are visible)::
 
@@ -44,8 +44,8 @@ if __package__ in (None, ""):  # run as a script: make `gpt` (next to this file)
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import CostModel, long_tail_lengths, padded_length, plan_hybrid, plan_static  # noqa: E402
-from cpscope.hybrid.loop import LocalMicrobatch, prepare_microbatches, run_step  # noqa: E402
-from cpscope.hybrid.sync import gradient_sync  # noqa: E402
+from cpscope.train.loop import LocalMicrobatch, prepare_microbatches, run_step  # noqa: E402
+from cpscope.train.sync import gradient_sync  # noqa: E402
 from _launch import launch, rank_device  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope import groups as G
-from cpscope._group_blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
+from cpscope.groups import registry as G
+from cpscope.groups.blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
 from tests.attention._reference import reference_attention, zigzag_index
 from tests.distributed import run_ranks
 
@@ -166,7 +166,7 @@ def test_te_global_ranks_follow_the_group_rank_order():
 
 def _loop_on_permuted_ranks():
     from cpscope.hybrid import Microbatch
-    from cpscope.hybrid.loop import prepare_microbatches
+    from cpscope.train.loop import prepare_microbatches
 
     cpscope.set_backward_read_check(True)
     ranks = [2, 3, 0, 1]
@@ -198,7 +198,7 @@ def test_loop_accepts_groups_over_a_permuted_rank_list():
 @pytest.fixture
 def simulated(monkeypatch):
     """``make(world, rank, **kw)`` swaps the registry's dist layer for a SimulatedLayer (restored after)."""
-    from cpscope._group_sim import SimulatedLayer
+    from cpscope.groups.sim import SimulatedLayer
 
     def make(world: int, rank: int, **kw) -> SimulatedLayer:
         layer = SimulatedLayer(world, rank, **kw)
@@ -273,7 +273,7 @@ def test_local_names_are_aligned_with_placeholders(simulated):
 
 
 def test_hierarchical_calls_stay_among_the_cp_groups_members(simulated):
-    from cpscope._group_sim import SimGroup
+    from cpscope.groups.sim import SimGroup
 
     layer = simulated(4096, 1029)
     cp = SimGroup(range(1024, 1032))  # a CP8 group inside a 4096-rank job

@@ -327,7 +327,7 @@ def test_rope_base_must_be_finite_positive(base):
 @pytest.fixture
 def interpreted_rope_kernel(monkeypatch):
     pytest.importorskip("triton")
-    from cpscope import _rope_kernel
+    from cpscope.rope import _kernel as _rope_kernel
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(_rope_kernel, "_FORCE", True)

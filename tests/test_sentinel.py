@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cpscope
-from cpscope._sentinel_reference import reference_rows
-from cpscope.hybrid.loop import (
+from cpscope._sentinel.reference import reference_rows
+from cpscope.train.loop import (
     global_num_targets,
     next_token_labels,
     pack_documents,
@@ -175,7 +175,7 @@ def test_single_process_cp1_checks_pass_and_a_planted_kernel_bug_is_reported(mon
     with cpscope.sentinel(every=1) as s:
         model(ids, cu_seqlens=cu, max_seqlen=16).sum().backward()
     assert s.reports == [] and s.summary().checks["attention"] == 2 and s.summary().checks["attention-grad"] == 2
-    import cpscope.attention as attn
+    import cpscope.attention.api as attn
 
     orig = attn.ring_attention
     monkeypatch.setattr(attn, "ring_attention", lambda q, k, v, *, plan, group: orig(q, k, v, plan=plan, group=group) * 1.01)
@@ -433,7 +433,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _planted(bug, layout):
-    import cpscope.attention as attn
+    import cpscope.attention.api as attn
 
     groups = cpscope.new_cp_groups([1, 2])
     orig = attn.ring_attention

@@ -38,7 +38,7 @@ import torch
 
 from ..scope import CPScope
 from ._exchange import GroupCollectives, Packed, Pending, acc_dtype
-from ._fused import merge_rows_
+from .merge import merge_rows_
 from .blocks import Varlen, block_backward, block_forward
 from .ring import RingPlan
 

@@ -1,7 +1,7 @@
 """One block of attention with its log-sum-exp: exact math on CPU, cuDNN / flash kernels on CUDA.
 
 A *block* is the attention of some local queries against one set of keys/values (the local ones, or ones received
-from another rank). The ring merges blocks through their log-sum-exp (:func:`cpscope.attention._fused.merge_rows_`).
+from another rank). The ring merges blocks through their log-sum-exp (:func:`cpscope.attention.merge.merge_rows_`).
 
 Two shapes are supported, as in flash-attention:
 

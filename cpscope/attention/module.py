@@ -87,7 +87,7 @@ class ContextParallelAttention(nn.Module):
             ValueError: inconsistent inputs, before any collective runs (see
                 :func:`cpscope.context_parallel_attention`).
         """
-        from . import attention_with_scope
+        from .api import attention_with_scope
 
         scope = self.active_scope()
         return attention_with_scope(

@@ -13,7 +13,7 @@ local tokens) and chunk ``2cp-1-r`` (the *back* half). K and V travel around the
 
 Every rank therefore does the same work per step (half a block after step 0): the zigzag load balance. Without a
 causal mask every step is all Q against all K/V. Partial outputs are merged through their log-sum-exp in fp32, by
-the fused row kernels of :mod:`cpscope.attention._fused` (which also replace ``index_add_`` in backward).
+the fused row kernels of :mod:`cpscope.attention.merge` (which also replace ``index_add_`` in backward).
 
 Backward runs its own ring: K/V travel as in forward; each remote step's dK/dV contribution joins a buffer that
 travels with them in the inputs' dtype (fp32/fp64 inputs keep their precision; bf16 rounds once per hop, which for
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .._pack import Pack
-from ._fused import merge_rows_, rows_add_
+from .merge import merge_rows_, rows_add_
 from .blocks import Varlen, block_backward, block_forward
 from .comm import RingComm, is_dense
 

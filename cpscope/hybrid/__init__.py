@@ -5,8 +5,8 @@ The main API: :func:`plan_hybrid` returns a :class:`Plan` — for every rank the
 :func:`plan_greedy` are baselines; :func:`lower_bound` bounds any plan's makespan. Pure logic: its modules use numpy
 only — no torch, no process group.
 
-Running a plan is the job of two modules of their own: :mod:`cpscope.hybrid.loop` (pack, pad, shard and bind each
-microbatch; ``run_step``) and :mod:`cpscope.hybrid.sync` (gradient synchronisation once per step for a plain module,
+Running a plan is the job of two modules of their own: :mod:`cpscope.train.loop` (pack, pad, shard and bind each
+microbatch; ``run_step``) and :mod:`cpscope.train.sync` (gradient synchronisation once per step for a plain module,
 ``DistributedDataParallel`` or FSDP2).
 
 Example::
@@ -37,34 +37,11 @@ __all__ = [
     "plan_static",
 ]
 
-# The training loop is not part of this package's namespace: planning stays pure (numpy only; no torch, no process
-# group). It lives in its own modules — cpscope.hybrid.loop (pack / pad / shard / bind, run_step) and
-# cpscope.hybrid.sync (gradient synchronisation for plain modules, DDP and FSDP2). The names this package used to
-# re-export still resolve, with a DeprecationWarning that names the new place.
-_MOVED = {
-    name: "cpscope.hybrid.loop"
-    for name in ("LocalMicrobatch", "allreduce_gradients", "allreduce_sum", "global_num_targets", "next_token_labels",
-                 "prepare_microbatch", "prepare_microbatches", "run_microbatches", "token_loss_sum")
-}
-
 # Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid.comm_cost; calibration in
-# cpscope.hybrid.calibrate, comm="auto" in cpscope.hybrid.variants) and the planner's cost built on it.
+# cpscope.train.calibrate, comm="auto" in cpscope.hybrid.variants) and the planner's cost built on it.
 from .comm_cost import CommCostModel  # noqa: E402
 from .data import sft_like_lengths  # noqa: E402
 from .step_cost import StepCost  # noqa: E402
 
 __all__ += ["CommCostModel", "StepCost", "sft_like_lengths"]
 
-
-def __getattr__(name: str):
-    target = _MOVED.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(
-        f"cpscope.hybrid.{name} moved: import it from {target} (cpscope.hybrid is the planner only)",
-        DeprecationWarning, stacklevel=2,
-    )
-    return getattr(importlib.import_module(target), name)

@@ -107,7 +107,7 @@ def _load(path: str, mtime_ns: int) -> CommCostModel:
 
 def cached_cost(*, device: str, world_size: int, cp: Optional[int] = None, torch_version: Optional[str] = None,
                 cpscope_version: Optional[str] = None, directory: Optional[str] = None) -> Optional[CommCostModel]:
-    """The calibration cached for this job (:mod:`cpscope.hybrid.calibrate` writes it), or ``None``.
+    """The calibration cached for this job (:mod:`cpscope.train.calibrate` writes it), or ``None``.
 
     Matches the device name, world size and versions (default: the running torch and cpscope); among the
     files that do, the one whose CP sizes include ``cp`` (when given), with the most CP sizes. Loaded models are
@@ -190,7 +190,7 @@ def use_calibration(cost: Optional[CommCostModel] = None, *, directory: Optional
 
     Raises:
         ValueError: no cost model given and none cached for this device / world size / versions (run
-            ``benchmarks/calibrate_comm.py`` or :func:`cpscope.hybrid.calibrate.calibrate` first).
+            ``benchmarks/calibrate_comm.py`` or :func:`cpscope.train.calibrate.calibrate` first).
         RuntimeError: this cpscope's attention has no ``set_auto_chooser`` (communication variants missing).
     """
     try:
@@ -202,7 +202,7 @@ def use_calibration(cost: Optional[CommCostModel] = None, *, directory: Optional
         import torch
         import torch.distributed as dist
 
-        from .calibrate import _pick_device, device_name
+        from ..train.calibrate import _pick_device, device_name
 
         device = _pick_device(None)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -210,6 +210,6 @@ def use_calibration(cost: Optional[CommCostModel] = None, *, directory: Optional
         if cost is None:
             raise ValueError(f"no calibrated communication cost model cached for {device_name(device)!r}, world "
                              f"size {world}, torch {torch.__version__} in {directory or cache_dir()}; run "
-                             f"benchmarks/calibrate_comm.py (or cpscope.hybrid.calibrate.calibrate) first")
+                             f"benchmarks/calibrate_comm.py (or cpscope.train.calibrate.calibrate) first")
     set_auto_chooser(auto_chooser(cost))
     return cost

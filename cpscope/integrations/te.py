@@ -65,7 +65,7 @@ from .._checks import (
     check_qkv_format,
     cu_seqlens_list,
 )
-from .._te import call_te_rope, te_rope
+from ..rope._te import call_te_rope, te_rope
 from ..groups import group_ranks
 from ..rope import checked_rope_inputs
 from ..scope import _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
@@ -165,7 +165,7 @@ def bind_te_cp(
         comm = comm if comm in _TE_COMMS else saved["cp_comm_type"]  # TE ignores it without CP
         bound: dict[str, Any] = {"cp_group": None, "cp_global_ranks": None, "cp_stream": None, "cp_comm_type": comm}
     else:
-        from ..attention._dispatch import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
+        from ..attention.variants import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
 
         cp_group, comm = te_binding(scope, comm, module)
         stream = stream_provider(device)

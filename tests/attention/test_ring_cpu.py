@@ -104,7 +104,7 @@ def test_ring_matches_reference(world, fmt, causal):
 
 
 def _varlen_route(world: int) -> None:
-    import cpscope.attention as attn
+    import cpscope.attention.api as attn
 
     cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
@@ -298,7 +298,7 @@ def test_ring_comm_misuse_and_exchange():
 
 
 def test_merge_handles_rows_without_keys():
-    from cpscope.attention._fused import merge_rows_
+    from cpscope.attention.merge import merge_rows_
 
     out_a, out_b = torch.randn(3, 2, 4), torch.randn(3, 2, 4)  # [t, h, d]; lse [h, t]
     lse_a = torch.tensor([[0.5, float("-inf"), float("-inf")], [1.0, 2.0, float("-inf")]])

@@ -218,7 +218,7 @@ SMALL = dict(heads=4, kv_heads=(4, 2), head_dim=8, tokens=(32, 64), docs=(1, 2),
 
 
 def _calibrate_with_stand_in(directory: str) -> str:
-    from cpscope.hybrid.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate, ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     model = calibrate(groups, attention=ring_stand_in, directory=directory, **SMALL)
@@ -247,7 +247,7 @@ def test_calibration_on_gloo_ranks_agrees_and_is_cached(tmp_path) -> None:
 
 
 def _calibrate_default() -> str:
-    from cpscope.hybrid.calibrate import calibrate
+    from cpscope.train.calibrate import calibrate
 
     groups = cpscope.new_cp_groups([1, 2])
     try:
@@ -267,7 +267,7 @@ def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
 
 
 def _calibrate_bad_args() -> bool:
-    from cpscope.hybrid.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate, ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     for kwargs, match in (({"variants": ("ring",)}, "variants must be"), ({"kv_heads": (3,)}, "multiple of"),
@@ -282,7 +282,7 @@ def test_calibration_bad_arguments_raise_before_any_collective() -> None:
 
 
 def test_calibration_outside_a_process_group_raises() -> None:
-    from cpscope.hybrid.calibrate import calibrate
+    from cpscope.train.calibrate import calibrate
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
@@ -291,7 +291,7 @@ def test_calibration_outside_a_process_group_raises() -> None:
 
 
 def test_split_lengths() -> None:
-    from cpscope.hybrid.calibrate import _split_lengths
+    from cpscope.train.calibrate import _split_lengths
 
     assert _split_lengths(64, 2, 4) == (32, 32)
     assert _split_lengths(70, 3, 8) == (24, 24, 24)
@@ -299,7 +299,7 @@ def test_split_lengths() -> None:
 
 
 # -- the hook for cpscope.attention's comm="auto" ----------------------------------------------------------
-class Query:  # the fields of cpscope.attention._dispatch.VariantQuery that the chooser reads
+class Query:  # the fields of cpscope.attention.variants.VariantQuery that the chooser reads
     def __init__(self, cp, heads, kv_heads, head_dim=128, causal=True, seq_lens=(), dtype="bfloat16"):
         self.cp, self.heads, self.kv_heads, self.head_dim = cp, heads, kv_heads, head_dim
         self.causal, self.seq_lens, self.dtype = causal, seq_lens, dtype
@@ -325,7 +325,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
-    dispatch = pytest.importorskip("cpscope.attention._dispatch")
+    dispatch = pytest.importorskip("cpscope.attention.variants")
     from cpscope.hybrid.variants import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
@@ -344,7 +344,7 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
 
 
 def _load_or_calibrate_twice(directory: str) -> bool:
-    from cpscope.hybrid.calibrate import load_or_calibrate, ring_stand_in
+    from cpscope.train.calibrate import load_or_calibrate, ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     tiny = {**SMALL, "kv_heads": (4,), "tokens": (32,), "docs": (1,)}

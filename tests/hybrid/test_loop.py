@@ -1,4 +1,4 @@
-"""The hybrid microbatch loop (cpscope.hybrid.loop): labels, padding, sharding, binding, loss normalisation.
+"""The hybrid microbatch loop (cpscope.train.loop): labels, padding, sharding, binding, loss normalisation.
 
 The numerical checks compare against an independent float64 single-process reference: the same GPT weights run
 document by document with hand-written RoPE and naive causal attention (no cpscope sharding, RoPE or attention),
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpscope
-from cpscope.hybrid.loop import (
+from cpscope.train.loop import (
     IGNORE_INDEX,
     allreduce_gradients,
     allreduce_sum,
@@ -130,22 +130,19 @@ def test_prepare_microbatch_cp_contradicting_group_raises():
         prepare_microbatch([torch.arange(8)], cp=2, group=None)
 
 
-def test_hybrid_package_is_the_planner_only_and_old_loop_names_point_to_the_loop():
+def test_hybrid_package_is_the_planner_only():
     import subprocess
 
     code = ("import sys, cpscope.hybrid; "
-            "print([m in sys.modules for m in ('cpscope.hybrid.loop', 'cpscope.hybrid.sync')])")
+            "print([m in sys.modules for m in ('cpscope.train.loop', 'cpscope.train.sync')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[False, False]", out
     import cpscope.hybrid
 
-    with pytest.warns(DeprecationWarning, match=r"cpscope.hybrid.run_microbatches moved: import it from "
-                                                r"cpscope.hybrid.loop"):
-        from cpscope.hybrid import run_microbatches as old
-    assert old is run_microbatches
-    with pytest.raises(AttributeError, match="no attribute 'run_step'"):
-        cpscope.hybrid.run_step  # noqa: B018 - new names live in the loop module only
+    for name in ("run_microbatches", "run_step"):  # the loop lives in cpscope.train.loop only
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(cpscope.hybrid, name)
 
 
 def test_run_microbatches_needs_a_positive_count():
@@ -308,7 +305,7 @@ def test_examples_run_on_the_rank_pool(name, world):
 
 
 def _planned_variant_is_bound(comm: str):
-    from cpscope.attention import _dispatch
+    from cpscope.attention import variants as _dispatch
 
     cfg = th.TrainConfig(mode="hybrid", **SMALL)
     rank, world = dist.get_rank(), dist.get_world_size()

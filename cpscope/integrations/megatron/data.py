@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..._checks import cu_seqlens_list
-from ...hybrid.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, pad_and_shard, planned_group
+from ...train.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, pad_and_shard, planned_group
 from ...scope import _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard
 

@@ -3,7 +3,7 @@
 Example::
 
     from cpscope import groups
-    from cpscope._group_sim import SimulatedLayer
+    from cpscope.groups.sim import SimulatedLayer
 
     groups._LAYER = layer = SimulatedLayer(4096, rank=17)
     groups.new_cp_groups([2 ** i for i in range(13)])     # what rank 17 of 4096 would call
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ._group_create import TorchLayer
+from .create import TorchLayer
 
 __all__ = ["SimGroup", "SimulatedLayer"]
 

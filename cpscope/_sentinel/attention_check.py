@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel import call_unchecked
-from ._sentinel_report import Mismatch
-from ._sentinel_state import describe, fingerprint, group_of, in_backward, same_scope
-from ._sentinel_agree import (
+from .core import call_unchecked
+from .report import Mismatch
+from .state import describe, fingerprint, group_of, in_backward, same_scope
+from .agree import (
     DTYPES,
     FORMATS,
     collective_device,
@@ -36,8 +36,8 @@ from ._sentinel_agree import (
     float_bits,
     hash64,
 )
-from ._sentinel_reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
-from .scope import CPScope
+from .reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
+from ..scope import CPScope
 
 __all__ = ["checked_attention"]
 
@@ -63,7 +63,7 @@ def _dense_seq(shape: tuple, qkv_format: str) -> int:
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor, kw: dict) -> tuple:
-    from ._checks import cu_seqlens_list
+    from .._checks import cu_seqlens_list
 
     cu = kw.get("cu_seqlens")
     return ("attention", kw.get("qkv_format", "bshd"), tuple(q.shape), tuple(k.shape), str(q.dtype),
@@ -82,8 +82,8 @@ def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, 
     mb.calls += 1
     if not mb.sampled:
         return call_unchecked(fn, q, k, v, scope, **kw)
-    from ._pack import pack_for
-    from .attention._inputs import check_attention_inputs, check_softmax_scale, check_thd_pack
+    from .._pack import pack_for
+    from ..attention._inputs import check_attention_inputs, check_softmax_scale, check_thd_pack
 
     fmt = kw.get("qkv_format", "bshd")
     causal = bool(kw.get("causal", True))
@@ -218,7 +218,7 @@ def _agree(s: Any, vscope: CPScope, scope: CPScope, q: torch.Tensor, k: torch.Te
 def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              scope: CPScope, kw: dict, fmt: str, causal: bool, cu: Optional[list], scale: float,
              where: dict) -> torch.Tensor:
-    from .sharding import zigzag_indices
+    from ..sharding import zigzag_indices
 
     cp, rank, dev = scope.size, scope.rank, q.device
     offs = canonical_offsets(fmt, tuple(q.shape), cp, cu)

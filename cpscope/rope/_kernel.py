@@ -16,7 +16,7 @@ says whether this process can use it (CUDA tensors, or CPU under Triton's interp
 
 Example::
 
-    from cpscope import _rope_kernel
+    from cpscope.rope import _kernel as _rope_kernel
     if _rope_kernel.usable(t):
         out = _rope_kernel.rope(t, table, positions, interleaved=False, seq_is_a=False)   # differentiable
 """

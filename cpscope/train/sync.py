@@ -8,7 +8,7 @@ wrappers count on the opposite:
   when it resharded after forward) and reduce-scatters gradients in every backward.
 
 Their collectives would differ in number between ranks — a hang — and both *average* over the ranks, where the
-loop wants a *sum*: every rank divides its loss by the global number of targets (:mod:`cpscope.hybrid.loop`), so
+loop wants a *sum*: every rank divides its loss by the global number of targets (:mod:`cpscope.train.loop`), so
 the world-sum of the gradients is the gradient of the global per-token mean.
 
 A :class:`GradientSync` drives the collectives of one step so that every rank issues the same ones, once:
@@ -25,7 +25,7 @@ A :class:`GradientSync` drives the collectives of one step so that every rank is
 =====================  ==================================================================================
 
 :func:`gradient_sync` picks the strategy from the model's wrapper and raises ``ValueError`` for wrappers or settings
-it cannot run correctly. :func:`cpscope.hybrid.loop.run_step` is the loop that uses it.
+it cannot run correctly. :func:`cpscope.train.loop.run_step` is the loop that uses it.
 
 Example::
 
@@ -116,7 +116,7 @@ def allreduce_gradients(
 ) -> None:
     """Sum (or average) the gradients of every parameter over ``group`` (default: the world), in place.
 
-    With the loop's normalisation (:func:`cpscope.hybrid.loop.run_microbatches`) the **sum** is the gradient of the
+    With the loop's normalisation (:func:`cpscope.train.loop.run_microbatches`) the **sum** is the gradient of the
     global per-token loss; use ``average=True`` only with a loss normalised per rank. A parameter without ``.grad``
     on this rank (no local token reached it) takes part as zeros, so every rank issues the same collectives; one
     that has no gradient on **any** rank keeps ``grad = None`` (as DDP leaves unused parameters, so an optimizer

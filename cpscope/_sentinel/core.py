@@ -50,9 +50,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._sentinel_report import Mismatch, SentinelError, Summary, logger
-from ._sentinel_state import _Microbatch, _Records, group_of, in_backward
-from .scope import _ACTIVE, _UNSET, CPScope, resolve_scope
+from .report import Mismatch, SentinelError, Summary, logger
+from .state import _Microbatch, _Records, group_of, in_backward
+from ..scope import _ACTIVE, _UNSET, CPScope, resolve_scope
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
 
@@ -118,7 +118,7 @@ class sentinel:
         labels: ``"next_token"`` (default): in ``run_microbatches``, the labels must be the next tokens of the
             zigzag-ordered microbatch; ``None``: skip (labels that are not next-token targets).
         rtol: per-dtype overrides of the relative tolerances, ``{torch.bfloat16: (out, grad), …}``
-            (defaults: :data:`cpscope._sentinel_report.TOLERANCES`, documented in docs/sentinel.md).
+            (defaults: :data:`cpscope._sentinel.report.TOLERANCES`, documented in docs/sentinel.md).
         reference_dtype: dtype of the attention reference (default float64 on CPU, float32 on CUDA).
         ignore_index: the label value that marks "no target" (default -100).
 
@@ -285,7 +285,7 @@ class sentinel:
     # Reporting
 
     def tolerance(self, dtype: torch.dtype, grad: bool) -> float:
-        from ._sentinel_report import tolerance
+        from .report import tolerance
 
         return tolerance(dtype, grad, self.rtol)
 
@@ -349,7 +349,7 @@ class sentinel:
         if scope.size == 1:
             self.raise_pending()
             return
-        from ._sentinel_agree import collective_device
+        from .agree import collective_device
 
         flag = torch.tensor([1 if self._pending else 0], dtype=torch.int64,
                             device=collective_device(scope.group))
@@ -385,7 +385,7 @@ class sentinel:
 
     def watch_loop(self, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
         """``run_microbatches``' microbatches, marked one by one; checks layout and loss normalisation."""
-        from ._sentinel_loop import watch
+        from .loop_check import watch
 
         return watch(self, microbatches, num_targets)
 
@@ -408,32 +408,32 @@ class sentinel:
         s = ACTIVE
         if s is None or in_backward() or not s.check_positions_:
             return
-        from ._sentinel_positions import check_user_positions
+        from .positions import check_user_positions
 
         check_user_positions(s, position_ids, cu_seqlens, resolve_scope(group), where)
 
     def check_targets(self, targets_used: int, num_targets: int, *, device: Optional[torch.device] = None) -> None:
         """Loss normalisation for your own loop (collective over the world): the world-sum of ``targets_used``
         (targets this rank's loss sums over) must equal ``num_targets`` (what this rank divides by)."""
-        from ._sentinel_loop import check_loss
+        from .loop_check import check_loss
 
         check_loss(self, int(targets_used), int(num_targets), device, step=None)
 
 
 def _attention_hook(*args: Any) -> torch.Tensor:
-    from ._sentinel_attention import checked_attention
+    from .attention_check import checked_attention
 
     return checked_attention(*args)
 
 
 def _rope_hook(*args: Any) -> None:
-    from ._sentinel_positions import on_rope
+    from .positions import on_rope
 
     on_rope(*args)
 
 
 def _hf_hook(*args: Any) -> None:
-    from ._sentinel_positions import on_hf_positions
+    from .positions import on_hf_positions
 
     on_hf_positions(*args)
 

@@ -10,8 +10,8 @@ One training step of hybrid CP, on every rank::
 
 :func:`run_step` counts the real targets of the whole global batch (:func:`global_num_targets`), runs every
 microbatch (:func:`run_microbatches`) and synchronises the gradients **once**, however many microbatches each rank
-ran — none included — through the :class:`~cpscope.hybrid.sync.GradientSync` that suits the model: a plain
-module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.hybrid.sync`). The pieces stay usable on their own for
+ran — none included — through the :class:`~cpscope.train.sync.GradientSync` that suits the model: a plain
+module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.train.sync`). The pieces stay usable on their own for
 a hand-written loop: ``run_microbatches`` then ``allreduce_gradients(model)`` is the plain-module step.
 
 Each step, spelled out:
@@ -442,11 +442,11 @@ def run_step(
     """One training step's forward and backward of every microbatch of this rank, gradients synchronised once.
 
     Collective over the data-parallel group: every rank calls it, with its own microbatches — any number,
-    **none included**. ``sync`` (default :func:`~cpscope.hybrid.sync.gradient_sync` of ``model``, built per call:
+    **none included**. ``sync`` (default :func:`~cpscope.train.sync.gradient_sync` of ``model``, built per call:
     pass one built once to skip the checks) decides how: a plain module's gradients are summed after the last
     backward, ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once,
     FSDP2 modules are unsharded once and reduce-scatter once, in one CP1 backward at the end — the last
-    microbatch when it is CP1, else an added :func:`empty_microbatch` (see :mod:`cpscope.hybrid.sync`). Afterwards
+    microbatch when it is CP1, else an added :func:`empty_microbatch` (see :mod:`cpscope.train.sync`). Afterwards
     every parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
     single-process gradient of the whole global batch. Call the optimizer next.
 
@@ -457,7 +457,7 @@ def run_step(
 
     Raises:
         ValueError: ``sync`` was built for another model; ``num_targets`` not positive; what
-            :func:`~cpscope.hybrid.sync.gradient_sync` refuses.
+            :func:`~cpscope.train.sync.gradient_sync` refuses.
 
     Example::
 

@@ -10,7 +10,7 @@ Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(
 (``rotate_half``). Interleaved: angles are repeated pairwise and the pairs are ``(x[2i], x[2i+1])``. Channels past
 ``rot_dim`` pass through unchanged.
 
-Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope._rope_kernel`: one launch, angles read from the table by
+Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope.rope._kernel`: one launch, angles read from the table by
 position, ~25 µs of host time), else TE's fused kernel when TransformerEngine is importable, else plain torch math
 ``torch.compile``-d; on CPU plain torch math. Everything derived from the offsets (validation, positions) is cached
 per pack (:mod:`cpscope._pack`), so a call costs the same host time whatever the number of documents.
@@ -31,18 +31,19 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ._checks import (
+from .._checks import (
     check_divisible_seq,
     check_local_thd_len,
     check_qkv_format,
     check_rope_freqs,
     check_tensor_dims,
 )
-from . import _rope_kernel, _sentinel
-from ._pack import Pack, dense_pack, pack_for
+from .. import _sentinel
+from . import _kernel as _rope_kernel
+from .._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
-from .scope import _UNSET, resolve_scope
+from ..scope import _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 

@@ -14,14 +14,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .scope import CPScope
+from ..scope import CPScope
 
 __all__ = ["in_backward", "same_scope", "describe", "group_of", "fingerprint", "_Microbatch", "_Records"]
 
 
 def in_backward() -> bool:
     """True while autograd runs a backward (hooks, recompute): the ContextVar must not be read there."""
-    from .scope import _current_graph_task_id  # also sees torch checkpoint's recompute on CUDA device threads
+    from ..scope import _current_graph_task_id  # also sees torch checkpoint's recompute on CUDA device threads
 
     return _current_graph_task_id() != -1
 
@@ -35,7 +35,7 @@ def describe(scope: CPScope) -> str:
 
 
 def group_of(scope: CPScope) -> tuple[int, ...]:
-    from .groups import group_ranks
+    from ..groups import group_ranks
 
     return tuple(group_ranks(scope.group)) if dist.is_initialized() else (0,)
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm_cost import LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name, \
+from ..hybrid.comm_cost import LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name, \
     load_cached, variant_allowed
 
 __all__ = ["calibrate", "device_name", "job_key", "load_or_calibrate", "ring_stand_in"]

@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel_report import Mismatch
-from ._sentinel_state import describe, group_of
-from ._sentinel_agree import collective_device, disagreements, exchange, exchange_objects, hash64
-from .scope import CPScope, scope_for
+from .report import Mismatch
+from .state import describe, group_of
+from .agree import collective_device, disagreements, exchange, exchange_objects, hash64
+from ..scope import CPScope, scope_for
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 
@@ -61,7 +61,7 @@ def watch(s: Any, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any
 
 def check_microbatch(s: Any, mb: Any, scope: CPScope, state: Any) -> None:
     """Agreement on the pack over the microbatch's group, then the labels' layout."""
-    from ._checks import cu_seqlens_list
+    from .._checks import cu_seqlens_list
 
     cu = cu_seqlens_list(mb.cu_seqlens)
     n_local = int(mb.input_ids.numel())
@@ -93,8 +93,8 @@ def check_microbatch(s: Any, mb: Any, scope: CPScope, state: Any) -> None:
 
 def check_labels(s: Any, mb: Any, scope: CPScope, cu: list, state: Any) -> None:
     """The labels must be the next token of the same document in the zigzag-ordered microbatch."""
-    from ._sentinel_reference import segment_ids
-    from .sharding import zigzag_indices
+    from .reference import segment_ids
+    from ..sharding import zigzag_indices
 
     cp = scope.size
     ids = mb.input_ids.reshape(-1).to(torch.int64)

@@ -13,10 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ._sentinel_report import Mismatch
-from ._sentinel_state import describe, fingerprint, group_of, in_backward, same_scope
-from ._sentinel_agree import hash64
-from .scope import CPScope
+from .report import Mismatch
+from .state import describe, fingerprint, group_of, in_backward, same_scope
+from .agree import hash64
+from ..scope import CPScope
 
 __all__ = ["on_rope", "on_hf_positions", "check_user_positions", "compare_positions"]
 
@@ -27,7 +27,7 @@ def _me() -> int:
 
 def _expected(cu_or_len: Any, scope: CPScope, n_local: int, device: torch.device) -> tuple[Optional[torch.Tensor], str]:
     """The zigzag positions ``scope`` expects for this layout, or ``(None, why)`` when it cannot hold it at all."""
-    from .sharding import zigzag_positions
+    from ..sharding import zigzag_positions
 
     try:
         pos = zigzag_positions(cu_or_len, scope.size, scope.rank, device=device)
@@ -100,7 +100,7 @@ def on_rope(s: Any, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) 
     if expected is None or same_scope(expected, scope):
         mb.rope_layouts.append(("thd", tuple(cu)) if qkv_format == "thd" else ("dense", seq * scope.size))
         return
-    from .sharding import zigzag_positions
+    from ..sharding import zigzag_positions
 
     n_local = shape[0] if qkv_format == "thd" else seq
     used = zigzag_positions(list(cu) if qkv_format == "thd" else seq * scope.size, scope.size, scope.rank)
@@ -149,7 +149,7 @@ def on_hf_positions(s: Any, position_ids: Optional[torch.Tensor], scope: CPScope
     mb = s.current("hf", scope)
     if not mb.sampled:
         return
-    from ._checks import cu_seqlens_list
+    from .._checks import cu_seqlens_list
 
     cu = cu_seqlens_list(cu_seqlens) if cu_seqlens is not None else None
     got = position_ids.reshape(-1, position_ids.shape[-1]) if cu is None else position_ids.reshape(1, -1)
@@ -161,7 +161,7 @@ def check_user_positions(s: Any, position_ids: torch.Tensor, cu_seqlens: Any, sc
     mb = s.current("positions", scope)
     if not mb.sampled:
         return
-    from ._checks import cu_seqlens_list
+    from .._checks import cu_seqlens_list
 
     cu = cu_seqlens_list(cu_seqlens) if cu_seqlens is not None else None
     got = position_ids.reshape(1, -1) if cu is not None else position_ids.reshape(-1, position_ids.shape[-1])

@@ -7,7 +7,7 @@ validated by the callers (``cpscope.rope.checked_rope_inputs``) before anything 
 
 Example::
 
-    from cpscope._te import call_te_rope, te_rope_if_available
+    from cpscope.rope._te import call_te_rope, te_rope_if_available
 
     te_apply = te_rope_if_available()          # None without TransformerEngine
     if te_apply is not None:

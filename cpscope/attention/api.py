@@ -1,0 +1,204 @@
+"""Context-parallel (ring) attention over the active CP group.
+
+:func:`context_parallel_attention` takes this rank's **zigzag** shards of q/k/v (see ``cpscope.zigzag_shard``) and
+returns this rank's rows of full attention over the whole sequences — document-masked in ``thd``, causal or not,
+with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plain local attention.
+
+Kernels: exact math on CPU (fp32/fp64 scores); on CUDA (fp16/bf16) PyTorch's cuDNN attention for dense blocks
+(MHA, GQA and MQA: K/V are never expanded), cuDNN's ragged kernels for ``thd`` when the cuDNN frontend is installed
+(else PyTorch's flash-attention varlen kernels). Every block of the ring uses the same kernels as CP1.
+
+Example::
+
+    with cpscope.runtime_cp(groups[2]):
+        q, k, v = (cpscope.zigzag_shard(t, seq_dim=1) for t in (q, k, v))
+        out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import _sentinel
+from .._pack import Pack, pack_for
+from ..scope import _UNSET, CPScope, resolve_scope
+from .variants import Variant, resolve_variant, run_variant, set_auto_chooser
+from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
+from .module import ContextParallelAttention
+from .ring import RingGeometry, RingPlan, ring_attention
+
+__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser"]
+
+# CP1 bshd/sbhd on CUDA through F.scaled_dot_product_attention (True) or the ring's CP1 path (False); private knob.
+_CP1_SDPA: bool = True
+
+# How bshd/sbhd run: with the dense kernels (default; cuDNN attention on CUDA) or as packed varlen blocks (each
+# batch row one zigzag-sharded "document"; flash varlen on CUDA). Private knob: tests cover both routes on CPU.
+_DENSE_AS_VARLEN: bool = False
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    qkv_format: str = "bshd",
+    causal: bool = True,
+    cu_seqlens: Optional[Any] = None,
+    max_seqlen: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    comm: Optional[str] = None,
+    group: Any = _UNSET,
+    cu_seqlens_padded: Optional[Any] = None,
+) -> torch.Tensor:
+    """Local rows of full attention for local zigzag q/k/v, over the active CP group (or ``group=``).
+
+    Args:
+        q: ``[b, s, h, d]`` (``bshd``), ``[s, b, h, d]`` (``sbhd``) or ``[t, h, d]`` (``thd``), local zigzag shard.
+        k, v: same layout, ``h_kv`` heads with ``h % h_kv == 0`` (grouped-query / multi-query attention).
+        qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
+        causal: causal mask (within each document in ``thd``).
+        cu_seqlens: **global** offsets, int32, from 0. ``thd``: the documents' offsets; the local tensor holds
+            ``cu_seqlens[-1] / cp`` tokens (or ``cu_seqlens_padded[-1] / cp``), every document zigzag-sharded on its
+            own. ``bshd`` / ``sbhd``: optional real lengths of the ``b`` rows as offsets (``b + 1`` entries; a
+            padding mask, each row padded at its end to the global length ``s·cp``).
+        max_seqlen: optional; checked to be at least the longest global sequence / document.
+        softmax_scale: default ``1 / sqrt(d)``; a given value must be a finite number > 0.
+        comm: the communication variant — ``"p2p"`` (zigzag ring), ``"all_gather"``, ``"a2a"`` (Ulysses; heads
+            must divide by cp), ``"a2a+p2p"`` / ``"a2a+p2p:N"`` (all-to-all in inner groups of N, ring across),
+            ``"auto"``; ``None``: what the active scope carries, else ``"p2p"``. Every variant gives the same rows.
+            Padding without a causal mask is masked by ``"p2p"`` only (``"auto"`` then picks it; another variant
+            raises ``ValueError``).
+        group: explicit CP group (``None`` = CP1); default: the active scope.
+        cu_seqlens_padded: ``thd`` only, TransformerEngine's convention: the **layout** offsets (documents padded,
+            at their end, to multiples of ``2·cp``) while ``cu_seqlens`` holds the **real** ones. Padding tokens are
+            then masked: no query attends to them, their output rows are zero and they get zero gradients. Omitted,
+            ``cu_seqlens`` is both.
+
+    Returns:
+        The local output, same shape and dtype as ``q``. q, k and v receive the gradients of their own rows.
+
+    Raises:
+        ValueError: inconsistent inputs (shapes, dtypes, devices, heads, lengths vs cp and cu_seqlens, a
+            ``softmax_scale`` that is not a finite positive number), before any collective or kernel runs.
+
+    Example::
+
+        with cpscope.runtime_cp(groups[2]):       # q/k/v: local zigzag shards, [t_local, h, d]; cu: global offsets
+            out = context_parallel_attention(q, k, v, qkv_format="thd", cu_seqlens=cu)
+        b = cpscope.pad_packed_batch(x, cu_seqlens=cu, cp=2)      # padded documents: pass both offsets
+        out = context_parallel_attention(q, k, v, qkv_format="thd", causal=False, cu_seqlens=b.cu_seqlens,
+                                         cu_seqlens_padded=b.cu_seqlens_padded)
+        out = context_parallel_attention(q, k, v, qkv_format="bshd", group=None)   # CP1: plain local attention
+    """
+    scope = resolve_scope(group)
+    return attention_with_scope(
+        q, k, v, scope, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        softmax_scale=softmax_scale, comm=comm, cu_seqlens_padded=cu_seqlens_padded,
+    )
+
+
+def attention_with_scope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scope: CPScope,
+    *,
+    qkv_format: str = "bshd",
+    causal: bool = True,
+    cu_seqlens: Optional[Any] = None,
+    max_seqlen: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    comm: Optional[str] = None,
+    cu_seqlens_padded: Optional[Any] = None,
+) -> torch.Tensor:
+    """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read).
+
+    For callers that resolved the scope once themselves (a module's forward, an adapter); arguments and result as
+    :func:`context_parallel_attention`. Everything derived from the offsets (validation, the ring's offsets and
+    document split, padding rows) is computed once per pack and cached on the offsets tensor.
+
+    Example::
+
+        scope = cpscope.resolve_scope()            # once, in forward
+        out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
+    """
+    if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_with_scope, locals())  # noqa
+    check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    pack: Optional[Pack] = None
+    if qkv_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens (global, int32, starting at 0)")
+        pack = pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=cu_seqlens_padded)
+        check_thd_pack(q, pack, max_seqlen)
+    else:
+        if cu_seqlens_padded is not None:
+            raise ValueError(
+                f"cu_seqlens_padded is only used with qkv_format='thd', got qkv_format={qkv_format!r}; for "
+                f"{qkv_format} pass the rows' real lengths as cu_seqlens"
+            )
+        b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
+        g = s * scope.size  # global sequence length
+        check_dense_max_seqlen(max_seqlen, g)
+        if cu_seqlens is not None or _DENSE_AS_VARLEN:
+            # row i is a document of global length g, zigzag-sharded (padded at its end when real lengths are given)
+            layout = tuple(range(0, b * g + 1, g))
+            pack = pack_for(layout, scope.size, scope.rank) if cu_seqlens is None else \
+                pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=layout)
+    variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,
+                              cu=pack.cu if qkv_format == "thd" else None)  # comm= / scope.comm
+    padded = pack is not None and pack.padded
+    if variant.name != "p2p" and padded and not causal:
+        if (comm if comm is not None else scope.comm) != "auto":
+            raise ValueError(
+                f"comm={variant.name!r} cannot mask padding without a causal mask (real offsets given that differ "
+                "from the layout); use comm='p2p' (or 'auto') for this microbatch"
+            )
+        variant = Variant("p2p")
+    if variant.name != "p2p":
+        # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so
+        # no gradient flows from them
+        out = run_variant(variant, q, k, v, scope, qkv_format=qkv_format, causal=causal,
+                          cu=pack.cu if qkv_format == "thd" else None, scale=scale)
+        return _zero_padding_rows(out, pack, qkv_format) if padded else out
+    if qkv_format == "thd":
+        return ring_attention(q, k, v, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
+    if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    if pack is not None:  # [b, s, h, d] -> [b*s, h, d] through the varlen ring
+        q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+        out = ring_attention(q2, k2, v2, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
+        out = out.view(b, s, *q.shape[2:])
+    elif scope.size == 1 and q.is_cuda and _CP1_SDPA:
+        # CP1 on CUDA is plain attention: PyTorch's SDPA (cuDNN on Hopper; GQA without expanded K/V) with its own
+        # autograd — the same kernels as cpscope's blocks, without the ring's Function around them (host time)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal, scale=scale,
+                                             enable_gqa=k.shape[-2] != q.shape[-2]).transpose(1, 2)
+    else:
+        plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s)
+        out = ring_attention(q, k, v, plan=plan, group=scope.group)
+    return out.transpose(0, 1) if qkv_format == "sbhd" else out
+
+
+def _zero_padding_rows(out: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
+    """``out`` with the padding rows of ``pack`` zeroed, differentiably (no gradient flows from them)."""
+    rows = pack.pad_rows(out.device)
+    if rows is None:
+        return out
+    if qkv_format == "thd":
+        return out.index_fill(0, rows, 0)
+    dense = out if qkv_format == "bshd" else out.transpose(0, 1)  # [b, s, h, d]
+    b, s = dense.shape[:2]
+    flat = dense.reshape(b * s, *dense.shape[2:]).index_fill(0, rows, 0)
+    res = flat.view(b, s, *dense.shape[2:])
+    return res if qkv_format == "bshd" else res.transpose(0, 1)
+
+
+def _varlen_plan(pack: Pack, device: torch.device, causal: bool, scale: float) -> RingPlan:
+    """The ring plan of a pack: its :class:`RingGeometry` is built once per (pack, device) and cached on the pack."""
+    geo = pack.memo(("ring", device), lambda: RingGeometry(pack, device))
+    return RingPlan(varlen=True, causal=causal, scale=scale, rank=pack.rank, size=pack.cp, geometry=geo)

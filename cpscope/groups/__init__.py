@@ -1,0 +1,16 @@
+"""CP groups: the registry of pre-built groups and how they are planned and created.
+
+* :mod:`~cpscope.groups.registry` — :func:`new_cp_groups`, :func:`hierarchical_cp_groups`, :func:`group_ranks`,
+  :func:`clear_cp_group_cache`: every group a job needs, created collectively once, up front, and cached.
+* :mod:`~cpscope.groups.blocks` — the pure block plan (which ranks form a group of each size).
+* :mod:`~cpscope.groups.create` — creating one rank's own blocks through ``torch.distributed``.
+* :mod:`~cpscope.groups.sim` — a simulated ``torch.distributed`` layer for planning at thousands of ranks.
+
+Example::
+
+    groups = cpscope.new_cp_groups([1, 2, 4])            # {1: None, 2: <pg>, 4: <pg>}
+    inner, outer = cpscope.hierarchical_cp_groups(groups[4], 2)
+"""
+from .registry import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
+
+__all__ = ["new_cp_groups", "hierarchical_cp_groups", "group_ranks", "clear_cp_group_cache"]
