@@ -16,13 +16,13 @@ backward: a recompute (in backward) is checked against the scope recorded at the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .core import call_unchecked
 from .report import Mismatch
 from .state import describe, fingerprint, group_of, in_backward, same_scope
 from .agree import (
@@ -62,51 +62,32 @@ def _dense_seq(shape: tuple, qkv_format: str) -> int:
     return shape[1] if qkv_format == "bshd" else shape[0]
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor, kw: dict) -> tuple:
+def _signature(call: Any) -> tuple:
     from .._checks import cu_seqlens_list
 
-    cu = kw.get("cu_seqlens")
-    return ("attention", kw.get("qkv_format", "bshd"), tuple(q.shape), tuple(k.shape), str(q.dtype),
-            bool(kw.get("causal", True)), None if cu is None else hash64(tuple(cu_seqlens_list(cu))),
-            kw.get("softmax_scale"))
+    cu = call.cu_seqlens
+    return ("attention", call.qkv_format, tuple(call.q.shape), tuple(call.k.shape), str(call.q.dtype),
+            bool(call.causal), None if cu is None else hash64(tuple(cu_seqlens_list(cu))), call.softmax_scale)
 
 
-def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scope: CPScope, kw: dict) -> torch.Tensor:
-    """Run ``fn(q, k, v, scope, **kw)`` (the ring), checked when this call is sampled."""
+def checked_attention(s: Any, call: Any, run: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """Run the prepared attention ``call`` (``run(call)``), checked when this call is sampled."""
+    scope = call.scope
     if in_backward():
-        _recompute_check(s, q, k, v, scope, kw)
-        return call_unchecked(fn, q, k, v, scope, **kw)
+        _recompute_check(s, call)
+        return run(call)
     mb = s.current("attention", scope)
-    call = mb.calls
+    index = mb.calls
     mb.calls += 1
     if not mb.sampled:
-        return call_unchecked(fn, q, k, v, scope, **kw)
-    from .._pack import pack_for
-    from ..attention._inputs import check_attention_inputs, check_softmax_scale, check_thd_pack
-
-    fmt = kw.get("qkv_format", "bshd")
-    causal = bool(kw.get("causal", True))
-    comm = kw.get("comm") or getattr(scope, "comm", None) or "p2p"
-    err: Optional[ValueError] = None
-    cu: Optional[list] = None
-    try:  # the same checks attention makes (so a bad input raises the same error on every rank, after agreement)
-        check_attention_inputs(q, k, v, qkv_format=fmt, cp=scope.size)
-        check_softmax_scale(kw.get("softmax_scale"), q.shape[-1])
-        if fmt == "thd":
-            if kw.get("cu_seqlens") is None:
-                raise ValueError("qkv_format='thd' needs cu_seqlens (global, int32, starting at 0)")
-            pack = pack_for(kw["cu_seqlens"], scope.size, scope.rank, cu_seqlens_padded=kw.get("cu_seqlens_padded"))
-            check_thd_pack(q, pack, kw.get("max_seqlen"))
-            cu = list(pack.cu)  # the layout offsets
-    except ValueError as e:
-        err = e
-    scale = kw.get("softmax_scale")
-    if scale is None and err is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        return run(call)
+    q, k, fmt, causal, err = call.q, call.k, call.qkv_format, bool(call.causal), call.error
+    comm = call.variant.name if call.variant is not None else (call.comm or scope.comm or "p2p")
+    cu: Optional[list] = list(call.pack.cu) if err is None and fmt == "thd" else None  # the layout offsets
+    scale = call.scale
     expected = s.expected_scope(mb)
     vscope = expected or scope  # the group that runs this microbatch: where the verdict is agreed
-    where = mb.where(call)
+    where = mb.where(index)
     me = _me()
     local = []
     scope_ok = expected is None or same_scope(expected, scope)
@@ -130,15 +111,15 @@ def checked_attention(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, 
 
     ok = True
     if vscope.size > 1:
-        ok = _agree(s, vscope, scope, q, k, fmt, causal, comm, cu, err, scale, mb, call)
+        ok = _agree(s, vscope, scope, q, k, fmt, causal, comm, cu, err, scale, mb, index)
     elif err is not None:
         raise err
     else:
         s.raise_pending()
-    padded = kw.get("cu_seqlens_padded") is not None or (fmt != "thd" and kw.get("cu_seqlens") is not None)
+    padded = call.cu_seqlens_padded is not None or (fmt != "thd" and call.cu_seqlens is not None)
     if not (ok and scope_ok and s.check_attention) or padded:  # padding masks: agreement only (no reference yet)
-        return call_unchecked(fn, q, k, v, scope, **kw)
-    return _numeric(s, fn, q, k, v, scope, kw, fmt, causal, cu, float(scale), where)
+        return run(call)
+    return _numeric(s, call, run, cu, float(scale), where)
 
 
 def _show_layout(layout: tuple) -> str:
@@ -215,10 +196,11 @@ def _agree(s: Any, vscope: CPScope, scope: CPScope, q: torch.Tensor, k: torch.Te
     return True
 
 
-def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             scope: CPScope, kw: dict, fmt: str, causal: bool, cu: Optional[list], scale: float,
+def _numeric(s: Any, call: Any, run: Callable[[Any], torch.Tensor], cu: Optional[list], scale: float,
              where: dict) -> torch.Tensor:
     from ..sharding import zigzag_indices
+
+    q, k, v, scope, fmt, causal = call.q, call.k, call.v, call.scope, call.qkv_format, bool(call.causal)
 
     cp, rank, dev = scope.size, scope.rank, q.device
     offs = canonical_offsets(fmt, tuple(q.shape), cp, cu)
@@ -237,10 +219,11 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
         kf, vf = kc, vc
     rec = _Call(s, scope, fmt, causal, scale, dt, rows, offs, kf, vf, canonical(q.detach(), fmt), q.dtype, where)
     grads = s.check_gradients and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    sig, fp = _signature(q, k, kw), fingerprint(v)
+    sig, fp = _signature(call), fingerprint(v)
     if grads:
         q, k, v = _TapIn.apply(rec, q, k, v)
-    out = call_unchecked(fn, q, k, v, scope, **kw)
+        call = dataclasses.replace(call, q=q, k=k, v=v)
+    out = run(call)
     with torch.no_grad():
         # inputs already inf / NaN (a diverged run): not attention's doing; counted, not compared
         rec.finite = bool(torch.isfinite(rec.q).all()) and bool(torch.isfinite(kf).all()) and bool(
@@ -267,12 +250,13 @@ def _numeric(s: Any, fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.
     return out
 
 
-def _recompute_check(s: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, kw: dict) -> None:
+def _recompute_check(s: Any, call: Any) -> None:
     """In backward (activation recompute): the scope must be the one its forward ran under (recorded then)."""
-    sig = _signature(q, k, kw)
+    scope = call.scope
+    sig = _signature(call)
     if not s.records.has_signature(sig):
         return
-    hit = s.records.get(sig, fingerprint(v))
+    hit = s.records.get(sig, fingerprint(call.v))
     if hit is None:
         return
     forward_scope, where = hit

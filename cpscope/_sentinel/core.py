@@ -52,41 +52,20 @@ import torch.distributed as dist
 
 from .report import Mismatch, SentinelError, Summary, logger
 from .state import _Microbatch, _Records, group_of, in_backward
-from ..scope import _ACTIVE, _UNSET, CPScope, resolve_scope
+from .. import _hooks
+from ..scope import _UNSET, CPScope, resolve_scope, runtime_scope_or
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
 
-# The active sentinel, or None. Every hook starts with ``if _sentinel.ACTIVE is not None`` — all it costs when off.
-# (attention_with_scope's hook also asks ``busy()``: the sentinel's own call of the ring passes through.)
+# The active sentinel (the innermost switched on and not stopped), or None. While one is active its methods fill the
+# observer slots of cpscope._hooks; the core calls them there (a None check when off) and never imports the sentinel.
 ACTIVE: Optional["sentinel"] = None
+_STACK: list["sentinel"] = []  # sentinels switched on and not stopped, in the order they were switched on
 
 _POLICIES = ("raise", "log")
 
 
 _LOCAL = threading.local()
-
-
-def busy() -> bool:
-    """True while the sentinel itself runs the checked attention (the hook then lets the call through)."""
-    return getattr(_LOCAL, "busy", False)
-
-
-def attention(fn: Callable[..., torch.Tensor], args: dict) -> torch.Tensor:
-    """The hook at the top of ``attention_with_scope``: ``args`` are its ``locals()`` (its arguments)."""
-    s = ACTIVE
-    if s is None:  # switched off meanwhile (another thread)
-        return call_unchecked(fn, **{name: args[name] for name in _parameters(fn)})
-    return s.on_attention(fn, args)
-
-
-def call_unchecked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with the attention hook passing through (this thread only)."""
-    outer = busy()
-    _LOCAL.busy = True
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _LOCAL.busy = outer
 
 
 class _MicrobatchMarker:
@@ -186,7 +165,6 @@ class sentinel:
         self._pending_exc: Optional[BaseException] = None
         self.records = _Records()
         self._warned_nonfinite = False
-        self._prev: Optional[sentinel] = None
         self._on = False
         self.start()
 
@@ -200,20 +178,23 @@ class sentinel:
 
     def start(self) -> "sentinel":
         """Switch this sentinel on (constructing it already does); idempotent."""
-        global ACTIVE
         if not self._on:
-            self._prev, ACTIVE, self._on = ACTIVE, self, True
+            self._on = True
+            _STACK.append(self)
             _ALIVE.add(self)
+            _activate()
         return self
 
     def stop(self) -> Summary:
-        """Switch off, restore the sentinel active before, log and return the summary."""
-        global ACTIVE
+        """Switch off, make the innermost sentinel still on the active one, log and return the summary.
+
+        Stopping sentinels out of order is fine: a stopped sentinel is never active again.
+        """
         if self._on:
-            if ACTIVE is self:
-                ACTIVE = self._prev
             self._on = False
+            _STACK.remove(self)
             _ALIVE.discard(self)
+            _activate()
             if logger.isEnabledFor(logging.INFO):
                 logger.info("%s", self._summary.text())
         return self._summary
@@ -272,7 +253,7 @@ class sentinel:
     def expected_scope(self, mb: Optional[_Microbatch]) -> Optional[CPScope]:
         """The scope consumers must use in forward: the bound runtime scope, else the marked microbatch's, else
         ``None`` (nothing bound: a consumer's own scope — a static-CP module's build-time scope — is authoritative)."""
-        bound = _ACTIVE.get()
+        bound = runtime_scope_or(None)
         if bound is not None:
             return bound
         return mb.scope if mb is not None and mb.marked else None
@@ -362,16 +343,13 @@ class sentinel:
     # -------------------------------------------------------------------------------------------------------------
     # Hooks (called from attention/__init__.py, rope.py, integrations/hf.py, hybrid/loop.py)
 
-    def on_attention(self, fn: Callable[..., torch.Tensor], args: dict) -> torch.Tensor:
-        """Hook at the top of ``attention_with_scope`` (``args``: its ``locals()``, i.e. its arguments): runs the
-        call, checked when sampled. The real call goes through :func:`call_unchecked`."""
-        kw = {name: args[name] for name in _parameters(fn)}  # locals() may hold more (a closure's free variables)
-        q, k, v, scope = kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("scope")
+    def on_attention(self, call: Any, run: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The attention slot: runs the prepared call (``run(call)``), checked when sampled."""
         if torch.compiler.is_compiling():  # under torch.compile: run the check outside the graph (a graph break)
-            return _compiler_disabled(_attention_hook)(self, fn, q, k, v, scope, kw)
-        return _attention_hook(self, fn, q, k, v, scope, kw)
+            return _compiler_disabled(_attention_hook)(self, call, run)
+        return _attention_hook(self, call, run)
 
-    def on_rope(self, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) -> None:
+    def on_rope(self, scope: CPScope, cu: Any, qkv_format: str, t: torch.Tensor) -> None:
         if self.check_positions_:
             hook = _compiler_disabled(_rope_hook) if torch.compiler.is_compiling() else _rope_hook
             hook(self, scope, cu, qkv_format, t)
@@ -439,13 +417,6 @@ def _hf_hook(*args: Any) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
-    import inspect
-
-    return tuple(inspect.signature(fn).parameters)
-
-
-@functools.lru_cache(maxsize=None)
 def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` excluded from torch.compile graphs (made once: the wrapper costs tens of µs per call, so the eager
     path calls ``fn`` directly)."""
@@ -454,6 +425,16 @@ def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 # Sentinels switched on and not stopped: their summary is logged at exit.
 _ALIVE: "set[sentinel]" = set()
+
+
+def _activate() -> None:
+    """Make the innermost running sentinel the active one and point the core's observer slots at it."""
+    global ACTIVE
+    ACTIVE = _STACK[-1] if _STACK else None
+    s = ACTIVE
+    _hooks.install(attention=None if s is None else s.on_attention, rope=None if s is None else s.on_rope,
+                   hf_positions=None if s is None else s.on_hf_positions,
+                   microbatches=None if s is None else s.watch_loop)
 
 
 @atexit.register

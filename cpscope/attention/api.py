@@ -16,20 +16,20 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .. import _sentinel
+from .. import _hooks
 from .._pack import Pack, pack_for
 from ..scope import _UNSET, CPScope, resolve_scope
-from .variants import Variant, resolve_variant, run_variant, set_auto_chooser
+from .variants import Variant, resolve_variant, run_variant
 from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
-from .module import ContextParallelAttention
 from .ring import RingGeometry, RingPlan, ring_attention
 
-__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser"]
+__all__ = ["context_parallel_attention", "attention_with_scope", "AttentionCall", "prepare_call", "run_call"]
 
 # CP1 bshd/sbhd on CUDA through F.scaled_dot_product_attention (True) or the ring's CP1 path (False); private knob.
 _CP1_SDPA: bool = True
@@ -125,7 +125,59 @@ def attention_with_scope(
         scope = cpscope.resolve_scope()            # once, in forward
         out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
     """
-    if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_with_scope, locals())  # noqa
+    args = (q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen, softmax_scale, comm)
+    observer = _hooks.attention
+    if observer is None:
+        return run_call(prepare_call(*args))
+    try:
+        call = prepare_call(*args)
+    except ValueError as e:  # the observer agrees with the other ranks first, then raises it
+        call = AttentionCall(*args, error=e)
+    return observer(call, run_call)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One attention call, validated and resolved once: what runs it and what an observer may look at.
+
+    The first fields are the call's arguments as given; ``scale``, ``pack`` and ``variant`` are derived by
+    :func:`prepare_call`. ``error`` holds the ``ValueError`` of inputs that failed validation (then the derived
+    fields are ``None`` and :func:`run_call` raises it). ``dataclasses.replace(call, q=..., k=..., v=...)`` gives the
+    same call on other (e.g. tapped) tensors of the same shapes.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scope: CPScope
+    qkv_format: str
+    causal: bool
+    cu_seqlens: Optional[Any]
+    cu_seqlens_padded: Optional[Any]
+    max_seqlen: Optional[int]
+    softmax_scale: Optional[float]
+    comm: Optional[str]  # as asked (None: the scope's, else "p2p")
+    scale: Optional[float] = None  # the validated softmax scale
+    pack: Optional[Pack] = None  # per-pack metadata (thd; bshd/sbhd with real lengths or as varlen rows)
+    variant: Optional[Variant] = None  # the variant that runs (``"auto"`` resolved)
+    error: Optional[ValueError] = None
+
+    @property
+    def padded(self) -> bool:
+        """Whether padding rows are masked (real offsets given that differ from the layout)."""
+        return self.pack is not None and self.pack.padded
+
+
+def prepare_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, qkv_format: str, causal: bool,
+    cu_seqlens: Optional[Any], cu_seqlens_padded: Optional[Any], max_seqlen: Optional[int],
+    softmax_scale: Optional[float], comm: Optional[str],
+) -> AttentionCall:
+    """Validate the inputs and resolve the pack and the variant: the :class:`AttentionCall` to run.
+
+    Raises:
+        ValueError: inconsistent inputs (before any collective or kernel).
+    """
     check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     pack: Optional[Pack] = None
@@ -150,24 +202,35 @@ def attention_with_scope(
                 pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=layout)
     variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,
                               cu=pack.cu if qkv_format == "thd" else None)  # comm= / scope.comm
-    padded = pack is not None and pack.padded
-    if variant.name != "p2p" and padded and not causal:
+    if variant.name != "p2p" and pack is not None and pack.padded and not causal:
         if (comm if comm is not None else scope.comm) != "auto":
             raise ValueError(
                 f"comm={variant.name!r} cannot mask padding without a causal mask (real offsets given that differ "
                 "from the layout); use comm='p2p' (or 'auto') for this microbatch"
             )
         variant = Variant("p2p")
+    return AttentionCall(q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen,
+                         softmax_scale, comm, scale=scale, pack=pack, variant=variant)
+
+
+def run_call(call: AttentionCall) -> torch.Tensor:
+    """Run a prepared :class:`AttentionCall` (raises its ``error`` if its inputs failed validation)."""
+    if call.error is not None:
+        raise call.error
+    q, k, v, scope, qkv_format, causal, pack = call.q, call.k, call.v, call.scope, call.qkv_format, call.causal, \
+        call.pack
+    variant, scale = call.variant, call.scale
     if variant.name != "p2p":
         # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so
         # no gradient flows from them
         out = run_variant(variant, q, k, v, scope, qkv_format=qkv_format, causal=causal,
                           cu=pack.cu if qkv_format == "thd" else None, scale=scale)
-        return _zero_padding_rows(out, pack, qkv_format) if padded else out
+        return _zero_padding_rows(out, pack, qkv_format) if call.padded else out
     if qkv_format == "thd":
         return ring_attention(q, k, v, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
     if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    b, s = q.shape[0], q.shape[1]
     if pack is not None:  # [b, s, h, d] -> [b*s, h, d] through the varlen ring
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
         out = ring_attention(q2, k2, v2, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)

@@ -59,7 +59,7 @@ import torch
 import torch.utils.checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 
-from .. import _sentinel
+from .. import _hooks
 from .._checks import check_cu_seqlens, check_divisible_seq, cu_seqlens_list
 from ..attention import context_parallel_attention
 from ..recompute import scoped
@@ -255,7 +255,8 @@ def cpscope_attention_forward(
             out, _ = cpscope_attention_forward(self, query, key, value, None, scaling=self.scaling)  # [b, s, h, d]
     """
     scope = resolve_scope()  # read once, here in forward
-    if _sentinel.ACTIVE is not None: _sentinel.ACTIVE.on_hf_positions(module, query, scope, kwargs)  # noqa: E701
+    if _hooks.hf_positions is not None:
+        _hooks.hf_positions(module, query, scope, kwargs)
     if attention_mask is not None:
         _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
     if dropout:

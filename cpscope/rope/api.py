@@ -38,7 +38,7 @@ from .._checks import (
     check_rope_freqs,
     check_tensor_dims,
 )
-from .. import _sentinel
+from .. import _hooks
 from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
@@ -185,7 +185,8 @@ def apply_rotary_pos_emb(
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
                       cu_seqlens_padded=cu_seqlens_padded)
-    if _sentinel.ACTIVE is not None: _sentinel.ACTIVE.on_rope(scope, list(pack.cu), qkv_format, t)  # noqa: E701
+    if _hooks.rope is not None:
+        _hooks.rope(scope, pack.cu, qkv_format, t)
 
     if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
         if not _rope_kernel.usable(t):

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _sentinel
+from .. import _hooks
 from .._checks import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import check_comm, runtime_cp, scope_for
@@ -349,7 +349,8 @@ def run_microbatches(
     total = torch.zeros((), dtype=torch.float64)
     microbatches = list(microbatches)
     last = len(microbatches) - 1
-    if _sentinel.ACTIVE is not None: microbatches = _sentinel.ACTIVE.watch_loop(microbatches, num_targets)  # noqa: E701
+    if _hooks.microbatches is not None:
+        microbatches = _hooks.microbatches(microbatches, num_targets)
     for i, mb in enumerate(microbatches):
         if i == last and before_last is not None:
             before_last()
