@@ -206,6 +206,20 @@ def test_cp_comm_type_override():
     assert te_cp_settings(fake)["cp_comm_type"] == "all_gather"
 
 
+def test_unknown_cp_comm_type_is_refused_at_construction():
+    fake = _built_fake()
+    with pytest.raises(ValueError, match="'ring'"):
+        ScopedDotProductAttention(fake, cp_comm_type="ring")
+    model = torch.nn.Sequential(fake)
+    with pytest.raises(ValueError, match="'ring'"):
+        cpscope.integrations.te.enable_runtime_cp(model, cp_comm_type="ring")
+    assert type(model[0]) is FakeDotProductAttention  # refused before any module changed
+    attn = ScopedDotProductAttention(fake, cp_comm_type="a2a+p2p:2", stream_provider=_never_called)
+    with cpscope.runtime_cp(None):  # CP1: TE ignores the variant; the module's own one is bound
+        attn(torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1))
+    assert fake.events[-2][4] == "all_gather"
+
+
 # ------------------------------------------------------------------------------------------------ multi-rank
 
 
