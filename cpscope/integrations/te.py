@@ -458,14 +458,9 @@ def disable_runtime_cp(model: nn.Module) -> list[str]:
 
 
 def te_apply_rotary_pos_emb(
-    t: torch.Tensor,
-    freqs: torch.Tensor,
-    *,
-    qkv_format: str,
+    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str,
     cu_seqlens: Optional[Union[torch.Tensor, Sequence[int]]] = None,
-    interleaved: bool = False,
-    fused: bool = True,
-    group: Any = _UNSET,
+    interleaved: bool = False, fused: bool = True, group: Any = _UNSET,
 ) -> torch.Tensor:
     """TE's RoPE (fused by default) at the global positions of the local zigzag tokens of the active scope.
 
