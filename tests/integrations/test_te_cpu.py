@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import subprocess
 import sys
 import types
 
@@ -143,15 +142,6 @@ def test_fake_matches_installed_te():
         FakeDotProductAttention.set_context_parallel_group
     )
     assert _plain_signature(real.forward) == _plain_signature(FakeDotProductAttention.forward)
-
-
-def test_import_does_not_pull_optional_libraries():
-    code = (
-        "import sys, cpscope, cpscope.integrations, cpscope.integrations.te, cpscope.integrations.megatron\n"
-        "bad = [m for m in ('transformer_engine', 'transformers') if m in sys.modules]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------ CP1, no dist
