@@ -1,7 +1,8 @@
 """:func:`enable_runtime_cp`: a megatron-core model built with a static CP size follows the group of each microbatch.
 
 What it changes, in place (each module keeps its parameters and ``state_dict`` keys; classes are swapped for
-subclasses, as FSDP2's ``fully_shard`` does; :func:`disable_runtime_cp` undoes everything):
+subclasses, as FSDP2's ``fully_shard`` does, with :mod:`cpscope.integrations._swap`; :func:`disable_runtime_cp`
+undoes everything):
 
 entry
     The outermost modules whose ``forward`` takes ``packed_seq_params`` (``GPTModel``; or a bare ``TransformerBlock``
@@ -302,7 +303,8 @@ def _convert_consumers(modules: dict[str, nn.Module], config: Any, classes: _Cla
             swap_class(module, AttentionRopeMixin)
             core = getattr(module, "core_attention", None)
             if type(core) is classes.local_core:
-                module.core_attention = RingCoreAttention.replacing(core)
+                module.core_attention = core = RingCoreAttention.replacing(core)
+            if isinstance(core, RingCoreAttention):  # replaced now or by an earlier call
                 names.append(f"{name}.core_attention" if name else "core_attention")
         elif classes.te_core is not None and issubclass(base, classes.te_core):
             swap_class(module, TEAttentionMixin)
