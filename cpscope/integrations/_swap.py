@@ -123,6 +123,9 @@ def _clear_state(module: Any) -> None:
 def swap_class(module: nn.Module, mixin: type, **state: Any) -> bool:
     """Give ``module`` the swapped class of its original class and ``mixin``; store ``state`` on it.
 
+    ``state`` goes into the instance ``__dict__`` as is: never registered as a submodule, parameter or buffer, so
+    ``state_dict`` and ``named_modules`` are unchanged.
+
     Idempotent: a module already swapped with ``mixin`` keeps its class and the state it has, updated with
     ``state``. A module swapped with another mixin is swapped again, and the old mixin's state is removed first.
     Returns whether the class changed.
