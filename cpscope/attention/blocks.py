@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Varlen", "block_forward", "block_backward"]
+__all__ = ["Varlen", "block_forward", "block_backward", "acc_dtype"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +51,9 @@ class Varlen:
 # CPU (and any non-CUDA device): exact math
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks compute in and return ``lse`` in (fp64 for fp64 inputs, else fp32); the ring's merges and
+    dQ accumulate in it too."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -109,7 +111,7 @@ def _batched(x: torch.Tensor, vl: Optional[Varlen]) -> torch.Tensor:
 
 
 def _cpu_forward(q, k, v, scale, causal, vl):
-    dt = _compute_dtype(q.dtype)
+    dt = acc_dtype(q.dtype)
     mask = _mask(q, k, causal, vl)
     qb, kb, vb = _batched(q, vl), _batched(_expand_kv(k, q.shape[-2]), vl), _batched(_expand_kv(v, q.shape[-2]), vl)
     s = _cpu_scores(qb, kb, scale, mask, dt)  # [b, h, s_q, s_k]
@@ -123,7 +125,7 @@ def _cpu_forward(q, k, v, scale, causal, vl):
 
 
 def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
-    dt = _compute_dtype(q.dtype)
+    dt = acc_dtype(q.dtype)
     h, h_kv = q.shape[-2], k.shape[-2]
     mask = _mask(q, k, causal, vl)
     qb, kb, vb = _batched(q, vl).to(dt), _batched(_expand_kv(k, h), vl).to(dt), _batched(_expand_kv(v, h), vl).to(dt)

@@ -12,7 +12,7 @@ import torch
 import cpscope
 from cpscope.attention import merge as _fused
 from cpscope.attention.merge import merge_rows_, rows_add_
-from cpscope.attention.ring import RingPlan, _doc_split
+from cpscope.attention.ring_plan import RingPlan, _doc_split
 from tests.attention.test_ring_cpu import H, TOL, check_one
 from tests.distributed import run_ranks
 
