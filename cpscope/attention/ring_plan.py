@@ -251,7 +251,14 @@ class RingPlan:
 
     def step(self, index: int) -> RingStep:
         """What step ``index`` holds and computes on this rank."""
-        return RingStep(index, (self.rank - index) % self.size, self.kind(index), self.varlen_at(index))
+        src, kind = (self.rank - index) % self.size, self.kind(index)
+        if not self.varlen:
+            vl = None
+        elif self.compact:  # compacted K/V: every source's own real rows
+            vl = self.geo.full_from[src]
+        else:
+            vl = self.geo.vl[kind]
+        return RingStep(index, src, kind, vl)
 
     def varlen_for(self, kind: str) -> Optional[Varlen]:
         """The varlen description of a block kind (unpadded plans; ``None`` for dense plans)."""
@@ -259,11 +266,7 @@ class RingPlan:
 
     def varlen_at(self, step: int) -> Optional[Varlen]:
         """The varlen description of the block at ``step`` (``None`` for dense plans)."""
-        if not self.varlen:
-            return None
-        if self.compact:
-            return self.geo.full_from[(self.rank - step) % self.size]
-        return self.geo.vl[self.kind(step)]
+        return self.step(step).varlen
 
     # ---- the rows of a step's block ----------------------------------------------------------------------------
 
