@@ -187,7 +187,8 @@ def prepare_call(
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     pack = _pack_of(q, scope, qkv_format, cu_seqlens, cu_seqlens_padded, max_seqlen)
     variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,  # comm= / scope.comm
-                              cu=pack.cu if qkv_format == "thd" else None, padded=pack is not None and pack.padded)
+                              cu=pack.cu if qkv_format == "thd" else None,
+                              padded=pack is not None and pack.real is not None)
     return AttentionCall(q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen,
                          softmax_scale, comm, scale=scale, pack=pack, variant=variant)
 

@@ -54,8 +54,7 @@ def ring_forward(
             # the next step's K/V travel while this step computes
             comm.send_recv([kc, vc], recv_shapes=plan.recv_shapes(plan.rank - step - 1, [kc, vc]))
         st = plan.step(step)
-        o, l = block_forward(plan.q_rows(q, st), plan.kv_rows(kc, st), plan.kv_rows(vc, st), scale=plan.scale,
-                             causal=st.causal, varlen=st.varlen)
+        o, l = block_forward(*plan.block_rows(st, q, kc, vc), scale=plan.scale, causal=st.causal, varlen=st.varlen)
         if plan.size == 1:  # CP1: one plain kernel call, nothing to merge
             return plan.zero_pad_rows(o), l
         if out_acc is None:  # step 0 always covers all of Q
@@ -105,9 +104,7 @@ class _BackwardRing:
             lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         self.dout, self.q, self.k, self.v, self.out, self.lse = dout, q, k, v, out, lse
         self.plan, self.group = plan, group
-        # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
-        # q's dtype, so adding them in q's dtype (computed in fp32, rounded once) loses nothing and saves memory.
-        self.acc = q.dtype if plan.size == 2 else acc_dtype(q.dtype)
+        self.acc = q.dtype  # the dQ accumulator's dtype (set in run)
         self.parts: list[DiagPart] = []
         self.dks: list[torch.Tensor] = []  # the diagonal pieces' dK / dV
         self.dvs: list[torch.Tensor] = []
@@ -125,6 +122,9 @@ class _BackwardRing:
                                         causal=st.causal, varlen=st.varlen)
             return dq, plan.expand_kv(dk, self.k_full), plan.expand_kv(dv, self.v_full)
         kv_comm, self.dkv_comm = RingComm(self.group, rank, size), RingComm(self.group, rank, size)
+        # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
+        # q's dtype, so adding them in q's dtype (computed in fp32, rounded once) loses nothing and saves memory.
+        self.acc = self.q.dtype if size == 2 else acc_dtype(self.q.dtype)
         self.parts = plan.diag_parts(self.q.shape[-2], self.k.shape[-2])
         # Each exchange is posted BEFORE the kernel it overlaps: cuDNN's attention kernels are persistent (one CTA per
         # SM), so an exchange posted behind one gets no SM until it ends (H200, 16k: the K/V hop then started at the end
@@ -154,9 +154,10 @@ class _BackwardRing:
     def _remote(self, st: RingStep, kc: torch.Tensor, vc: torch.Tensor) -> None:
         """A remote step: its block's gradients; its dK/dV join the traveling buffer, which is sent on."""
         plan, rank, size = self.plan, self.plan.rank, self.plan.size
-        g = block_backward(plan.q_rows(self.dout, st), plan.q_rows(self.q, st), plan.kv_rows(kc, st),
-                           plan.kv_rows(vc, st), plan.q_rows(self.out, st), plan.lse_rows(self.lse, st),
-                           scale=plan.scale, causal=st.causal, varlen=st.varlen)
+        qq, kk, vv = plan.block_rows(st, self.q, kc, vc)
+        g = block_backward(plan.q_rows(self.dout, st), qq, kk, vv, plan.q_rows(self.out, st),
+                           plan.lse_rows(self.lse, st), scale=plan.scale, causal=st.causal, varlen=st.varlen)
+        del qq, kk, vv
         self._add_remote_dq(g[0], st)
         gk, gv, front = g[1].to(self.k.dtype), g[2].to(self.v.dtype), st.kv_front
         del g

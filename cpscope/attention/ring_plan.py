@@ -182,28 +182,18 @@ class RingStep(NamedTuple):
 
     ``src``: the rank whose K/V this rank holds at step ``index``; ``kind``: ``"diag"``, ``"full"``, ``"kv_front"``
     or ``"q_back"`` (see the module docstring); ``varlen``: the block's packed-sequence description (``None`` for
-    dense plans).
+    dense plans). ``causal`` (the block is causally masked: the local diagonal), ``q_back`` (only the back half of
+    the local queries take part) and ``kv_front`` (only the front half of the held K/V) follow from ``kind``; they
+    are fields, not properties, because the ring reads them on its hot path.
     """
 
     index: int
     src: int
     kind: str
     varlen: Optional[Varlen]
-
-    @property
-    def causal(self) -> bool:
-        """Whether the block is causally masked (the local diagonal block)."""
-        return self.kind == "diag"
-
-    @property
-    def q_back(self) -> bool:
-        """Whether only the back half of the local queries takes part."""
-        return self.kind == "q_back"
-
-    @property
-    def kv_front(self) -> bool:
-        """Whether only the front half of the held K/V takes part."""
-        return self.kind == "kv_front"
+    causal: bool
+    q_back: bool
+    kv_front: bool
 
 
 class RingPlan:
@@ -258,7 +248,7 @@ class RingPlan:
             vl = self.geo.full_from[src]
         else:
             vl = self.geo.vl[kind]
-        return RingStep(index, src, kind, vl)
+        return RingStep(index, src, kind, vl, kind == "diag", kind == "q_back", kind == "kv_front")
 
     def varlen_for(self, kind: str) -> Optional[Varlen]:
         """The varlen description of a block kind (unpadded plans; ``None`` for dense plans)."""
@@ -269,6 +259,15 @@ class RingPlan:
         return self.step(step).varlen
 
     # ---- the rows of a step's block ----------------------------------------------------------------------------
+
+    def block_rows(self, st: RingStep, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v rows step ``st``'s block reads (``k`` / ``v``: the held K/V); one call on the hot path."""
+        if st.q_back:
+            return self.q_back(q), k, v
+        if st.kv_front:
+            return q, self.kv_front(k), self.kv_front(v)
+        return q, k, v
 
     def q_rows(self, x: torch.Tensor, st: RingStep) -> torch.Tensor:
         """The rows of a q-like tensor (q, out, dout) that step ``st``'s block reads."""
