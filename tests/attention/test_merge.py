@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention import merge as _fused
+from cpscope.attention import merge
 from cpscope.attention.merge import merge_rows_, rows_add_
-from cpscope.attention.ring import RingPlan, _doc_split
+from cpscope.attention.ring_plan import RingPlan, _doc_split
 from tests.attention.test_ring_cpu import H, TOL, check_one
 from tests.distributed import run_ranks
 
@@ -34,10 +34,10 @@ def backend(request, monkeypatch):
         if not _has_triton():
             pytest.skip("triton is not importable")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(_fused, "_FORCE_TRITON", True)
-        _fused._kernels.cache_clear()  # jit under the interpreter
+        monkeypatch.setattr(merge, "_FORCE_TRITON", True)
+        merge._kernels.cache_clear()  # jit under the interpreter
         yield "triton"
-        _fused._kernels.cache_clear()
+        merge._kernels.cache_clear()
     else:
         yield "torch"
 
@@ -109,7 +109,7 @@ def test_merge_dense(backend, dtype, rows):
     # non-contiguous views everywhere: out_acc a transposed [b, h, s, d] buffer, lse_acc a transposed [b, s, h]
     # buffer, out_b a head slice of a wider tensor, lse_b a strided slice
     oa = torch.randn(b, h, s, d, generator=g).to(dtype).transpose(1, 2)
-    la = (3 * torch.randn(b, s, h, generator=g, dtype=torch.float64)).to(_fused._acc_dtype(oa)).transpose(1, 2)
+    la = (3 * torch.randn(b, s, h, generator=g, dtype=torch.float64)).to(merge._acc_dtype(oa)).transpose(1, 2)
     ob = torch.randn(b, n, h + 2, d, generator=g).to(dtype)[:, :, 1:h + 1]
     lb = (3 * torch.randn(b, h, 2 * n, generator=g, dtype=torch.float64)).to(la.dtype)[..., ::2]
     _with_neg_inf(la, lb, oa, ob, torch.arange(start, start + n))
@@ -132,7 +132,7 @@ def test_merge_varlen_index_rows(backend, dtype):
     t, h, d = 13, 4, 8
     idx = torch.tensor([1, 3, 4, 8, 9, 12])
     oa = torch.randn(t, h, d, generator=g).to(dtype)
-    la = (2 * torch.randn(h, t, generator=g, dtype=torch.float64)).to(_fused._acc_dtype(oa))
+    la = (2 * torch.randn(h, t, generator=g, dtype=torch.float64)).to(merge._acc_dtype(oa))
     ob = torch.randn(len(idx), h, d, generator=g).to(dtype)
     lb = (2 * torch.randn(h, len(idx), generator=g, dtype=torch.float64)).to(la.dtype)
     _with_neg_inf(la, lb, oa, ob, idx)
@@ -148,7 +148,7 @@ def test_merge_varlen_index_rows(backend, dtype):
 
 def test_merge_head_chunks_and_one_rounding(backend, monkeypatch):
     """Heads split over several programs (small tile); a bf16 accumulator merged once equals fp32 + one cast."""
-    monkeypatch.setattr(_fused, "_MAX_TILE", 16)  # BLOCK_D 8 -> 2 heads per program, 3 programs per row
+    monkeypatch.setattr(merge, "_MAX_TILE", 16)  # BLOCK_D 8 -> 2 heads per program, 3 programs per row
     g = torch.Generator().manual_seed(3)
     t, h, d = 7, 5, 8
     o0, o1 = torch.randn(t, h, d, generator=g), torch.randn(t, h, d, generator=g)
@@ -280,9 +280,9 @@ def test_diag_parts_choice():
 def _ring_cases(world: int, force_triton: bool) -> float:
     if force_triton:
         os.environ["TRITON_INTERPRET"] = "1"
-        _fused._FORCE_TRITON = True
-        _fused._kernels.cache_clear()
-        assert _fused._use_triton(torch.zeros(1))  # this rank has triton: the ring runs the interpreted kernels
+        merge._FORCE_TRITON = True
+        merge._kernels.cache_clear()
+        assert merge._use_triton(torch.zeros(1))  # this rank has triton: the ring runs the interpreted kernels
     try:
         cpscope.set_backward_read_check(True)
         group = cpscope.new_cp_groups([world])[world]
@@ -304,8 +304,8 @@ def _ring_cases(world: int, force_triton: bool) -> float:
         return worst
     finally:
         if force_triton:
-            _fused._FORCE_TRITON = False
-            _fused._kernels.cache_clear()
+            merge._FORCE_TRITON = False
+            merge._kernels.cache_clear()
             os.environ.pop("TRITON_INTERPRET", None)
 
 
