@@ -24,7 +24,6 @@ simulated
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's cpscope
+from _results import dump  # noqa: E402
 log = logging.getLogger("bench_groups")
 
 
@@ -274,8 +274,7 @@ def main() -> None:
                      f"{r['ms_median']} ms" for r in result.get("fake_torch", []))
     log.info("%s\n\n%s\n\n%s", _table_real(result["real"]), _table_sim(result.get("simulated", [])), fake)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        dump(result, args.json)
         log.info("wrote %s", args.json)
 
 

@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="DOCS",
                     help="also cProfile 20 later layers of the DOCS-document pack (CP1 and CP2), top functions")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument("--json", default=None, help="file name under --out (default: host_bench[_TAG].json)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -376,7 +377,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     out["env"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     if rank == 0:
-        name = f"host_bench{'_' + args.tag if args.tag else ''}.json"
+        name = args.json or f"host_bench{'_' + args.tag if args.tag else ''}.json"
         path = write_json(out, args.out, name)
         print_table(out, cuda)
         print("wrote", path)

@@ -22,7 +22,6 @@ CPU dry run of the machinery (gloo; ``--stand-in`` times the ring under every va
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -38,6 +37,7 @@ import cpscope  # noqa: E402
 from cpscope.hybrid.calibrate import calibrate, ring_stand_in  # noqa: E402
 from cpscope.hybrid.comm_cost import LOCAL, VARIANTS, CommCostModel, cache_path  # noqa: E402
 from cpscope.hybrid.variants import choose, predict  # noqa: E402
+from _results import dump  # noqa: E402
 
 
 def auto_report(model: CommCostModel) -> list[dict[str, Any]]:
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{r['cp']:>3} {r['tokens']:>7} {r['docs']:>4} {r['kv_heads']:>3}  {times}  {r['auto']:>10} "
                       f"{r['auto_vs_fastest']:>9.3f}")
             if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump({"command": " ".join(sys.argv), "model": model.to_json(), "residuals": resid,
-                               "auto": rows}, f, indent=1)
+                dump({"model": model.to_json(), "residuals": resid, "auto": rows}, args.out)
                 print(f"wrote {args.out}")
     finally:
         dist.destroy_process_group()
