@@ -16,10 +16,11 @@ per-rank busy time split by CP size (synchronised after each microbatch), the pl
 
 Run::
 
-    torchrun --nproc_per_node=2 benchmarks/_hybrid_gpu.py --out results/hybrid_gpu     # 2 GPUs
+    torchrun --nproc_per_node=2 benchmarks/_hybrid_gpu.py --out OUT                    # 2 GPUs
     python benchmarks/_hybrid_gpu.py --tiny --out /tmp/hybrid_tiny                   # CPU check: 2 gloo ranks
 
-Writes ``hybrid_gpu.json`` and ``hybrid_gpu.png`` (matplotlib, when importable) into ``--out``.
+Writes ``hybrid_gpu.json`` and ``hybrid_gpu.png`` (matplotlib, when importable; ``--gpu-name`` changes the stem) into
+``--out`` (default ``benchmarks/results``), the JSON with the command that made it.
 """
 from __future__ import annotations
 

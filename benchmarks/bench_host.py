@@ -1,6 +1,6 @@
 """Host time per layer of a packed (``thd``) microbatch: RoPE on q and k, then attention forward.
 
-What one layer does (the issue's definition)::
+What one layer does::
 
     q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu)
     k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu)
@@ -41,7 +41,7 @@ Usage::
     torchrun --nproc_per_node=2 benchmarks/bench_host.py --device cpu --out OUT # CPU: CP1 + gloo CP2
     python benchmarks/bench_host.py --device cpu --dry-run --out /tmp/x        # crash test
 
-Target (issue #14): a 4096-document pack ≤ 0.3 ms host time per layer. Results: ``host_bench[_<tag>].json``.
+Target: a 4096-document pack ≤ 0.3 ms host time per layer. Results: ``host_bench[_<tag>].json`` (or ``--json``).
 """
 from __future__ import annotations
 

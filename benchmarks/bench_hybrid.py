@@ -16,14 +16,16 @@ Modes (one per run):
 
 Usage::
 
-    python benchmarks/bench_hybrid.py                       # = --simulate; JSON to docs/hybrid_planner_sim.json
+    python benchmarks/bench_hybrid.py                       # = --simulate; JSON to benchmarks/results/
+    #                                                         hybrid_planner_simulation.json
     python benchmarks/bench_hybrid.py --simulate --ranks 64 512 --seeds 0 --out /tmp/sim.json
     python benchmarks/bench_hybrid.py --comm-cost ~/.cache/cpscope/comm_cost-<...>.json   # a calibrated machine
 
 * ``--gpu`` — part (b), real GPT training steps on 2 GPUs (NCCL), hybrid vs static CP2 vs CP1-only DP
   (``benchmarks/_hybrid_gpu.py``)::
 
-    torchrun --nproc_per_node=2 benchmarks/bench_hybrid.py --gpu --out docs/hybrid_gpu.json
+    torchrun --nproc_per_node=2 benchmarks/bench_hybrid.py --gpu --out benchmarks/results/hybrid_training_h200x2.json \
+        --gpu-name hybrid_training_h200x2
 """
 from __future__ import annotations
 

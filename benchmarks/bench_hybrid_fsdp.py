@@ -19,13 +19,13 @@ speed-up over each other mode, as ratios from the same run.
 
 Run::
 
-    torchrun --nproc_per_node=2 benchmarks/bench_hybrid_fsdp.py --out results/hybrid_fsdp       # 2 GPUs
+    torchrun --nproc_per_node=2 benchmarks/bench_hybrid_fsdp.py --out OUT                      # 2 GPUs
     torchrun --nproc_per_node=1 benchmarks/bench_hybrid_fsdp.py --smoke --out /tmp/hfsdp_smoke  # 1 GPU, smoke
     python benchmarks/bench_hybrid_fsdp.py --smoke --world 2 --out /tmp/hfsdp_smoke             # CPU, 2 gloo ranks
 
 ``--smoke`` is the tiny model and batch, one timed step: it checks that everything runs end to end (on a world of 1
-there is no CP2 group: every mode is CP1 and the static mode is ``static1``). Writes ``hybrid_fsdp.json`` into
-``--out`` (rank 0).
+there is no CP2 group: every mode is CP1 and the static mode is ``static1``). Writes ``hybrid_fsdp.json`` (``--json``)
+into ``--out`` (rank 0; default ``benchmarks/results``), with the command that made it.
 """
 from __future__ import annotations
 

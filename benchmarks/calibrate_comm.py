@@ -6,13 +6,13 @@ same :class:`cpscope.hybrid.comm_cost.CommCostModel`. The model goes to the cach
 (``$CPSCOPE_CACHE_DIR`` or ``~/.cache/cpscope/``, written by ``LOCAL_RANK`` 0) and, with ``--out``, to a JSON
 report with the fit's residuals and what ``"auto"`` picks on the timed configurations.
 
-Two GPUs (the lead's run; bf16, 32 heads × 128, k/v heads 32 and 8, 16k–128k tokens, 1 or 8 documents)::
+Two GPUs (bf16, 32 heads × 128, k/v heads 32 and 8, 16k–128k tokens, 1 or 8 documents)::
 
-    torchrun --nproc_per_node=2 benchmarks/calibrate_comm.py --out docs/comm_cost_h200x2.json
+    torchrun --nproc_per_node=2 benchmarks/calibrate_comm.py --out benchmarks/results/comm_cost_h200x2.json
 
 Eight GPUs, with the hierarchical variant over sub-groups of 2 (CP sizes 1–8)::
 
-    torchrun --nproc_per_node=8 benchmarks/calibrate_comm.py --inner 2 --out docs/comm_cost_h200x8.json
+    torchrun --nproc_per_node=8 benchmarks/calibrate_comm.py --inner 2 --out benchmarks/results/comm_cost_h200x8.json
 
 CPU dry run of the machinery (gloo; ``--stand-in`` times the ring under every variant name)::
 
