@@ -351,6 +351,7 @@ def _compiled_model_run(qkv_format: str) -> dict:
                              "unique_graphs": counters["stats"]["unique_graphs"],
                              "projections_compiled": projections_run[0] - before})
     breaks = {reason.split("\n")[0]: n for reason, n in counters["graph_break"].items()}
+    torch._dynamo.reset()  # the pool's next tasks start without this model's graphs and guards
     return {"rows": rows, "mismatches": mismatches, "breaks": breaks}
 
 
