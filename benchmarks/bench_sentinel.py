@@ -18,7 +18,6 @@ sampled fraction — which is free of the run-to-run noise a loaded machine adds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
+from _results import dump  # noqa: E402
 
 MODES = ("off", "every=100", "every=1")
 
@@ -195,7 +195,6 @@ def _report(args, gathered, hooks, cfg) -> None:
     est_100 = (per_mb_sampled * mbs_per_step / 100 + unsampled) / mean["off"]
     est_run = (per_mb_sampled * mbs_per_step * frac + unsampled) / mean["off"]
     res = {
-        "command": "python benchmarks/bench_sentinel.py " + " ".join(sys.argv[1:]),
         "world": len(gathered),
         "demo": {"hidden": cfg.hidden, "layers": cfg.n_layers, "docs_per_step": cfg.docs_per_step},
         "steps": {m: r0[m]["steps"] for m in MODES},
@@ -232,7 +231,7 @@ def _report(args, gathered, hooks, cfg) -> None:
     print(f"estimate from the parts: every=100 overhead {est_100:.3%} of the step in a long run "
           f"({est_run:.3%} at this run's sampled fraction); mismatches: {res['mismatches']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        dump(res, args.json)
         print(f"wrote {args.json}")
 
 

@@ -336,7 +336,7 @@ def test_new_cp_groups_refuses_non_int_sizes_and_ranks():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Modules capture the build-time group at construction, never a runtime binding (issue #13, point 3).
+# Modules capture the build-time group at construction, never a runtime binding.
 
 
 def _w_module_built_inside_a_runtime_scope():
@@ -390,7 +390,7 @@ def test_module_built_inside_a_runtime_scope_uses_the_build_time_group():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The scope cache does not keep destroyed process groups alive (issue #13, point 5).
+# The scope cache does not keep destroyed process groups alive.
 
 
 def _w_destroyed_group_is_released():

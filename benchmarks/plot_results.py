@@ -1,12 +1,19 @@
-"""Plots of issue #14's benchmark JSONs (made on any machine with matplotlib, after the GPU run).
+"""Plots of the attention, ring-block, transformers and host-time JSONs (any machine with matplotlib).
 
-    python benchmarks/plot_issue14.py --in OUT --out docs/      # reads what exists of:
-        attention_bench.json, attention_bench_cp2.json, attention_blocks.json, hf_bench.json, hf_bench_cp2.json,
-        host_bench_gpu.json, host_bench_gpu_cp2.json, host_bench_cpu*.json
+    python benchmarks/plot_results.py FILE [FILE ...] --out PLOT.png     # one plot of these files
+    python benchmarks/plot_results.py --in OUT --out OUT                  # every plot of a run's folder
 
-Writes ``issue14_attention_cp1.png`` (cpscope CP1 time / baseline time per case and k/v heads), ``_cp2.png``
-(speedups over one GPU), ``_blocks.png`` (ring block / same-shape baseline time), ``_hf.png`` (tokens/s) and
-``_host.png`` (host ms per layer vs documents per pack, with the 0.3 ms target). Only plots whose JSON exists.
+The kind of plot follows from the JSON's content: ``bench_attention.py`` rows at CP1 (cpscope time / baseline time
+per case and k/v heads) or at CP2 (speedups over one GPU, beside PyTorch ``context_parallel`` and TE), its
+``--blocks`` rows (ring block / same-shape baseline time), ``bench_hf.py`` rows (tokens/s) and ``bench_host.py``
+rows (host ms per layer vs documents per pack, one panel per file). With ``--in``, every JSON of the folder is read
+and one PNG per kind is written to ``--out``: ``attention_cp1.png``, ``attention_cp2.png``, ``ring_blocks.png``,
+``hf_decoder.png``, ``host_time.png``.
+
+Example (the host-time plot of ``benchmarks/results/``)::
+
+    python benchmarks/plot_results.py benchmarks/results/host_time_cpu.json \
+        benchmarks/results/host_time_cpu_gloo.json --out benchmarks/results/host_time_cpu.png
 """
 from __future__ import annotations
 
@@ -139,37 +146,65 @@ def plot_host(ds: dict[str, dict], path: str) -> None:
     plt.close(fig)
 
 
+def kind_of(d: dict) -> Optional[str]:
+    """Which plot a result JSON feeds (``None``: none of them)."""
+    rows = d.get("rows") or []
+    if d.get("blocks"):
+        return "ring_blocks"
+    if rows and "next_ms" in rows[0]:
+        return "host_time"
+    if rows and ("sdpa_tok_s" in rows[0] or "cpscope_cp1_tok_s" in rows[0]):
+        return "hf_decoder"
+    if rows and "case" in rows[0]:
+        return "attention_cp2" if d.get("gpus", 1) > 1 and any("cp_speedup" in r for r in rows) else "attention_cp1"
+    return None
+
+
+def plot(kind: str, files: dict[str, dict], path: str) -> None:
+    """Draw ``kind`` from ``files`` (name -> JSON) into ``path``."""
+    first = next(iter(files.values()))
+    if kind == "attention_cp1":
+        plot_attention_cp1(first, path)
+    elif kind == "attention_cp2":
+        plot_attention_cp2(first, path)
+    elif kind == "ring_blocks":
+        plot_blocks(first, path)
+    elif kind == "hf_decoder":
+        plot_hf(list(files.values()), path)
+    else:
+        plot_host(files, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--in", dest="src", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("files", nargs="*", help="result JSONs of one kind")
+    ap.add_argument("--in", dest="src", help="a folder: plot every kind found there")
+    ap.add_argument("--out", required=True, help="the PNG (with FILE arguments) or a folder (with --in)")
     args = ap.parse_args()
+    if bool(args.files) == bool(args.src):
+        ap.error("give either result files or --in FOLDER")
+    paths = args.files or sorted(glob.glob(os.path.join(args.src, "*.json")))
+    by_kind: dict[str, dict[str, dict]] = {}
+    for p in paths:
+        d = _load(p)
+        k = kind_of(d) if isinstance(d, dict) else None
+        if k:
+            by_kind.setdefault(k, {})[os.path.splitext(os.path.basename(p))[0]] = d
+        elif args.files:
+            ap.error(f"{p}: not a result this script plots")
+    if args.files:
+        if len(by_kind) != 1:
+            ap.error(f"the files are of different kinds: {sorted(by_kind)}")
+        kind, files = next(iter(by_kind.items()))
+        plot(kind, files, args.out)
+        print(args.out)
+        return
     os.makedirs(args.out, exist_ok=True)
-    made = []
-    a1 = _load(os.path.join(args.src, "attention_bench.json"))
-    if a1 and a1.get("rows"):
-        plot_attention_cp1(a1, p := os.path.join(args.out, "issue14_attention_cp1.png"))
-        made.append(p)
-    a2 = _load(os.path.join(args.src, "attention_bench_cp2.json"))
-    if a2 and a2.get("rows") and a2.get("gpus", 1) > 1:
-        plot_attention_cp2(a2, p := os.path.join(args.out, "issue14_attention_cp2.png"))
-        made.append(p)
-    b = _load(os.path.join(args.src, "attention_blocks.json"))
-    if b and b.get("blocks"):
-        plot_blocks(b, p := os.path.join(args.out, "issue14_attention_blocks.png"))
-        made.append(p)
-    hf = [d for d in (_load(os.path.join(args.src, n)) for n in ("hf_bench.json", "hf_bench_cp2.json"))
-          if d and d.get("rows")]
-    if hf:
-        plot_hf(hf, p := os.path.join(args.out, "issue14_hf.png"))
-        made.append(p)
-    hosts = {os.path.basename(f)[len("host_bench_"):-5] or "host": _load(f)
-             for f in sorted(glob.glob(os.path.join(args.src, "host_bench*.json")))}
-    hosts = {k: v for k, v in hosts.items() if v and v.get("rows")}
-    if hosts:
-        plot_host(hosts, p := os.path.join(args.out, "issue14_host.png"))
-        made.append(p)
-    print("\n".join(made) if made else "no JSON found under " + args.src)
+    for kind, files in sorted(by_kind.items()):
+        plot(kind, files, p := os.path.join(args.out, kind + ".png"))
+        print(p)
+    if not by_kind:
+        print("no result JSON found under " + args.src)
 
 
 if __name__ == "__main__":
