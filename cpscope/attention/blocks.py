@@ -152,7 +152,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
 # * _USE_CUDNN — dense blocks on cuDNN attention (True, the default: what F.scaled_dot_product_attention picks on
 #   Hopper; ~1.7x faster than the flash-attention-2 kernels there, GQA / MQA included: cuDNN takes K/V with fewer
 #   heads as they are and returns dK/dV with h_kv heads — H200, 32 q heads x 128, bf16, causal fwd+bwd: 16k 8 k/v
-#   heads 14.2 ms vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms, benchmarks/attention_notes.md §10) or on flash
+#   heads 14.2 ms vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms, docs/attention_kernels.md §10) or on flash
 #   (False; benchmarks compare the two).
 # * _VARLEN_KERNEL — packed (varlen) blocks on "flash" (PyTorch's bundled flash-attention-2 varlen kernels),
 #   "cudnn" (cuDNN's ragged fused attention through the cuDNN frontend, see _cudnn_thd; ~1.9x faster on H200, needs
