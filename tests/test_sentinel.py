@@ -49,11 +49,13 @@ def _summary(e_or_reports) -> list[tuple]:
 # ---------------------------------------------------------------------------------------------------------------
 # A tiny bshd model whose RoPE group can be pinned (the Megatron pattern: a group captured at construction)
 
+_ACTIVE = object()  # RoPE follows the active scope (no group= argument)
+
 
 class TinyBshd(nn.Module):
     """Embedding → q/k/v → RoPE (cpscope, ``rope_group`` when pinned) → ring attention → head. x: [b, s_local, e]."""
 
-    def __init__(self, rope_group=cpscope.scope._UNSET, e: int = 16, h: int = 2, h_kv: int = 1, max_len: int = 64):
+    def __init__(self, rope_group=_ACTIVE, e: int = 16, h: int = 2, h_kv: int = 1, max_len: int = 64):
         super().__init__()
         self.h, self.h_kv, self.d = h, h_kv, e // h
         self.qkv = nn.Linear(e, (h + 2 * h_kv) * self.d, bias=False)
@@ -65,7 +67,7 @@ class TinyBshd(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).split([self.h * self.d, self.h_kv * self.d, self.h_kv * self.d], dim=-1)
         q, k, v = q.view(b, s, self.h, self.d), k.view(b, s, self.h_kv, self.d), v.view(b, s, self.h_kv, self.d)
-        kw = {} if self.rope_group is cpscope.scope._UNSET else {"group": self.rope_group}
+        kw = {} if self.rope_group is _ACTIVE else {"group": self.rope_group}
         q = cpscope.apply_rotary_pos_emb(q, self.freqs, qkv_format="bshd", **kw)
         k = cpscope.apply_rotary_pos_emb(k, self.freqs, qkv_format="bshd", **kw)
         o = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
@@ -75,7 +77,7 @@ class TinyBshd(nn.Module):
         return self.block(x)
 
 
-def _tiny(rope_group=cpscope.scope._UNSET, dtype=torch.float32) -> TinyBshd:
+def _tiny(rope_group=_ACTIVE, dtype=torch.float32) -> TinyBshd:
     torch.manual_seed(0)
     return TinyBshd(rope_group).to(dtype)
 
