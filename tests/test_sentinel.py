@@ -138,6 +138,80 @@ def test_switch_and_context_manager_restore_what_was_active():
     outer.stop()  # idempotent
 
 
+def test_sentinels_stopped_out_of_order_are_never_active_again_and_the_slots_follow():
+    from cpscope import _hooks
+
+    assert _hooks.attention is None and _hooks.rope is None
+    a = cpscope.sentinel(every=1, on_mismatch="log")
+    b = cpscope.sentinel(every=2, on_mismatch="log")
+    c = cpscope.sentinel(every=3, on_mismatch="log")
+    try:
+        assert cpscope.sentinel.active() is c and _hooks.attention == c.on_attention
+        b.stop()  # out of order: c stays active, and b never comes back
+        assert cpscope.sentinel.active() is c
+        c.stop()
+        assert cpscope.sentinel.active() is a and _hooks.attention == a.on_attention
+        assert _hooks.microbatches == a.watch_loop and _hooks.hf_positions == a.on_hf_positions
+    finally:
+        a.stop()
+        b.stop()
+        c.stop()
+    assert cpscope.sentinel.active() is None
+    assert all(getattr(_hooks, name) is None for name in _hooks.SLOTS)
+    assert not hasattr(cpscope._sentinel, "ACTIVE")  # the active sentinel is read through sentinel.active() only
+
+
+def test_sampling_is_decided_per_group_and_per_kind_in_one_place():
+    from cpscope._sentinel.sampling import Sampler
+
+    s = Sampler(every=3)
+    g1, g2 = object(), object()
+    assert [s.microbatch(g1) for _ in range(4)] == [(0, True), (1, False), (2, False), (3, True)]
+    assert s.microbatch(g2) == (0, True)  # each group counts its own microbatches
+    assert [s.call("rope", g1) for _ in range(2)] == [(0, True), (1, False)]  # and each kind its own calls
+    assert s.call("attention", g1) == (0, True)
+    assert [s.step() for _ in range(4)] == [(0, True), (1, False), (2, False), (3, True)]
+
+
+def test_the_package_is_a_client_of_the_core():
+    """Inside cpscope/_sentinel: imports point one way (no cycle), private names of the core only where documented
+    (the observer slots, the one list of variant names, the graph-task probe in state.py), files <= 500 lines,
+    functions <= 80 lines."""
+    import ast
+
+    pkg = Path(cpscope.__file__).parent / "_sentinel"
+    allowed = {("cpscope", "_hooks"), ("cpscope._variants", "COMM_CHOICES"),
+               ("cpscope.scope", "_current_graph_task_id")}
+    edges: dict[str, set] = {}
+    for f in sorted(pkg.glob("*.py")):
+        text = f.read_text()
+        assert len(text.splitlines()) <= 500, f.name
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 80, (f.name, node.name)
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 1:
+                targets = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                edges.setdefault(f.stem, set()).update(targets)
+            elif node.level >= 2 or (node.module or "").startswith("cpscope"):
+                mod = "cpscope" + ("." + node.module if node.module else "") if node.level >= 2 else node.module
+                for a in node.names:
+                    if a.name.startswith("_") or any(p.startswith("_") for p in mod.split(".")[1:]):
+                        assert (mod, a.name) in allowed, (f.name, mod, a.name)
+
+    def reach(start, node, seen):
+        for nxt in edges.get(node, ()):
+            assert nxt != start, f"import cycle through {start}"
+            if nxt not in seen:
+                seen.add(nxt)
+                reach(start, nxt, seen)
+
+    for mod in edges:
+        reach(mod, mod, set())
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
 def test_every_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match=r"every must be a positive int.*" + repr(bad).replace("'", ".")):
@@ -445,9 +519,13 @@ def _planted(bug, layout):
         attn.ring_attention = lambda q, k, v, *, plan, group: orig(q, _ScaleGrad.apply(k), v, plan=plan, group=group)
     try:
         gen = torch.Generator().manual_seed(2 + 100 * dist.get_rank())  # each rank its own shards
-        shape = (24, 4, 8) if layout == "thd" else (2, 12, 4, 8)
+        shape = (24, 4, 8) if layout.startswith("thd") else (2, 12, 4, 8)
         q, k, v = (torch.randn(*shape[:-2], n, 8, generator=gen, requires_grad=True) for n in (4, 2, 2))
-        kw = {"cu_seqlens": torch.tensor([0, 8, 48], dtype=torch.int32)} if layout == "thd" else {}
+        cu = torch.tensor([0, 8, 48], dtype=torch.int32)
+        kw = {"cu_seqlens": cu} if layout.startswith("thd") else {}
+        if layout == "thd+padded":  # Megatron always passes both offsets: equal ones mean no padding, checked fully
+            kw["cu_seqlens_padded"] = cu.clone()
+        layout = layout.split("+")[0]
         with cpscope.sentinel(every=1) as s, cpscope.runtime_cp(groups[2]):
             try:
                 out = cpscope.context_parallel_attention(q, k, v, qkv_format=layout, **kw)
@@ -459,7 +537,7 @@ def _planted(bug, layout):
         attn.ring_attention = orig
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd"])
+@pytest.mark.parametrize("layout", ["thd", "bshd", "thd+padded"])
 def test_planted_output_bug_is_reported(layout):
     for ms, figs in run_ranks(2, _planted, "out", layout):
         assert ms == [("attention", "out", 0, None), ("attention", "out", 1, None)]
