@@ -65,17 +65,15 @@ def _figures_text(f: dict) -> str:
 def on_rope(t: Tracker, scope: CPScope, cu: tuple, qkv_format: str, x: torch.Tensor) -> None:
     """Hook in ``apply_rotary_pos_emb`` (after validation): ``scope`` is what RoPE rotates with, ``cu`` the offsets."""
     shape = tuple(x.shape)
-    # dense layouts: cu = [0, s·cp] depends on the scope; thd offsets do not
-    sig = ("rope", qkv_format, shape, str(x.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
     if in_backward():  # recompute: the forward of this call recorded its scope
-        recompute.check(t, sig, x, scope, "RoPE")
+        recompute.check(t, _rope_signature(cu, qkv_format, x), x, scope, "RoPE")
         return
     mb = t.current("rope", scope)
     if not mb.sampled:
         return
     t.verdicts.count("rope")
     mb.unverified += 1
-    recompute.remember(t, sig, x, scope, mb.where(mb.calls))
+    recompute.remember(t, _rope_signature(cu, qkv_format, x), x, scope, mb.where(mb.calls))
     expected = t.expected_scope(mb)
     seq = 0 if qkv_format == "thd" else (shape[1] if qkv_format == "bshd" else shape[0])
     if expected is None or same_scope(expected, scope):
@@ -83,6 +81,11 @@ def on_rope(t: Tracker, scope: CPScope, cu: tuple, qkv_format: str, x: torch.Ten
         return
     _report_rope_scope(t, mb, scope, expected, list(cu) if qkv_format == "thd" else None, seq,
                        shape[0] if qkv_format == "thd" else seq)
+
+
+def _rope_signature(cu: tuple, qkv_format: str, x: torch.Tensor) -> tuple:
+    """What a RoPE call is (dense layouts: ``cu = [0, s·cp]`` depends on the scope; ``thd`` offsets do not)."""
+    return ("rope", qkv_format, tuple(x.shape), str(x.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
 
 
 def _report_rope_scope(t: Tracker, mb: Microbatch, scope: CPScope, expected: CPScope, cu: Optional[list], seq: int,
