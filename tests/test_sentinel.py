@@ -1,6 +1,6 @@
 """cpscope.sentinel: each failure class injected on gloo ranks is reported at the first sampled microbatch.
 
-The failure classes (issue #18): a model whose own RoPE uses the build-time group; a foreign sharder (contiguous
+The failure classes: a model whose own RoPE uses the build-time group; a foreign sharder (contiguous
 split instead of zigzag); ranks with different offsets; a recompute under the wrong scope with the default-on
 autograd check switched off; wrong loss normalisation — plus planted kernel bugs (forward, gradient only), a group
 whose member order disagrees with cp_rank(), invalid inputs on one rank (a raise everywhere, not a hang), and the
