@@ -124,6 +124,23 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     torch.testing.assert_close(dq1, gq[rows], rtol=1e-11, atol=1e-11)
 
 
+def test_reference_rows_with_a_value_head_dim_of_its_own():
+    """Multi-latent attention: v's head dim differs from q/k's; the reference's output and gradients follow it."""
+    torch.manual_seed(2)
+    cu = [0, 12, 32]
+    t, h, h_kv, d, dv = cu[-1], 4, 2, 12, 8
+    q, k = (torch.randn(t, n, d, dtype=torch.float64, requires_grad=True) for n in (h, h_kv))
+    v = torch.randn(t, h_kv, dv, dtype=torch.float64, requires_grad=True)
+    ref = reference_attention(q, k, v, causal=True, cu=cu, scale=0.2)
+    dout = torch.randn_like(ref)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
+    out, _, dq, dk, dvv, terms = reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=True,
+                                                scale=0.2, dtype=torch.float64, dout=dout)
+    assert out.shape == (t, h, dv) and dvv.shape == (t, h_kv, dv) and terms[2].shape == (t, h_kv, dv)
+    for got, want in ((out, ref.detach()), (dq, gq), (dk, gk), (dvv, gv)):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+
+
 def test_switch_and_context_manager_restore_what_was_active():
     assert cpscope.sentinel.active() is None
     outer = cpscope.sentinel(every=5)  # a switch: on at construction
@@ -571,6 +588,39 @@ def test_member_order_disagreeing_with_cp_rank_is_caught_before_the_ring():
         assert what in ("refused", "caught", "ran"), detail
         if what == "caught":  # a registry keeping the caller's order [1, 0] while torch's group ranks ascend
             assert detail == [("agreement", "members", 0, None), ("agreement", "members", 1, None)]
+
+
+def _with_window(windows):
+    """A prepared call carrying a sliding window (an attribute the reference does not implement), per rank."""
+    from cpscope.attention.api import AttentionCall, prepare_call, run_call
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class WindowedCall(AttentionCall):
+        window: object = None
+
+    groups = cpscope.new_cp_groups([1, 2])
+    with cpscope.runtime_cp(groups[2]):
+        scope = cpscope.capture_scope()
+    q = torch.randn(16, 2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    call = prepare_call(q, q, q, scope, "thd", True, torch.tensor([0, 32], dtype=torch.int32), None, None, None, None)
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(AttentionCall)}
+    windowed = WindowedCall(**fields, window=windows[dist.get_rank()])
+    with cpscope.sentinel(every=1) as s:
+        try:
+            s.on_attention(windowed, run_call)
+        except cpscope.SentinelError as e:
+            return _summary(e), s.summary().checks
+    return _summary(s.reports), s.summary().checks
+
+
+def test_a_call_the_reference_does_not_cover_is_checked_for_agreement_only():
+    """A window (or softcap, sinks, padding) is in the digest — ranks with different windows are named — and is not
+    compared numerically against a reference that does not implement it (no false alarm)."""
+    for ms, checks in run_ranks(2, _with_window, [(4, 0), (4, 0)]):
+        assert ms == [] and checks == {"agreement": 1,
+                                       "attention: agreement only (padding, window, softcap or sinks)": 1}
+    for ms, _ in run_ranks(2, _with_window, [(4, 0), (8, 0)]):
+        assert ms == [("agreement", "window", 0, None), ("agreement", "window", 1, None)]
 
 
 def _zero_cost():

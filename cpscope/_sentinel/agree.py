@@ -53,6 +53,9 @@ LABELS = {
     "docs": "documents",
     "scale": "softmax scale",
     "seqs": "documents of the microbatch (seqs)",
+    "window": "sliding window",
+    "softcap": "softcap",
+    "sinks": "attention sinks given",
 }
 
 
@@ -90,11 +93,13 @@ def _show(name: str, value: int) -> str:
         return next((str(k).replace("torch.", "") for k, v in DTYPES.items() if v == value), str(value))
     if name == "comm":
         return _COMMS[value - 1] if 1 <= value <= len(_COMMS) else f"{value & 0xFFFFFFFFFFFFFFFF:#018x}"
-    if name == "scale":
+    if name in ("window", "softcap") and value == -1:
+        return "none"
+    if name in ("scale", "softcap") and value != -1:
         return f"{struct.unpack('<d', struct.pack('<q', value))[0]:.6g}"
-    if name in ("members", "offsets", "seqs"):
+    if name in ("members", "offsets", "seqs", "window") and value != -1:
         return f"#{value & 0xFFFFFFFFFFFFFFFF:016x}"
-    if name == "causal":
+    if name in ("causal", "sinks"):
         return str(bool(value))
     return str(value)
 

@@ -35,9 +35,25 @@ from .tracker import Tracker
 __all__ = ["checked_attention", "signature"]
 
 _SHARED = ("members", "cp_size", "step", "microbatch", "call", "qkv_format", "causal", "comm", "dtype", "batch",
-           "local_len", "heads", "kv_heads", "head_dim", "offsets", "docs", "scale")
+           "local_len", "heads", "kv_heads", "head_dim", "offsets", "docs", "scale", "window", "softcap", "sinks")
 # A disagreement in these would make the ring deadlock or crash: raised whatever the policy.
 _STRUCTURAL = {"members", "cp_size", "dtype", "batch", "local_len", "heads", "kv_heads", "head_dim"}
+
+
+def _features(call: AttentionCall) -> dict[str, int]:
+    """The mask and score modifiers of a call as digest fields (``window``, ``softcap``, ``sinks``; absent: -1)."""
+    window = getattr(call, "window", None)
+    softcap = getattr(call, "softcap", None)
+    return {"window": -1 if window in (None, (-1, -1)) else hash64(tuple(int(w) for w in window)),
+            "softcap": -1 if softcap is None else float_bits(softcap),
+            "sinks": int(getattr(call, "sinks", None) is not None)}
+
+
+def _reference_covers(call: AttentionCall) -> bool:
+    """Whether the reference implements the call's attention: no padding mask, window, softcap or sinks (those
+    calls are checked for agreement only)."""
+    f = _features(call)
+    return not call.padded and f["window"] == -1 and f["softcap"] == -1 and not f["sinks"]
 
 
 def signature(call: AttentionCall) -> tuple:
@@ -75,7 +91,10 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
         raise call.error
     else:
         t.verdicts.raise_pending()
-    if not (ok and scope_ok and t.opts.attention) or call.padded:  # padding masks: agreement only (no reference yet)
+    if not (ok and scope_ok and t.opts.attention):
+        return run(call)
+    if not _reference_covers(call):
+        t.verdicts.count("attention: agreement only (padding, window, softcap or sinks)")
         return run(call)
     return numeric(t, call, run, cu, signature(call), mb.where(index))
 
@@ -139,7 +158,7 @@ def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list]
         "step": -1 if mb.step is None else mb.step, "microbatch": mb.index, "call": index,
         "qkv_format": FORMATS.get(call.qkv_format, 0), "causal": int(bool(call.causal)), "comm": comm_code(comm),
         "dtype": DTYPES.get(getattr(q, "dtype", None), 0), **shapes, "offsets": offsets, "docs": docs,
-        "scale": float_bits(call.scale) if call.scale is not None else -1,
+        "scale": float_bits(call.scale) if call.scale is not None else -1, **_features(call),
     }
 
 

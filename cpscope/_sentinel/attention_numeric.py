@@ -45,9 +45,10 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     offs = canonical_offsets(fmt, tuple(q.shape), scope.size, cu)
     dt = t.opts.reference_dtype or reference_dtype(q.device)
     rows = zigzag_indices(list(offs), scope.size, scope.rank, device=q.device)
-    kv = torch.stack([canonical(k.detach(), fmt).to(dt), canonical(v.detach(), fmt).to(dt)])  # [2, n, h_kv, d]
-    kv = gather_zigzag(kv, offs, scope, dim=1)  # [2, T, h_kv, d]: K/V of the whole group, in global order
-    rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[0], kv[1],
+    d = k.shape[-1]
+    kv = torch.cat([canonical(k.detach(), fmt).to(dt), canonical(v.detach(), fmt).to(dt)], dim=-1)  # [n, h_kv, d+dv]
+    kv = gather_zigzag(kv, offs, scope)  # [T, h_kv, d+dv]: K/V of the whole group, in global order
+    rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[..., :d], kv[..., d:],
                 canonical(q.detach(), fmt), q.dtype, where)
     grads = t.opts.gradients and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if grads:
@@ -114,13 +115,14 @@ class _Call:
             dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
         else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
             dq = torch.zeros_like(self.q, dtype=self.dt)
-            dk = dv = dk_t = dv_t = torch.zeros_like(self.kf)
+            dk = dk_t = torch.zeros_like(self.kf)
+            dv = dv_t = torch.zeros_like(self.vf)
         if self.scope.size > 1:  # every rank's rows contribute to every key
-            kv = torch.stack([dk, dv, dk_t, dv_t])
-            buf = torch.cat([kv.reshape(-1), kv.new_tensor([0.0 if finite else 1.0])])
+            parts = [dk, dv, dk_t, dv_t]
+            buf = torch.cat([x.reshape(-1) for x in parts] + [dk.new_tensor([0.0 if finite else 1.0])])
             dist.all_reduce(buf, group=self.scope.group)
             finite = float(buf[-1]) == 0.0
-            dk, dv, dk_t, dv_t = buf[:-1].view_as(kv).unbind(0)
+            dk, dv, dk_t, dv_t = (x.view_as(p) for x, p in zip(buf[:-1].split([p.numel() for p in parts]), parts))
         if not finite:
             self.refs = "nonfinite"
             self.release()

@@ -93,11 +93,12 @@ def reference_rows(
 ):
     """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
-    ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream of documents ``cu``). A key ``j`` is visible to row
+    ``k`` / ``v`` are ``[T, h_kv, d]`` / ``[T, h_kv, dv]`` (the whole packed stream of documents ``cu``; ``v`` may
+    have its own head dim, as in multi-latent attention). A key ``j`` is visible to row
     ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``. ``rows`` must be grouped by document in
     document order (the zigzag local order is). Each document is computed on its own keys only.
-    Returns a :class:`Reference`: ``out`` ``[n, h, d]`` and ``score_max`` (the largest ``|scale·q·k|``); with
-    ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum
+    Returns a :class:`Reference`: ``out`` ``[n, h, dv]`` and ``score_max`` (the largest ``|scale·q·k|``); with
+    ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to ``dk`` / ``dv`` (``[T, h_kv, d / dv]``) — sum
     them over the ranks that hold the other rows — and the magnitudes of the terms each gradient element sums
     (``terms = (dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP`` and ``D`` in absolute value
     too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
@@ -107,14 +108,14 @@ def reference_rows(
     ``_CACHE_ELEMS`` elements) and emptied by the backward call that is given it, which then skips recomputing them.
     """
     n, h, d = q.shape
-    t_all, h_kv = k.shape[0], k.shape[1]
+    t_all, h_kv, dv = k.shape[0], k.shape[1], v.shape[-1]
     g = h // h_kv
     dev = q.device
     bounds = _document_rows(cu, rows)  # rows of document i: bounds[i]:bounds[i+1]
     qq = q.to(dtype)
-    out = torch.zeros(n, h, d, dtype=dtype, device=dev)
+    out = torch.zeros(n, h, dv, dtype=dtype, device=dev)
     score_max = 0.0
-    grads = None if dout is None else _Grads(dout.to(dtype), n, t_all, h, d)
+    grads = None if dout is None else _Grads(dout.to(dtype), n, t_all, h, d, dv)
     if cache is not None and dout is None:
         size = sum(h * (bounds[i + 1] - bounds[i]) * (int(cu[i + 1]) - int(cu[i])) for i in range(len(cu) - 1))
         if size > _CACHE_ELEMS:
@@ -172,12 +173,12 @@ def _chunk(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, rows: torch.Tens
 class _Grads:
     """The reference's gradient accumulators and the magnitudes of their terms (see :func:`reference_rows`)."""
 
-    def __init__(self, dout: torch.Tensor, n: int, t_all: int, h: int, d: int) -> None:
-        self.dout = dout
+    def __init__(self, dout: torch.Tensor, n: int, t_all: int, h: int, d: int, dv: int) -> None:
+        self.dout = dout  # [n, h, dv]
         self.dq = torch.zeros(n, h, d, dtype=dout.dtype, device=dout.device)
         self.dk = torch.zeros(t_all, h, d, dtype=dout.dtype, device=dout.device)
-        self.dv = torch.zeros_like(self.dk)
-        self.dq_t, self.dk_t, self.dv_t = torch.zeros_like(self.dq), torch.zeros_like(self.dk), torch.zeros_like(self.dk)
+        self.dv = torch.zeros(t_all, h, dv, dtype=dout.dtype, device=dout.device)
+        self.dq_t, self.dk_t, self.dv_t = torch.zeros_like(self.dq), torch.zeros_like(self.dk), torch.zeros_like(self.dv)
 
     def add(self, a: int, b: int, k0: int, k1: int, p: torch.Tensor, o: torch.Tensor, q: torch.Tensor,
             kk: torch.Tensor, vv: torch.Tensor, scale: float) -> None:
@@ -200,8 +201,7 @@ class _Grads:
         """``(dq, dk, dv, (dq_t, dk_t, dv_t))``, the q heads of one k/v head summed into it."""
         dk, dv, dk_t, dv_t = self.dk, self.dv, self.dk_t, self.dv_t
         if g > 1:  # the q heads of one group share a kv head: sum their contributions
-            t_all, _, d = dk.shape
-            dk, dv, dk_t, dv_t = (x.view(t_all, h_kv, g, d).sum(2) for x in (dk, dv, dk_t, dv_t))
+            dk, dv, dk_t, dv_t = (x.view(x.shape[0], h_kv, g, x.shape[-1]).sum(2) for x in (dk, dv, dk_t, dv_t))
         return self.dq, dk, dv, (self.dq_t, dk_t, dv_t)
 
 
