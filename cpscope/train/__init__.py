@@ -4,6 +4,7 @@
   ``run_step``.
 * :mod:`~cpscope.train.sync` — one gradient synchronisation per step for a plain module, DDP or FSDP2.
 * :mod:`~cpscope.train.calibrate` — fit the per-variant communication cost model on this machine.
+* :mod:`~cpscope.train.auto` — ``comm="auto"`` at run time: find the job's calibration and install its choice.
 
 The planner itself (pure, numpy only) is :mod:`cpscope.hybrid`.
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpscope
+import cpscope.hybrid.variants
 from cpscope.train.loop import (
     IGNORE_INDEX,
     allreduce_gradients,
@@ -130,19 +131,47 @@ def test_prepare_microbatch_cp_contradicting_group_raises():
         prepare_microbatch([torch.arange(8)], cp=2, group=None)
 
 
-def test_hybrid_package_is_the_planner_only():
+_L0 = {"cpscope._variants", "cpscope._hooks", "cpscope._checks", "cpscope.backward_check", "cpscope._version"}
+_LOAD_HYBRID_ALONE = """
+import importlib, pkgutil, sys, types
+pkg = types.ModuleType("cpscope"); pkg.__path__ = [sys.argv[1]]; sys.modules["cpscope"] = pkg  # root not run
+import cpscope.hybrid as h
+for m in pkgutil.iter_modules(h.__path__):
+    importlib.import_module("cpscope.hybrid." + m.name)
+print(" ".join(sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "cpscope"))))
+"""
+
+
+def test_hybrid_package_is_the_pure_planner():
+    """cpscope.hybrid is numpy only: every module of it, loaded without the package root (which imports torch),
+    loads no torch module and no cpscope module outside hybrid and L0; and no import in its files — lazy ones
+    inside functions included — names torch, torch.distributed or a cpscope module above L0."""
+    import ast
     import subprocess
 
-    code = ("import sys, cpscope.hybrid; "
-            "print([m in sys.modules for m in ('cpscope.train.loop', 'cpscope.train.sync')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert out.stdout.strip() == "[False, False]", out
-    import cpscope.hybrid
-
-    for name in ("run_microbatches", "run_step"):  # the loop lives in cpscope.train.loop only
-        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
-            getattr(cpscope.hybrid, name)
+    root = Path(cpscope.__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", _LOAD_HYBRID_ALONE, str(root)], capture_output=True, text=True,
+                         check=True)
+    loaded = out.stdout.split()
+    assert "cpscope.hybrid.variants" in loaded and "cpscope.hybrid.planner" in loaded, loaded
+    assert [m for m in loaded if m.split(".")[0] == "torch"] == []
+    assert [m for m in loaded if m != "cpscope" and not m.startswith("cpscope.hybrid") and m not in _L0] == []
+    for path in sorted((root / "hybrid").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ("cpscope." if node.level >= 2 else "cpscope.hybrid." if node.level == 1 else "")
+                names = [base + (node.module or "")] if node.module else [base + a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] != "torch", (path.name, node.lineno, name)
+                if name.startswith("cpscope.") and not name.startswith("cpscope.hybrid"):
+                    assert name in _L0, (path.name, node.lineno, name)
+    for name in ("run_microbatches", "run_step", "auto_chooser", "use_calibration", "cached_cost"):
+        # the loop, the sync and comm="auto"'s run-time glue live in cpscope.train only
+        assert not hasattr(cpscope.hybrid, name) and not hasattr(cpscope.hybrid.variants, name), name
 
 
 def test_run_microbatches_needs_a_positive_count():
