@@ -176,7 +176,7 @@ def test_hybrid_package_is_the_pure_planner():
 
 def test_run_microbatches_needs_a_positive_count():
     with pytest.raises(ValueError, match="got 0"):
-        run_microbatches(lambda *a, **k: None, [], num_targets=0)
+        run_microbatches(lambda *a, **k: None, [], num_targets=0, dp_group=None)
 
 
 def test_single_process_step_matches_reference_float64():
@@ -188,9 +188,9 @@ def test_single_process_step_matches_reference_float64():
     plan = th.make_plan(cfg, [d.numel() for d in docs], 1)
     mbs = prepare_microbatches(plan.microbatches_for_rank(0), docs, {1: None})
     assert len(mbs) > 1  # several microbatches: accumulation is exercised
-    n = global_num_targets(mbs)
+    n = global_num_targets(mbs, dp_group=None)  # one process: this rank alone
     assert n == sum(d.numel() - 1 for d in docs)
-    loss = run_microbatches(model, mbs, num_targets=n).item() / n
+    loss = run_microbatches(model, mbs, num_targets=n, dp_group=None).item() / n
     ref_loss = reference_loss(ref, docs)
     ref_loss.backward()
     assert abs(loss - ref_loss.item()) <= 1e-12 * abs(ref_loss.item())
@@ -263,7 +263,7 @@ def _allreduce_gradients_sums_and_fills_missing():
     d.grad = torch.full((5,), 0.5, dtype=torch.float64)
     if me % 2 == 0:  # b has no grad on odd ranks: it must count as zeros, not hang or be skipped
         b.grad = torch.ones(2, 2) * me
-    allreduce_gradients([a, b, c, d], bucket_bytes=16)
+    allreduce_gradients([a, b, c, d], dp_group=dist.group.WORLD, bucket_bytes=16)
     assert a.grad.tolist() == [10.0] * 3
     assert b.grad.tolist() == [[2.0, 2.0], [2.0, 2.0]]
     assert c.grad is None
@@ -286,10 +286,11 @@ def _one_step_grads_match_reference(mode: str, step: int):
     ref = copy.deepcopy(model).double()
 
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-    n = global_num_targets(mbs)
-    local = run_microbatches(model, mbs, num_targets=n)
-    allreduce_gradients(model)
-    loss = allreduce_sum(local).item() / n
+    dp = dist.group.WORLD
+    n = global_num_targets(mbs, dp_group=dp)
+    local = run_microbatches(model, mbs, num_targets=n, dp_group=dp)
+    allreduce_gradients(model, dp_group=dp)
+    loss = allreduce_sum(local, group=dp).item() / n
 
     ref_loss = reference_loss(ref, docs)
     ref_loss.backward()
@@ -350,9 +351,10 @@ def _planned_variant_is_bound(comm: str):
     try:
         mbs = prepare_microbatches(planned, docs, groups)
         assert all(mb.comm == comm for mb in mbs)
-        n = global_num_targets(mbs)
-        loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n)).item() / n
-        allreduce_gradients(model)
+        dp = dist.group.WORLD
+        n = global_num_targets(mbs, dp_group=dp)
+        loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n, dp_group=dp), group=dp).item() / n
+        allreduce_gradients(model, dp_group=dp)
     finally:
         _dispatch._RUNNERS[comm] = real
     ref_loss = reference_loss(ref, docs)
