@@ -179,6 +179,21 @@ def test_run_microbatches_needs_a_positive_count():
         run_microbatches(lambda *a, **k: None, [], num_targets=0, dp_group=None)
 
 
+def test_the_reduction_group_is_always_named():
+    """No default that would mean the world: dp_group / group is required; None is this rank alone."""
+    mb = prepare_microbatch([torch.arange(6)], cp=1, group=None)
+    model = torch.nn.Linear(2, 2)
+    for call in (lambda: global_num_targets([mb]), lambda: allreduce_gradients(model), lambda: allreduce_sum(1),
+                 lambda: run_microbatches(model, [mb], num_targets=5)):
+        with pytest.raises(TypeError, match="dp_group|group"):
+            call()
+    assert global_num_targets([mb], dp_group=None) == 5 and allreduce_sum(3, group=None).item() == 3
+    with pytest.raises(ValueError, match="dp_group must be a torch.distributed ProcessGroup.*got str 'world'"):
+        global_num_targets([mb], dp_group="world")
+    with pytest.raises(ValueError, match="dp_group is GroupMember.NON_GROUP_MEMBER"):
+        allreduce_gradients(model, dp_group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
 def test_single_process_step_matches_reference_float64():
     """CP1 only, no torch.distributed: the loop's loss and gradients equal the reference's."""
     cfg = th.TrainConfig(mode="single", dtype="float64", **SMALL)
