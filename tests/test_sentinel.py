@@ -343,10 +343,10 @@ def _foreign_sharder(foreign: bool):
         ids_l, labels_l = (_contiguous(t, cu_p, 2, rank) for t in padded.tensors)
         mb = dataclasses.replace(mb, input_ids=ids_l, labels=labels_l, num_targets=int((labels_l != -100).sum()))
     model = _small_gpt()
-    n = global_num_targets([mb])
+    n = global_num_targets([mb], dp_group=dist.group.WORLD)
     with cpscope.sentinel(every=1) as s:
         try:
-            run_microbatches(model, [mb], num_targets=n)
+            run_microbatches(model, [mb], num_targets=n, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e), e.mismatches[0].message
     return _summary(s.reports), s.summary().checks
@@ -413,7 +413,7 @@ def _offsets_in_the_loop():
     mb = prepare_microbatch([docs[i] for i in seqs], cp=4, group=groups[4], seqs=seqs)
     with cpscope.sentinel(every=1):
         try:
-            run_microbatches(_small_gpt(), [mb], num_targets=100)
+            run_microbatches(_small_gpt(), [mb], num_targets=100, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e)
     return []
@@ -488,14 +488,14 @@ def _loss_normalisation(mode):
     docs = _docs([12, 20, 40, 14])
     mbs = [prepare_microbatch([docs[rank]], cp=1, group=None, seqs=(rank,)),
            prepare_microbatch([docs[2], docs[3]], cp=2, group=groups[2], seqs=(2, 3))]
-    n = global_num_targets(mbs)
+    n = global_num_targets(mbs, dp_group=dist.group.WORLD)
     if mode == "local":  # per-rank normalisation
         n = sum(m.num_targets for m in mbs)
     elif mode == "unsharded":  # the CP2 microbatch's targets counted on both of its ranks
         n = n + mbs[1].num_targets * 2
     with cpscope.sentinel(every=1):
         try:
-            run_microbatches(_small_gpt(), mbs, num_targets=n)
+            run_microbatches(_small_gpt(), mbs, num_targets=n, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e), e.mismatches[0].figures
     return [], None

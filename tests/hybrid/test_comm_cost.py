@@ -27,7 +27,8 @@ from cpscope.hybrid.comm_cost import (
     load_cached,
     variant_allowed,
 )
-from cpscope.hybrid.variants import cached_cost, choose, predict
+from cpscope.hybrid.variants import choose, predict
+from cpscope.train.auto import cached_cost
 from tests.distributed import run_ranks
 
 TRUE = {  # a plausible machine: per-feature coefficients of each variant
@@ -306,7 +307,7 @@ class Query:  # the fields of cpscope.attention.variants.VariantQuery that the c
 
 
 def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
-    from cpscope.hybrid.variants import auto_chooser
+    from cpscope.train.auto import auto_chooser
 
     hier = {**TRUE, "a2a+p2p": (2.0e-14, 3.0e-12, 1.0e-13, 1.0e-6, 1.0e-6)}  # cheap: wins where it may run
     model = CommCostModel({"bfloat16": hier})
@@ -326,7 +327,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
     dispatch = pytest.importorskip("cpscope.attention.variants")
-    from cpscope.hybrid.variants import auto_chooser
+    from cpscope.train.auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
         pytest.skip("no VariantQuery in this cpscope.attention")
@@ -339,6 +340,25 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
     try:
         assert dispatch.choose_variant(query) == choose(model, [8192, 4096], cp=4, heads=32, kv_heads=8,
                                                         head_dim=128, dtype="bfloat16")
+    finally:
+        dispatch.set_auto_chooser(previous)
+
+
+def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path) -> None:
+    import torch
+
+    from cpscope.attention import variants as dispatch
+    from cpscope.train.auto import use_calibration
+
+    with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):
+        use_calibration(directory=str(tmp_path))  # nothing cached there
+    model = CommCostModel({"bfloat16": TRUE})
+    query = dispatch.VariantQuery(cp=4, heads=32, kv_heads=8, head_dim=128, qkv_format="thd", causal=True,
+                                  seq_lens=(1024,) * 8, dtype=torch.bfloat16)
+    want = choose(model, [1024] * 8, cp=4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    previous = dispatch.set_auto_chooser(None)
+    try:
+        assert use_calibration(model) is model and dispatch.choose_variant(query) == want
     finally:
         dispatch.set_auto_chooser(previous)
 
