@@ -213,19 +213,38 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
             sel = np.flatnonzero(p.kmin == lev)
             rank_in_level[sel] = np.arange(sel.size) % (p.n_ranks // int(p.cps[lev]))
         return _build_plan(p, "hybrid", p.kmin, rank_in_level, lb=lb)
+    if not targets:
+        raise ValueError("plan_hybrid: targets must not be empty")
+    _, k, block, seg = _search(p, lb, targets)
+    plan = _build_plan(p, "hybrid", k, block, lb=lb, seg=seg)
+    if p.nested:
+        return plan
+    tried = [plan]  # straddling blocks may wait: nested subsets (which never do) compete; the shortest plan wins
+    for sizes in _nested_subsets(p.cps.tolist()):
+        sub = p.subset(sizes)
+        if sub is not None:
+            rows = np.flatnonzero(np.isin(p.cps, sub.cps))
+            _, k, block, _ = _search(sub, _lower_bound(sub), targets)  # as plan_hybrid(cp_sizes=sizes) plans
+            tried.append(_build_plan(p, "hybrid", rows[k], block, lb=lb))
+    best = min(tried, key=lambda plan: plan.makespan)  # ties: the first (all sizes)
+    logger.debug("plan_hybrid: CP sizes %s allowed; makespans %s (all sizes, then nested subsets %s); picked %s",
+                 p.cps.tolist(), [t.makespan for t in tried], _nested_subsets(p.cps.tolist()), best.sizes_used)
+    return best
+
+
+def _search(p: _Problem, lb: float, targets: Sequence[float]) -> tuple[int, np.ndarray, np.ndarray,
+                                                                        Optional[np.ndarray]]:
+    """The target search of :func:`plan_hybrid` on ``p``: ``(makespan, level, block, run segment)`` of the best
+    pass, the makespan in units of ``lb / 2**24``."""
     unit = lb / 2.0**24  # loads in integer units: exact, order-independent sums
     hq = np.where(np.isfinite(p.alone), np.ceil(p.alone / unit), _HUGE).astype(np.int64)
     hq_min = np.minimum.accumulate(hq, axis=0)
-    if not targets:
-        raise ValueError("plan_hybrid: targets must not be empty")
     best: Optional[tuple[int, np.ndarray, np.ndarray, Optional[np.ndarray]]] = None
-    n_try = 0
     for i, f in enumerate(targets):
         tries = [f] if i == 0 else [f, (targets[i - 1] + f) / 2.0]  # met? one more try halfway back
         for g in tries:
             t_q = int(np.floor(g * 2.0**24))
             k, block, seg, makespan_q = _pack_to_target(p, hq, hq_min, t_q)
-            n_try += 1
             if best is None or makespan_q < best[0]:
                 best = (makespan_q, k, block, seg)
             if makespan_q > t_q:
@@ -233,6 +252,22 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         if best[0] <= int(np.floor(f * 2.0**24)):
             break
     assert best is not None
-    logger.debug("plan_hybrid: %d passes, makespan %.4g × lower bound (CP sizes %s)", n_try, best[0] / 2.0**24,
-                 p.cps.tolist())
-    return _build_plan(p, "hybrid", best[1], best[2], lb=lb, seg=best[3])
+    return best
+
+
+def _nested_subsets(sizes: list[int]) -> list[list[int]]:
+    """Nested subsets of a non-nested set of CP sizes that :func:`plan_hybrid` also tries: the chain that always
+    steps to the smallest multiple (``1, 2, 4, 8, 24`` of the divisors of 24: the powers of two and the top size)
+    and the powers of two alone.
+
+    Example::
+
+        >>> _nested_subsets([1, 2, 3, 4, 6, 8, 12, 24])
+        [[1, 2, 4, 8, 24], [1, 2, 4, 8]]
+    """
+    chain = [sizes[0]]
+    for c in sizes[1:]:
+        if c % chain[-1] == 0:
+            chain.append(c)
+    pow2 = [c for c in sizes if c & (c - 1) == 0]
+    return [chain] + ([pow2] if pow2 and pow2 != chain else [])

@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import numpy as np
@@ -63,7 +64,6 @@ class _Problem:
         if not callable(getattr(self.cost, "_tables", None)):
             raise ValueError(f"cost must be a CostModel or a StepCost (or None), got {type(cost).__name__}")
         self.cps = cp_candidates(self.n_ranks, max_cp, cp_sizes)
-        self.nested = is_nested(self.cps.tolist())
         cps = self.cps[:, None]
         lp = padded_length(self.lengths[None, :], cps)  # [K, n]
         self.lp = lp
@@ -76,7 +76,7 @@ class _Problem:
                 f"{self.cps.tolist()}) at a per-rank "
                 f"capacity of {self.capacity} tokens; raise capacity or n_ranks, or split the sequence"
             )
-        self.kmin = np.argmax(fits, axis=0)  # index of the memory-minimum CP size
+        self.fits = fits
         # the cost tables, on the distinct lengths (batches repeat lengths a lot), then one column per sequence
         _, first, inv, count = np.unique(self.lengths, return_index=True, return_inverse=True, return_counts=True)
         self.inv = inv.reshape(-1)  # sequence -> its column in the compact tables
@@ -102,8 +102,27 @@ class _Problem:
         self.alone = np.where(fits, alone_u[:, self.inv], np.inf)  # time alone in a microbatch (best variant)
         self.work = np.where(fits, self.seq * cps, np.inf)  # rank-seconds, without the per-microbatch part
         self.rows = np.arange(self.n)
+        self._derive()
+
+    def _derive(self) -> None:
+        self.nested = is_nested(self.cps.tolist())
+        self.kmin = np.argmax(self.fits, axis=0)  # index of the memory-minimum CP size
         self.fastest = np.argmin(self.alone, axis=0)
         self.prefix_min = np.minimum.accumulate(self.alone, axis=0)  # running minimum over CP sizes
+
+    def subset(self, sizes: Iterable[int]) -> Optional["_Problem"]:
+        """The same problem with only ``sizes`` (a subset of :attr:`cps`) allowed, from the same tables; ``None``
+        when some sequence fits none of them."""
+        rows = np.flatnonzero(np.isin(self.cps, np.asarray(list(sizes), dtype=np.int64)))
+        if not np.all(self.fits[rows].any(axis=0)):
+            return None
+        sub = copy.copy(self)
+        for name in ("cps", "lp", "fits", "seq", "pref", "alone", "work", "lat"):
+            setattr(sub, name, getattr(self, name)[rows])
+        for name in ("seq_v", "fixed_v", "allowed"):
+            setattr(sub, name, getattr(self, name)[:, rows])
+        sub._derive()
+        return sub
 
 
 def divisors(n: int) -> list[int]:
