@@ -179,6 +179,10 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     3. the first target whose plan meets it ends the search, after one more pass halfway back to the previous
        target (the best plan found is kept); each block's sequences are then packed, longest first, into
        microbatches of ≤ ``capacity`` tokens per rank.
+    4. where the allowed sizes do not nest, the search also runs over two nested subsets of them — the chain that
+       always steps to the smallest multiple (``1, 2, 4, 8, 24`` of 24 ranks) and the powers of two — unless a
+       subset's own lower bound already exceeds the best makespan, and the shortest plan is returned: never
+       longer than the plan over the powers of two alone.
 
     With a :class:`~cpscope.hybrid.step_cost.StepCost` the plan also chooses the communication variant per
     microbatch: a sequence's time alone is that of its best variant at each CP size (so the CP size and the
@@ -222,10 +226,12 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     tried = [plan]  # straddling blocks may wait: nested subsets (which never do) compete; the shortest plan wins
     for sizes in _nested_subsets(p.cps.tolist()):
         sub = p.subset(sizes)
-        if sub is not None:
-            rows = np.flatnonzero(np.isin(p.cps, sub.cps))
-            _, k, block, _ = _search(sub, _lower_bound(sub), targets)  # as plan_hybrid(cp_sizes=sizes) plans
-            tried.append(_build_plan(p, "hybrid", rows[k], block, lb=lb))
+        lb_sub = None if sub is None else _lower_bound(sub)
+        if lb_sub is None or lb_sub >= min(t.makespan for t in tried):  # fits nowhere, or cannot do better
+            continue
+        rows = np.flatnonzero(np.isin(p.cps, sub.cps))
+        _, k, block, _ = _search(sub, lb_sub, targets)  # as plan_hybrid(cp_sizes=sizes) plans
+        tried.append(_build_plan(p, "hybrid", rows[k], block, lb=lb))
     best = min(tried, key=lambda plan: plan.makespan)  # ties: the first (all sizes)
     logger.debug("plan_hybrid: CP sizes %s allowed; makespans %s (all sizes, then nested subsets %s); picked %s",
                  p.cps.tolist(), [t.makespan for t in tried], _nested_subsets(p.cps.tolist()), best.sizes_used)
