@@ -24,6 +24,11 @@ in backward. It also hands the router a padding mask — the zigzag padding toke
 (exact whatever each rank holds) and padding never enters the statistics, and weights each rank's z-loss by its
 share of the microbatch's real tokens. No group is created in forward; nothing is left on the modules after a call.
 
+``global_aux_loss`` all-reduces over the whole DP×CP domain in every forward, as under Megatron's own data
+parallelism: every rank must run the same number of MoE forwards per step (one per microbatch). cpscope's planner
+does not promise that (ranks may run different numbers of microbatches, some none); give such plans equal counts
+per rank (Megatron's ``BalancedCPScheduler`` groups do) or the all-reduce waits for a rank that never comes.
+
 Megatron's metrics tracker keeps one reduction group per metric (the last one recorded); after each call it is set
 back to the router's own group, so every rank reduces the logged values over the same groups at report time.
 
