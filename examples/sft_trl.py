@@ -81,6 +81,8 @@ class SFTResult:
     cp_history: list[dict] = field(default_factory=list)
     seconds: float = 0.0  # wall time of trainer.train()
     steps: int = 0
+    sync: str = ""  # the hybrid step's gradient synchronisation (DDPSync, FSDPSync, ManualSync)
+    gradient_checkpointing: bool = False  # the model's checkpointing really on
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -128,18 +130,40 @@ def make_model(run: SFTRun, vocab_size: int) -> Any:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
+def fsdp2_model(model: Any, out: str) -> Any:
+    """``model`` sharded with FSDP2 over the world by transformers itself (``from_pretrained(distributed_config=
+    DistributedConfig(fsdp_size=world))``: every decoder layer and the root); the trainer then wraps it in nothing.
+    accelerate's own FSDP plugin is for accelerators only: with ``use_cpu=True`` it falls back to DDP."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    paths = [os.path.join(out, "init")]
+    if dist.is_initialized():  # rank 0 saves (transformers saves on the main process only), every rank loads
+        dist.broadcast_object_list(paths, src=0)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(paths[0])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if dist.is_initialized():
+        dist.barrier()
+    sharded = AutoModelForCausalLM.from_pretrained(paths[0], distributed_config=DistributedConfig(fsdp_size=world))
+    if dist.is_initialized():
+        dist.barrier()  # rank 0's folder lives until the trainer is done; every rank has read it by now
+    return sharded
+
+
 def _common_args(run: SFTRun, out: str, world: int) -> dict[str, Any]:
     per_device = run.batch if run.mode == "hybrid" else run.batch * WORLD
     args = dict(output_dir=out, max_steps=run.steps, per_device_train_batch_size=per_device,
                 gradient_accumulation_steps=run.grad_accum, learning_rate=run.lr, optim="sgd",
                 lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
                 report_to=[], save_strategy="no", use_cpu=True, seed=run.seed, data_seed=run.seed,
-                disable_tqdm=True, gradient_checkpointing=run.gradient_checkpointing, dataloader_num_workers=0,
-                bf16=run.bf16)
-    if run.fsdp:
-        args.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                                                    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer",
-                                                                                      "Qwen3DecoderLayer"]})
+                disable_tqdm=True, dataloader_num_workers=0, bf16=run.bf16)
+    from transformers import TrainingArguments
+
+    # transformers >= 5.2x names it activation_checkpointing (gradient_checkpointing is its deprecated alias)
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+        else "gradient_checkpointing"
+    args[ckpt] = run.gradient_checkpointing
     return args
 
 
@@ -150,6 +174,8 @@ def build_trainer(run: SFTRun, out: str) -> Any:
     world = dist.get_world_size() if dist.is_initialized() else 1
     tok = make_tokenizer()
     model = make_model(run, len(tok))
+    if run.fsdp:
+        model = fsdp2_model(model, out)
     texts = make_texts(run)
     hybrid = run.mode == "hybrid"
     kwargs: dict[str, Any] = {}
@@ -216,9 +242,12 @@ def train(run: SFTRun) -> SFTResult:
         trainer.train()
         seconds = time.perf_counter() - t0
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        sync = getattr(trainer, "cp_sync", None)
         return SFTResult(losses=losses, state=full_state(trainer.model),
                          cp_history=list(getattr(trainer, "cp_history", [])), seconds=seconds,
-                         steps=trainer.state.global_step)
+                         steps=trainer.state.global_step, sync=type(sync).__name__ if sync is not None else "",
+                         gradient_checkpointing=any(getattr(m, "gradient_checkpointing", False) is True
+                                                    for m in trainer.model.modules()))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -228,7 +257,7 @@ def train(run: SFTRun) -> SFTResult:
 def summarize(run: SFTRun, res: SFTResult, world: int) -> str:
     lines = [f"mode={run.mode} trainer={run.trainer} model={run.model} ranks={world} steps={res.steps} "
              f"batch={run.batch}/rank grad_accum={run.grad_accum} capacity={run.capacity} "
-             f"gradient_checkpointing={run.gradient_checkpointing}",
+             f"gradient_checkpointing={run.gradient_checkpointing} sync={res.sync or '-'}",
              "step  loss      microbatches by CP size (counted once per group)   tokens/s"]
     for i, loss in enumerate(res.losses):
         mix, tps = "-", ""
@@ -260,7 +289,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[SFTRun, argparse.Names
     p.add_argument("--lr", type=float, default=SFTRun.lr)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed precision)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 through accelerate (fully_shard per decoder layer)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (transformers' distributed_config, fsdp_size=world)")
     p.add_argument("--save-weights", metavar="PATH", default=None)
     a = p.parse_args(argv)
     run = SFTRun(mode=a.mode, trainer=a.trainer, model=a.model, steps=a.steps, batch=a.batch,

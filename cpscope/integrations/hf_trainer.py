@@ -233,6 +233,12 @@ class HybridCPMixin:
         logger.info("hybrid CP: %d ranks, CP sizes %s, %s", world, sizes, type(sync).__name__)
         return rt
 
+    @property
+    def cp_sync(self) -> Optional[GradientSync]:
+        """The gradient synchronisation the steps use (``DDPSync`` / ``FSDPSync`` / ``ManualSync``); ``None``
+        before the first step."""
+        return None if self._cp is None else self._cp.sync.inner
+
     # -- one micro-step ---------------------------------------------------------------------------------------
 
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
