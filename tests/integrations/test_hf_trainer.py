@@ -43,9 +43,9 @@ def _train_rank(run: ex.SFTRun):
 
 
 @functools.lru_cache(maxsize=None)
-def _single(trainer: str, grad_accum: int) -> ex.SFTResult:
+def _single(trainer: str, grad_accum: int, model: str) -> ex.SFTResult:
     """The reference: the plain trainer on one process (this one), no CP, the whole global batch per step."""
-    return ex.train(_run(mode="single", trainer=trainer, grad_accum=grad_accum, **_sizes(trainer)))
+    return ex.train(_run(mode="single", trainer=trainer, grad_accum=grad_accum, model=model, **_sizes(trainer)))
 
 
 def _sizes(trainer: str) -> dict:
@@ -57,10 +57,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _check_same_training(trainer: str, grad_accum: int = 1, **kw) -> list[ex.SFTResult]:
-    run = _run(trainer=trainer, grad_accum=grad_accum, **_sizes(trainer), **kw)
+def _check_same_training(trainer: str, grad_accum: int = 1, model: str = "llama", **kw) -> list[ex.SFTResult]:
+    run = _run(trainer=trainer, grad_accum=grad_accum, model=model, **_sizes(trainer), **kw)
     per_rank = run_ranks(4, _train_rank, run)
-    ref = _single(trainer, grad_accum)
+    ref = _single(trainer, grad_accum, model)
     res = per_rank[0]
     assert res.steps == ref.steps == STEPS and len(res.losses) == len(ref.losses) == STEPS
     for r in per_rank[1:]:  # every rank logged the same losses and holds the same weights
@@ -93,7 +93,7 @@ def test_sft_packing_with_gradient_accumulation():
 
 
 def test_trainer_with_flattening_collator_matches_one_process():
-    _check_same_training("trainer")
+    _check_same_training("trainer", model="qwen3")  # Qwen3: q/k norms, explicit head_dim
 
 
 def test_sft_packing_fsdp2_with_gradient_accumulation():
