@@ -81,6 +81,7 @@ def _check_same_training(trainer: str, grad_accum: int = 1, model: str = "llama"
 def test_sft_packing_matches_one_process():
     per_rank = _check_same_training("sft")
     assert {r.sync for r in per_rank} == {"DDPSync"}  # accelerate wrapped the model in DDP
+    assert not any(r.gradient_checkpointing for r in per_rank)  # TRL's default (on) was turned off
 
 
 def test_sft_packing_with_gradient_checkpointing():

@@ -36,11 +36,10 @@ def _model():
 
 
 def _plain_trainer(out: str, collator=None, cls=cpt.HybridCPTrainer, **hybrid):
+    import datasets
     from transformers import DataCollatorWithFlattening, TrainingArguments
 
     tok = ex.make_tokenizer()
-    import datasets
-
     ids = [tok(t + tok.eos_token)["input_ids"] for t in ex.make_texts(RUN)[:16]]
     args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=4, report_to=[],
                              use_cpu=True, save_strategy="no", disable_tqdm=True)
@@ -111,26 +110,24 @@ def test_collator_without_document_boundaries_is_refused():
         _plain_trainer(out, collator=DataCollatorForLanguageModeling(ex.make_tokenizer(), mlm=False))
 
 
-def test_sft_without_packing_is_refused():
+def _sft(packing: bool, **hybrid):
     import datasets
     from trl import SFTConfig
 
-    config = SFTConfig(output_dir="unused", packing=False, max_length=64, report_to=[], use_cpu=True, bf16=False)
+    config = SFTConfig(output_dir="unused", packing=packing, max_length=128, report_to=[], use_cpu=True, bf16=False)
+    return cpt.HybridCPSFTTrainer(model=ex.make_model(RUN, len(ex.make_tokenizer())), args=config,
+                                  train_dataset=datasets.Dataset.from_dict({"text": ex.make_texts(RUN)[:8]}),
+                                  processing_class=ex.make_tokenizer(), hybrid_cp=cpt.HybridCP(**hybrid))
+
+
+def test_sft_without_packing_is_refused():
     with pytest.raises(ValueError, match="padding_free=False"):
-        cpt.HybridCPSFTTrainer(model=ex.make_model(RUN, len(ex.make_tokenizer())), args=config,
-                               train_dataset=datasets.Dataset.from_dict({"text": ex.make_texts(RUN)[:8]}),
-                               processing_class=ex.make_tokenizer())
+        _sft(packing=False)
 
 
 def test_capacity_too_small_for_max_length_is_refused_at_construction():
-    import datasets
-    from trl import SFTConfig
-
-    config = SFTConfig(output_dir="unused", packing=True, max_length=128, report_to=[], use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="does not fit capacity=16"):
-        cpt.HybridCPSFTTrainer(model=ex.make_model(RUN, len(ex.make_tokenizer())), args=config,
-                               train_dataset=datasets.Dataset.from_dict({"text": ex.make_texts(RUN)[:8]}),
-                               processing_class=ex.make_tokenizer(), hybrid_cp=cpt.HybridCP(capacity=16))
+        _sft(packing=True, capacity=16)
 
 
 def test_lengths_the_plan_cannot_place_raise_before_the_first_step():
