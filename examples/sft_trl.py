@@ -23,7 +23,7 @@ Run it::
     python examples/sft_trl.py --gradient-checkpointing --grad-accum 2 --model qwen3
 
 Options: ``--steps``, ``--batch`` (rows per rank), ``--grad-accum``, ``--capacity``, ``--max-length``,
-``--gradient-checkpointing``, ``--model llama|qwen3``, ``--fsdp``, ``--seed`` (``--help``).
+``--gradient-checkpointing``, ``--model llama|qwen3``, ``--fsdp``, ``--lora``, ``--bf16``, ``--seed`` (``--help``).
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class SFTRun:
     capacity: int = 48  # tokens per rank per microbatch: longer documents run at CP2 / CP4
     gradient_checkpointing: bool = False
     fsdp: bool = False
+    lora: bool = False  # train LoRA adapters (PEFT) on the attention projections instead of all weights
     bf16: bool = False  # bf16 autocast (TRL's default); fp32 by default here, to compare runs exactly
     lr: float = 0.5
     seed: int = 0
@@ -189,6 +190,11 @@ def build_trainer(run: SFTRun, out: str) -> Any:
 
         config = SFTConfig(packing=True, max_length=run.max_length, dataset_text_field="text",
                            **_common_args(run, out, world))
+        if run.lora:
+            from peft import LoraConfig
+
+            kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         cls = cpt.HybridCPSFTTrainer if hybrid else SFTTrainer
         return cls(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": texts}),
                    processing_class=tok, **kwargs)
@@ -309,6 +315,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[SFTRun, argparse.Names
     p.add_argument("--lr", type=float, default=SFTRun.lr)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (mixed precision)")
+    p.add_argument("--lora", action="store_true", help="LoRA adapters (PEFT) on the attention projections")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (transformers' distributed_config, fsdp_size=world)")
     p.add_argument("--save-weights", metavar="PATH", default=None)
     a = p.parse_args(argv)
@@ -316,7 +323,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[SFTRun, argparse.Names
                  grad_accum=a.grad_accum, max_length=a.max_length, capacity=a.capacity, seed=a.seed, lr=a.lr,
                  hidden=a.hidden, layers=a.layers, median_len=a.median_len,
                  gradient_checkpointing=a.gradient_checkpointing, fsdp=a.fsdp,
-                 bf16=a.bf16)
+                 bf16=a.bf16, lora=a.lora)
     return run, a
 
 

@@ -43,9 +43,10 @@ def _train_rank(run: ex.SFTRun):
 
 
 @functools.lru_cache(maxsize=None)
-def _single(trainer: str, grad_accum: int, model: str) -> ex.SFTResult:
+def _single(trainer: str, grad_accum: int, model: str, lora: bool = False) -> ex.SFTResult:
     """The reference: the plain trainer on one process (this one), no CP, the whole global batch per step."""
-    return ex.train(_run(mode="single", trainer=trainer, grad_accum=grad_accum, model=model, **_sizes(trainer)))
+    return ex.train(_run(mode="single", trainer=trainer, grad_accum=grad_accum, model=model, lora=lora,
+                         **_sizes(trainer)))
 
 
 def _sizes(trainer: str) -> dict:
@@ -60,7 +61,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check_same_training(trainer: str, grad_accum: int = 1, model: str = "llama", **kw) -> list[ex.SFTResult]:
     run = _run(trainer=trainer, grad_accum=grad_accum, model=model, **_sizes(trainer), **kw)
     per_rank = run_ranks(4, _train_rank, run)
-    ref = _single(trainer, grad_accum, model)
+    ref = _single(trainer, grad_accum, model, kw.get("lora", False))
     res = per_rank[0]
     assert res.steps == ref.steps == STEPS and len(res.losses) == len(ref.losses) == STEPS
     for r in per_rank[1:]:  # every rank logged the same losses and holds the same weights
@@ -68,10 +69,13 @@ def _check_same_training(trainer: str, grad_accum: int = 1, model: str = "llama"
         assert all(torch.equal(r.state[k], res.state[k]) for k in res.state)
     for step, (a, b) in enumerate(zip(res.losses, ref.losses)):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
-    init = ex.make_model(run, len(ex.make_tokenizer())).state_dict()
     for k, w in ref.state.items():
         assert _rel(res.state[k], w) <= 1e-5, (k, _rel(res.state[k], w))
-    assert max(_rel(ref.state[k], init[k]) for k in ref.state) > 1e-3  # training really moved the weights
+    if kw.get("lora"):  # the adapters' B matrices start at zero
+        assert max(float(w.abs().max()) for k, w in ref.state.items() if "lora_B" in k) > 1e-3
+    else:
+        init = ex.make_model(run, len(ex.make_tokenizer())).state_dict()
+        assert max(_rel(ref.state[k], init[k]) for k in ref.state) > 1e-3  # training really moved the weights
     sizes = {cp for h in res.cp_history for cp in h["microbatches"]}
     assert sizes == {1, 2, 4}, sizes  # mixed CP1 / CP2 / CP4 microbatches
     assert len(res.cp_history) == STEPS and all(h["tokens"] > 0 and h["seconds"] > 0 for h in res.cp_history)
@@ -87,6 +91,11 @@ def test_sft_packing_matches_one_process():
 def test_sft_packing_with_gradient_checkpointing():
     per_rank = _check_same_training("sft", gradient_checkpointing=True)
     assert all(r.gradient_checkpointing for r in per_rank)
+
+
+def test_sft_packing_with_lora_adapters():
+    pytest.importorskip("peft")
+    _check_same_training("sft", lora=True)
 
 
 def test_sft_packing_with_gradient_accumulation():
