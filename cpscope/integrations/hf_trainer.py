@@ -55,7 +55,8 @@ from ._hf_documents import (Documents, batch_documents, concat_documents, docume
 from ._hf_model_check import call_model, check_model_for_cp, use_cpscope_attention
 from ._hf_setup import check_trainer
 
-__all__ = ["HybridCP", "HybridCPMixin", "HybridCPTrainer", "HybridCPSFTTrainer", "hybrid_cp_trainer"]
+# HybridCPSFTTrainer (TRL imported on first use) resolves through the module __getattr__ below.
+__all__ = ["HybridCP", "HybridCPMixin", "HybridCPTrainer", "hybrid_cp_trainer"]
 
 logger = logging.getLogger(__name__)
 
