@@ -300,6 +300,9 @@ def cpscope_attention_forward(
         longest = query.shape[2] * scope.size if cu_list is None else max(b - a for a, b in zip(cu_list, cu_list[1:]))
         if window < longest:
             raise _unsupported(f"sliding_window={window} shorter than the global sequence length {longest}")
+    if torch.is_autocast_enabled(query.device.type):  # like SDPA under autocast (RoPE leaves q/k in fp32)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d]
     if cu is None:
         position_ids = kwargs.get("position_ids")
