@@ -17,12 +17,12 @@ What each training step does on every rank (one ``training_step`` call = one acc
    targets transformers' loss would use, and the world's documents are all-gathered (ids and targets only);
 2. :func:`cpscope.hybrid.plan_hybrid` gives every document a CP size and every rank its microbatches (the same
    plan on every rank); each microbatch is packed, padded per document to ``2·cp`` and zigzag-sharded;
-3. :func:`cpscope.hybrid.loop.run_step` runs them under ``runtime_cp`` (document-masked ring attention through
+3. :func:`cpscope.train.loop.run_step` runs them under ``runtime_cp`` (document-masked ring attention through
    ``attn_implementation="cpscope"``, RoPE at global positions), each loss the summed cross-entropy over the
    trainer's **global** target count ``num_items_in_batch`` — so the world-sum of the gradients is the gradient
    one process would compute on the whole batch;
 4. the gradients are synchronised once per optimizer step — after the last micro-step of the accumulation window
-   — as a sum, for DDP or FSDP2 (:mod:`cpscope.hybrid.sync`), whatever the number of microbatches of each rank.
+   — as a sum, for DDP or FSDP2 (:mod:`cpscope.train.sync`), whatever the number of microbatches of each rank.
 
 The model is switched to ``attn_implementation="cpscope"`` (plain document-masked attention at CP1, so evaluation
 runs as before; switch back with ``model.set_attn_implementation("sdpa")`` to generate). Before the first step a
@@ -47,8 +47,9 @@ from transformers import Trainer, TrainerCallback
 
 from ..groups import new_cp_groups
 from ..hybrid import cp_candidates, plan_hybrid
-from ..hybrid.loop import IGNORE_INDEX, LocalMicrobatch, run_step
-from ..hybrid.sync import GradientSync, allreduce_sum, gradient_sync
+from ..train.collectives import allreduce_sum
+from ..train.loop import IGNORE_INDEX, LocalMicrobatch, run_step
+from ..train.sync import GradientSync, gradient_sync
 from ..sharding import zigzag_position_ids
 from ._hf_documents import (Documents, batch_documents, concat_documents, document_offsets, gather_documents,
                             local_microbatches)
@@ -95,7 +96,7 @@ class _WindowSync(GradientSync):
     """
 
     def __init__(self, inner: GradientSync) -> None:
-        super().__init__(inner.model, inner.module, inner.group)
+        super().__init__(inner.model, inner.module, inner.dp_group)
         self.inner, self.last, self._open = inner, True, False
 
     @property  # type: ignore[override]
@@ -221,8 +222,9 @@ class HybridCPMixin:
             return rt
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        sync = gradient_sync(model)
-        dp = dist.get_world_size(sync.group) if dist.is_initialized() else 1
+        # hybrid CP plans over the whole world: the gradients are summed over it (the trainer's own DP group)
+        sync = gradient_sync(model, dp_group=dist.group.WORLD if dist.is_initialized() else None)
+        dp = dist.get_world_size(sync.dp_group) if dist.is_initialized() else 1
         if dp != world:
             raise ValueError(f"hybrid CP plans over the whole world of {world} ranks, but the model's gradients "
                              f"are synchronised over {dp}; other parallelism dimensions are not supported")
@@ -253,7 +255,7 @@ class HybridCPMixin:
             local: Any = batch_documents(inputs)
         except ValueError as e:  # raised on every rank after one all-gather: never a hang
             local = e
-        per_rank = gather_documents(local, group=rt.sync.group, device=rt.sync.device)
+        per_rank = gather_documents(local, group=rt.sync.dp_group, device=rt.sync.device)
         docs = concat_documents(per_rank)
         plan = self._cp_plan(docs, max(p.num_tokens for p in per_rank), rt.world)
         mbs = local_microbatches(plan.microbatches_for_rank(rt.rank), docs, rt.groups, pad_id=self.hybrid_cp.pad_id,
@@ -263,7 +265,7 @@ class HybridCPMixin:
         forward = functools.partial(_forward, position_start=docs.position_start)
         offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
         with offload:
-            result = run_step(model, mbs, sync=rt.sync, num_targets=n, forward=forward)
+            result = run_step(model, mbs, sync=rt.sync, num_targets=n, forward=forward, dp_group=rt.sync.dp_group)
         self._cp_record(plan, docs)
         # The trainer averages the logged loss over ranks: world × this rank's share gives the global mean.
         return (result.loss_sum * rt.world / n).to(device=self.args.device, dtype=torch.float32)
@@ -287,7 +289,7 @@ class HybridCPMixin:
         else:
             n_t = torch.as_tensor(num_items_in_batch).detach().sum()
             if not self.args.average_tokens_across_devices and rt.world > 1:
-                n_t = allreduce_sum(n_t, group=rt.sync.group, device=rt.sync.device)
+                n_t = allreduce_sum(n_t, group=rt.sync.dp_group, device=rt.sync.device)
             n = int(round(float(n_t)))
         if n <= 0:
             raise ValueError(f"hybrid CP: the accumulated batch has {n} target tokens; nothing to train on")
