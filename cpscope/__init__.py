@@ -30,7 +30,7 @@ Example::
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
-from .caches import clear_caches
+from ._tensor_cache import clear_caches
 from .groups import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
 from .scope import (
     CPScope,
