@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,7 +183,7 @@ def _w_build_time_group():
     assert _reads() == (None, 1, 0)
     with snap.bind():
         assert _reads() == _expect(g[2])
-    assert snap.run(cpscope.cp_size) == 2
+    assert not hasattr(snap, "run")  # one way to re-enter a scope: bind()
     return True
 
 
@@ -313,15 +314,78 @@ def test_registry_size_one_is_none():
     assert run_ranks(2, _w_cp1_group_size_one_from_registry_is_cp1) == [(None, 1, 0)] * 2
 
 
-def test_scope_module_imports_nothing_of_cpscope():
+def test_scope_knows_none_of_its_readers():
+    """scope.py imports only the bottom layer, names no attention variant and holds no backward-check internals."""
+    import re
+
     src = open(scope_mod.__file__).read()
-    assert "from ." not in src and "import cpscope" not in src
+    imports = set(re.findall(r"^from \.(\w*) import", src, flags=re.M))
+    assert imports == {"_checks", "_contextlib", "_variants", "backward_check"}, imports
+    assert "import cpscope" not in src
+    for word in ("p2p", "all_gather", "a2a", "graph_task_id()", "saved_tensors", "_checkpoint", "_raise"):
+        assert word not in src, word
 
 
-@pytest.mark.parametrize("bad", [True, 1.0, "1"])
+@pytest.mark.parametrize("bad", [True, 1.0, "1", np.float64(1.0), np.bool_(True)])
 def test_local_cp_size_must_be_an_int(bad):
     with pytest.raises(ValueError, match=r"local_cp_size must be an int.*" + type(bad).__name__):
         cpscope.runtime_cp(None, local_cp_size=bad)
+
+
+@pytest.mark.parametrize("one", [np.int64(1), np.int32(1), np.uint8(1)])
+def test_numpy_integer_local_cp_size_is_accepted(one):
+    with cpscope.runtime_cp(None, local_cp_size=one) as s:
+        assert s.is_cp1
+    assert cpscope.MicrobatchScope.of(None, local_cp_size=one).scope.is_cp1
+    with pytest.raises(ValueError, match=r"local_cp_size=2 contradicts"):
+        cpscope.runtime_cp(None, local_cp_size=np.int64(2))
+
+
+def test_scope_sizes_are_any_integer():
+    s = scope_mod.CPScope(object(), np.int64(2), np.int32(1))
+    assert type(s.size) is int and type(s.rank) is int and (s.size, s.rank) == (2, 1)
+    for size, rank, match in ((2.0, 0, "CPScope size must be an integer, got float 2.0"),
+                              (True, 0, "CPScope size must be an integer, got bool True"),
+                              (2, -1, "CPScope rank must be an integer >= 0, got -1")):
+        with pytest.raises(ValueError, match=match):
+            scope_mod.CPScope(object(), size, rank)
+
+
+def test_scope_cache_hit_needs_the_very_group():
+    """An entry found under id(group) counts only if its weak reference resolves to that very object: a planted
+    entry of another object with the same id (what an id reused after a missed drop would look like) is ignored."""
+    import weakref
+
+    class StandIn:  # not a ProcessGroup: validation refuses it
+        pass
+
+    class Other:
+        pass
+
+    stand_in, other = StandIn(), Other()
+    planted = scope_mod.CPScope(other, 4, 3)
+    scope_mod._SCOPES[id(stand_in)] = (weakref.ref(other), planted)
+    try:
+        for bind in (cpscope.runtime_cp, scope_mod.scope_for):
+            with pytest.raises(ValueError, match="expected a torch.distributed.ProcessGroup or None, got StandIn"):
+                bind(stand_in)  # the old cache served CPScope(size=4) for an object it never validated
+    finally:
+        scope_mod._SCOPES.pop(id(stand_in), None)
+
+
+def _w_numpy_integer_local_cp_size_with_a_real_group():
+    g = _groups(2)[2]
+    for n in (np.int64(2), np.int32(2)):
+        with cpscope.runtime_cp(g, local_cp_size=n):
+            assert cpscope.cp_size() == 2
+    for bad in (2.0, True, np.float32(2.0)):
+        with pytest.raises(ValueError, match=r"local_cp_size must be an int"):
+            cpscope.runtime_cp(g, local_cp_size=bad)
+    return True
+
+
+def test_numpy_integer_local_cp_size_with_a_real_group():
+    assert all(run_ranks(2, _w_numpy_integer_local_cp_size_with_a_real_group))
 
 
 def _w_new_cp_groups_refuses_non_int_sizes():
@@ -336,7 +400,7 @@ def test_new_cp_groups_refuses_non_int_sizes_and_ranks():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Modules capture the build-time group at construction, never a runtime binding (issue #13, point 3).
+# Modules capture the build-time group at construction, never a runtime binding.
 
 
 def _w_module_built_inside_a_runtime_scope():
@@ -390,7 +454,7 @@ def test_module_built_inside_a_runtime_scope_uses_the_build_time_group():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The scope cache does not keep destroyed process groups alive (issue #13, point 5).
+# The scope cache does not keep destroyed process groups alive.
 
 
 def _w_destroyed_group_is_released():
