@@ -1,4 +1,5 @@
-"""Shared pieces of the issue-14 benchmarks (``bench_attention.py``, ``bench_hf.py``, ``bench_host.py``).
+"""Shared pieces of the attention, transformers and host-time benchmarks (``bench_attention.py``, ``bench_hf.py``,
+``bench_host.py``).
 
 * :func:`init_world` — one process (CP1, no process group) or ``torchrun`` (NCCL on CUDA, gloo on CPU);
 * :class:`Timer` — medians of a step: CUDA events on CUDA (``perf_counter`` on CPU), warm-up first, the number of
@@ -283,11 +284,10 @@ def env_info(dev: torch.device) -> dict:
 
 
 def write_json(obj: Any, dirname: str, name: str) -> str:
-    os.makedirs(dirname, exist_ok=True)
-    path = os.path.join(dirname, name)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
-    return path
+    """``obj`` as JSON at ``dirname/name``, with the command that made it (:func:`_results.dump`)."""
+    from _results import dump
+
+    return dump(obj, os.path.join(dirname, name))
 
 
 def fmt(x: Any, nd: int = 3) -> str:

@@ -16,15 +16,15 @@ per-rank busy time split by CP size (synchronised after each microbatch), the pl
 
 Run::
 
-    torchrun --nproc_per_node=2 benchmarks/_hybrid_gpu.py --out results/hybrid_gpu     # 2 GPUs
+    torchrun --nproc_per_node=2 benchmarks/_hybrid_gpu.py --out OUT                    # 2 GPUs
     python benchmarks/_hybrid_gpu.py --tiny --out /tmp/hybrid_tiny                   # CPU check: 2 gloo ranks
 
-Writes ``hybrid_gpu.json`` and ``hybrid_gpu.png`` (matplotlib, when importable) into ``--out``.
+Writes ``hybrid_gpu.json`` and ``hybrid_gpu.png`` (matplotlib, when importable; ``--gpu-name`` changes the stem) into
+``--out`` (default ``benchmarks/results``), the JSON with the command that made it.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,6 +48,7 @@ from cpscope.train.loop import (  # noqa: E402
     run_microbatches,
 )
 from gpt import GPT, GPTConfig  # noqa: E402
+from _results import RESULTS_DIR, dump  # noqa: E402
 
 __all__ = ["add_gpu_arguments", "run_gpu", "main"]
 
@@ -64,7 +65,8 @@ def add_gpu_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-seed", type=int, default=0)
     g.add_argument("--gpu-seqs", type=int, default=None, help="documents in the global batch")
     g.add_argument("--gpu-capacity", type=int, default=None, help="tokens per rank per microbatch (memory limit)")
-    g.add_argument("--gpu-out", default=None, help="directory for hybrid_gpu.json / .png (default: --out)")
+    g.add_argument("--gpu-out", default=None, help="directory for the JSON / PNG (default: --out)")
+    g.add_argument("--gpu-name", default="hybrid_gpu", help="file name stem of the JSON / PNG")
     g.add_argument("--no-fit", action="store_true", help="plan with CostModel() defaults instead of fitting")
 
 
@@ -237,17 +239,16 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__, "config": c, "lengths": lengths, "tokens": sum(lengths),
         "cost_model": {"attn": cost.attn, "linear": cost.linear, "comm": cost.comm, "latency": cost.latency},
         "fit_samples_L_cp_s": samples, "results": results, "speedups": speedups,
-        "command": "torchrun --nproc_per_node=2 benchmarks/_hybrid_gpu.py" + (" --tiny" if args.tiny else ""),
     }
     out_dir = args.gpu_out or getattr(args, "out", None)
     if rank == 0 and out_dir:
         if out_dir.endswith(".json"):
             out_dir = os.path.dirname(out_dir) or "."
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "hybrid_gpu.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        _plot(out, os.path.join(out_dir, "hybrid_gpu.png"))
-        log(f"wrote {out_dir}/hybrid_gpu.json")
+        stem = getattr(args, "gpu_name", None) or "hybrid_gpu"
+        dump(out, os.path.join(out_dir, stem + ".json"))
+        _plot(out, os.path.join(out_dir, stem + ".png"))
+        log(f"wrote {out_dir}/{stem}.json")
     return out
 
 
@@ -298,7 +299,7 @@ def _rank_entry(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(_ROOT, "results", "hybrid_gpu"), help="output directory")
+    ap.add_argument("--out", default=RESULTS_DIR, help="output directory")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     from _launch import launch  # examples/_launch.py: torchrun's ranks, or spawn 2 here

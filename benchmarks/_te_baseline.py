@@ -18,7 +18,7 @@ def te_available() -> bool:
 
     TE's core library pulls cuDNN sub-libraries by soname; a system cuDNN found first (seen: 9.14 in
     /usr/lib/x86_64-linux-gnu beside torch's bundled 9.19) shadows torch's, and torch then refuses its cuDNN or
-    falls back from cuDNN to flash SDPA for the baselines. ``benchmarks/gpu_final.sh`` puts torch's cuDNN folder
+    falls back from cuDNN to flash SDPA for the baselines. ``benchmarks/gpu_checks.sh`` puts torch's cuDNN folder
     first in ``LD_LIBRARY_PATH``; without that, TE is switched off here with the reason, not measured wrongly."""
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -29,7 +29,7 @@ def te_available() -> bool:
         torch.backends.cudnn.version()
     except RuntimeError as e:
         print(f"TransformerEngine off: after importing it torch's cuDNN is shadowed ({e}). Put torch's "
-              "nvidia/cudnn/lib first in LD_LIBRARY_PATH (benchmarks/gpu_final.sh does).", flush=True)
+              "nvidia/cudnn/lib first in LD_LIBRARY_PATH (benchmarks/gpu_checks.sh does).", flush=True)
         return False
     return torch.cuda.is_available()
 

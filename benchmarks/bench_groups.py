@@ -1,9 +1,9 @@
-"""What creating the CP group registry costs: before (every rank, every block) vs after (each rank, its own blocks).
+"""What creating the CP group registry costs: every rank creating every block vs each rank its own blocks.
 
 Usage::
 
     python benchmarks/bench_groups.py                          # 8 gloo ranks (spawned) + simulated 8 … 4096 ranks
-    python benchmarks/bench_groups.py --json docs/groups_bench.json
+    python benchmarks/bench_groups.py --repeats 11 --json benchmarks/results/group_creation.json
     torchrun --nproc_per_node=8 benchmarks/bench_groups.py --backend nccl   # NCCL bound to each GPU
 
 Two parts, one run:
@@ -12,7 +12,7 @@ real
     ``world`` ranks; each repeat times ``new_cp_groups([1, 2, 4, …, world], method=m)`` for every method ``m``,
     interleaved, after ``clear_cp_group_cache()`` and a barrier, as the slowest rank sees it (groups are kept:
     destroying them would make the next locally named ones pad past the destroyed names). ``"global"`` is the
-    registry's behaviour before issue #17 (every rank calls ``dist.new_group`` for every block of every size);
+    previous registry's behaviour (every rank calls ``dist.new_group`` for every block of every size);
     ``"local"`` (gloo, NCCL not bound to a device) and ``"split"`` (NCCL bound: ``init_process_group(device_id=…)``)
     are what ``method="auto"`` picks. Each created group is checked with an ``all_reduce``. Reported per rank: the
     group calls it made, how many of them every rank had to make (*lockstep*: each a step of the whole job; under
@@ -24,7 +24,6 @@ simulated
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's cpscope
+from _results import dump  # noqa: E402
 log = logging.getLogger("bench_groups")
 
 
@@ -52,7 +52,7 @@ def _methods(backend: str) -> list[str]:
 
 
 def _before(sizes: list[int]) -> tuple[dict, tuple]:
-    """The registry as it was before issue #17: every rank, every block of every size, in order."""
+    """The previous registry's way: every rank, every block of every size, in order."""
     world, me = dist.get_world_size(), dist.get_rank()
     out, calls, created = {}, 0, 0
     for s in sizes:
@@ -274,8 +274,7 @@ def main() -> None:
                      f"{r['ms_median']} ms" for r in result.get("fake_torch", []))
     log.info("%s\n\n%s\n\n%s", _table_real(result["real"]), _table_sim(result.get("simulated", [])), fake)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        dump(result, args.json)
         log.info("wrote %s", args.json)
 
 

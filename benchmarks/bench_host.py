@@ -1,6 +1,6 @@
 """Host time per layer of a packed (``thd``) microbatch: RoPE on q and k, then attention forward.
 
-What one layer does (the issue's definition)::
+What one layer does::
 
     q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu)
     k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu)
@@ -41,7 +41,7 @@ Usage::
     torchrun --nproc_per_node=2 benchmarks/bench_host.py --device cpu --out OUT # CPU: CP1 + gloo CP2
     python benchmarks/bench_host.py --device cpu --dry-run --out /tmp/x        # crash test
 
-Target (issue #14): a 4096-document pack ≤ 0.3 ms host time per layer. Results: ``host_bench[_<tag>].json``.
+Target: a 4096-document pack ≤ 0.3 ms host time per layer. Results: ``host_bench[_<tag>].json`` (or ``--json``).
 """
 from __future__ import annotations
 
@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="DOCS",
                     help="also cProfile 20 later layers of the DOCS-document pack (CP1 and CP2), top functions")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument("--json", default=None, help="file name under --out (default: host_bench[_TAG].json)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -376,7 +377,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     out["env"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     if rank == 0:
-        name = f"host_bench{'_' + args.tag if args.tag else ''}.json"
+        name = args.json or f"host_bench{'_' + args.tag if args.tag else ''}.json"
         path = write_json(out, args.out, name)
         print_table(out, cuda)
         print("wrote", path)

@@ -16,14 +16,16 @@ Modes (one per run):
 
 Usage::
 
-    python benchmarks/bench_hybrid.py                       # = --simulate; JSON to docs/hybrid_planner_sim.json
+    python benchmarks/bench_hybrid.py                       # = --simulate; JSON to benchmarks/results/
+    #                                                         hybrid_planner_simulation.json
     python benchmarks/bench_hybrid.py --simulate --ranks 64 512 --seeds 0 --out /tmp/sim.json
     python benchmarks/bench_hybrid.py --comm-cost ~/.cache/cpscope/comm_cost-<...>.json   # a calibrated machine
 
 * ``--gpu`` — part (b), real GPT training steps on 2 GPUs (NCCL), hybrid vs static CP2 vs CP1-only DP
   (``benchmarks/_hybrid_gpu.py``)::
 
-    torchrun --nproc_per_node=2 benchmarks/bench_hybrid.py --gpu --out docs/hybrid_gpu.json
+    torchrun --nproc_per_node=2 benchmarks/bench_hybrid.py --gpu --out benchmarks/results/hybrid_training_h200x2.json \
+        --gpu-name hybrid_training_h200x2
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _hybrid_gpu import add_gpu_arguments, run_gpu  # noqa: E402  (imports torch.distributed only)
+from _results import RESULTS_DIR, dump  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,8 +68,7 @@ ILLUSTRATIVE_COMM = {"bfloat16": {
     "a2a": (6.0e-15, 2.4e-12, 1.2e-12, 1.0e-5, 6.0e-5),
 }}
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                           "hybrid_planner_sim.json")
+DEFAULT_OUT = os.path.join(RESULTS_DIR, "hybrid_planner_simulation.json")
 
 
 def _time_plan(lengths, n_ranks: int, capacity: int, cost: Any, repeats: int) -> tuple[float, float]:
@@ -246,9 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "simulate":
         print(HEADER)
     result = MODES[args.mode][1](args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump(result, args.out)
     print(f"wrote {args.out}")
 
 

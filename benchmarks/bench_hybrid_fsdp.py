@@ -19,19 +19,18 @@ speed-up over each other mode, as ratios from the same run.
 
 Run::
 
-    torchrun --nproc_per_node=2 benchmarks/bench_hybrid_fsdp.py --out results/hybrid_fsdp       # 2 GPUs
+    torchrun --nproc_per_node=2 benchmarks/bench_hybrid_fsdp.py --out OUT                      # 2 GPUs
     torchrun --nproc_per_node=1 benchmarks/bench_hybrid_fsdp.py --smoke --out /tmp/hfsdp_smoke  # 1 GPU, smoke
     python benchmarks/bench_hybrid_fsdp.py --smoke --world 2 --out /tmp/hfsdp_smoke             # CPU, 2 gloo ranks
 
 ``--smoke`` is the tiny model and batch, one timed step: it checks that everything runs end to end (on a world of 1
-there is no CP2 group: every mode is CP1 and the static mode is ``static1``). Writes ``hybrid_fsdp.json`` into
-``--out`` (rank 0).
+there is no CP2 group: every mode is CP1 and the static mode is ``static1``). Writes ``hybrid_fsdp.json`` (``--json``)
+into ``--out`` (rank 0; default ``benchmarks/results``), with the command that made it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import statistics
@@ -53,6 +52,7 @@ from cpscope.train.loop import global_num_targets, prepare_microbatches, run_ste
 from cpscope.train.sync import FSDPSync  # noqa: E402
 from _hybrid_gpu import FULL, TINY, _batch, _fit_cost, _sync  # noqa: E402  (the GPT benchmark batch and fit)
 from gpt import GPT, GPTConfig  # noqa: E402
+from _results import RESULTS_DIR, dump  # noqa: E402
 
 __all__ = ["run", "main"]
 
@@ -183,7 +183,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k, v in results.items() if k != "hybrid"}
     for k, v in speedups.items():
         log(f"{k}: {v:.3f}x")
-    cmd = ("torchrun --nproc_per_node=%d benchmarks/bench_hybrid_fsdp.py" % world) + (" --smoke" if args.smoke else "")
     out = {
         "benchmark": "bench_hybrid_fsdp", "smoke": bool(args.smoke), "world": world, "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -191,13 +190,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reshard_after_forward": not args.no_reshard_after_forward, "static_cp": static_cp,
         "lengths": lengths, "tokens": sum(lengths),
         "cost_model": {"attn": cost.attn, "linear": cost.linear, "comm": cost.comm, "latency": cost.latency},
-        "fit_samples_L_cp_s": samples, "results": results, "speedups": speedups, "command": cmd,
+        "fit_samples_L_cp_s": samples, "results": results, "speedups": speedups,
     }
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "hybrid_fsdp.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+        path = dump(out, os.path.join(args.out, args.json))
         log(f"wrote {path}")
     return out
 
@@ -208,7 +205,8 @@ def _rank_entry(args: argparse.Namespace) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(_ROOT, "results", "hybrid_fsdp"), help="output directory")
+    ap.add_argument("--out", default=RESULTS_DIR, help="output directory")
+    ap.add_argument("--json", default="hybrid_fsdp.json", help="file name under --out")
     ap.add_argument("--smoke", action="store_true", help="tiny model and batch, one timed step (end-to-end check)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per mode after 1 warm-up (default 3; 1 "
                                                            "with --smoke)")

@@ -22,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -37,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpscope.hybrid import CostModel, long_tail_lengths  # noqa: E402
 from cpscope.integrations.megatron import PlannerScheduler  # noqa: E402
+from _results import RESULTS_DIR, dump  # noqa: E402
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                           "megatron_scheduler_sim.json")
+DEFAULT_OUT = os.path.join(RESULTS_DIR, "megatron_scheduler_simulation.json")
 
 try:
     from tqdm import tqdm
@@ -208,9 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     result = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump(result, args.out)
     print(f"wrote {args.out}")
 
 

@@ -37,6 +37,8 @@ from contextvars import ContextVar
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _results import dump
+
 _VAR: ContextVar = ContextVar("bare", default=None)
 
 
@@ -175,8 +177,7 @@ def _worker(rank, world, port, args):
             print(f"{p:<12}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
                   f"{result['read_check_ratio_on_off'][p]:>10.3f}{result['read_check_cost_ns'][p]:>10.1f}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            dump(result, args.json)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,7 +18,6 @@ sampled fraction — which is free of the run-to-run noise a loaded machine adds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
+from _results import dump  # noqa: E402
 
 MODES = ("off", "every=100", "every=1")
 
@@ -38,45 +38,49 @@ MODES = ("off", "every=100", "every=1")
 def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
     """Per-call cost (µs) of each hook when the sentinel is on but the microbatch is not sampled, minus off.
 
-    Timed on the hooks themselves (attention: its hook line at the top of a function that does nothing else;
-    RoPE: the hook call), so that the figure is not buried in the noise of the kernels it wraps. Min over
-    ``repeats``. Off, each hook is one global lookup and a ``None`` check.
+    Timed on the observer slots themselves, the way the core calls them (attention: a prepared call whose run does
+    no work; RoPE: the slot call; a microbatch marker), so that the figure is not buried in the noise of the
+    kernels they wrap. Min over ``repeats``. Off, each slot is one attribute read and a ``None`` check.
     """
     import timeit
 
     import cpscope
-    from cpscope import _sentinel
+    from cpscope import _hooks
+    from cpscope.attention.api import prepare_call
     from cpscope.scope import CP1
 
     q = torch.randn(8, 2, 8)
-    cu = [0, 8]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    call = prepare_call(q, q, q, CP1, "thd", True, cu, None, None, None, None)
+    pack_cu = call.pack.cu
 
-    def attention_like(q, k, v, scope, *, qkv_format="thd", cu_seqlens=None):  # the hook line, then no work
-        if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_like, locals())  # noqa
-        return q
+    def run(c):  # the attention itself: no work
+        return c.q
 
-    def attention():
-        attention_like(q, q, q, CP1, qkv_format="thd", cu_seqlens=cu)
+    def attention():  # what attention_with_scope does around a prepared call
+        observer = _hooks.attention
+        return run(call) if observer is None else observer(call, run)
 
     def rope():
-        if _sentinel.ACTIVE is not None:
-            _sentinel.ACTIVE.on_rope(CP1, cu, "thd", q)
+        if _hooks.rope is not None:
+            _hooks.rope(CP1, pack_cu, "thd", q)
 
     def marker():
-        s = _sentinel.ACTIVE
+        s = cpscope.sentinel.active()
         if s is not None:
-            s.end_microbatch(s.begin_microbatch(CP1))
+            with s.microbatch(None):
+                pass
 
     def best(fn):
         return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
     off = {name: best(fn) for name, fn in (("attention", attention), ("rope", rope), ("microbatch", marker))}
     s = cpscope.sentinel(every=10**9)
-    s.begin_microbatch(CP1)  # counter 0: the one sampled microbatch; everything timed below is unsampled
-    s.begin_microbatch(CP1)
     try:
-        on = {"attention": best(attention), "rope": best(rope)}
-        s._mb = None
+        with s.microbatch(None):  # index 0: the one sampled microbatch; everything timed below is unsampled
+            pass
+        with s.microbatch(None):
+            on = {"attention": best(attention), "rope": best(rope)}
         on["microbatch"] = best(marker)
     finally:
         s.stop()
@@ -195,7 +199,6 @@ def _report(args, gathered, hooks, cfg) -> None:
     est_100 = (per_mb_sampled * mbs_per_step / 100 + unsampled) / mean["off"]
     est_run = (per_mb_sampled * mbs_per_step * frac + unsampled) / mean["off"]
     res = {
-        "command": "python benchmarks/bench_sentinel.py " + " ".join(sys.argv[1:]),
         "world": len(gathered),
         "demo": {"hidden": cfg.hidden, "layers": cfg.n_layers, "docs_per_step": cfg.docs_per_step},
         "steps": {m: r0[m]["steps"] for m in MODES},
@@ -232,7 +235,7 @@ def _report(args, gathered, hooks, cfg) -> None:
     print(f"estimate from the parts: every=100 overhead {est_100:.3%} of the step in a long run "
           f"({est_run:.3%} at this run's sampled fraction); mismatches: {res['mismatches']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        dump(res, args.json)
         print(f"wrote {args.json}")
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cpscope  # noqa: E402
 from cpscope.attention import context_parallel_attention  # noqa: E402
+from _results import dump  # noqa: E402
 
 D = 128
 THD_LENS = [36864, 20480, 14336, 10240, 8192, 7168, 6144, 5120, 4096, 4096, 3072, 3072, 2048, 2048, 2048, 2048]
@@ -216,9 +217,7 @@ def timings(args: argparse.Namespace) -> None:
                   f"{tcp} |")
         out = {"gpus": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "te": te_ok,
                "rows": rows}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "variants_bench.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        dump(out, os.path.join(args.out, args.json or "variants_bench.json"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -273,10 +272,9 @@ def one_gpu(args: argparse.Namespace) -> int:
         results.append({"case": f"{comm} cp1 bshd causal 16/4", "rel_err": {k: round(v, 5) for k, v in errs.items()},
                         **({} if ok else {"error": "relative error > 1e-2"})})
         print(json.dumps(results[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "variants_one_gpu.json"), "w") as f:
-        name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
-        json.dump({"device": name, "torch": torch.__version__, "failures": failures, "results": results}, f, indent=1)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else str(dev)
+    dump({"device": name, "torch": torch.__version__, "failures": failures, "results": results},
+         os.path.join(args.out, args.json or "variants_one_gpu.json"))
     print(f"one-GPU check: {len(results) - failures} passed, {failures} failed", flush=True)
     return failures
 
@@ -289,6 +287,8 @@ def main() -> None:
     ap.add_argument("--no-te", action="store_true")
     ap.add_argument("--no-torch-cp", action="store_true")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--json", default=None, help="file name under --out (default: variants_bench.json, "
+                                                   "variants_one_gpu.json with --one-gpu)")
     ap.add_argument("--device", default="cuda", help="--one-gpu: the device (cpu: a dry run of the script)")
     ap.add_argument("--one-gpu-seq", type=int, default=4096, help="--one-gpu: tokens per sequence (multiple of 64)")
     args = ap.parse_args()

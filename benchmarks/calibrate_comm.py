@@ -6,13 +6,13 @@ same :class:`cpscope.hybrid.comm_cost.CommCostModel`. The model goes to the cach
 (``$CPSCOPE_CACHE_DIR`` or ``~/.cache/cpscope/``, written by ``LOCAL_RANK`` 0) and, with ``--out``, to a JSON
 report with the fit's residuals and what ``"auto"`` picks on the timed configurations.
 
-Two GPUs (the lead's run; bf16, 32 heads × 128, k/v heads 32 and 8, 16k–128k tokens, 1 or 8 documents)::
+Two GPUs (bf16, 32 heads × 128, k/v heads 32 and 8, 16k–128k tokens, 1 or 8 documents)::
 
-    torchrun --nproc_per_node=2 benchmarks/calibrate_comm.py --out docs/comm_cost_h200x2.json
+    torchrun --nproc_per_node=2 benchmarks/calibrate_comm.py --out benchmarks/results/comm_cost_h200x2.json
 
 Eight GPUs, with the hierarchical variant over sub-groups of 2 (CP sizes 1–8)::
 
-    torchrun --nproc_per_node=8 benchmarks/calibrate_comm.py --inner 2 --out docs/comm_cost_h200x8.json
+    torchrun --nproc_per_node=8 benchmarks/calibrate_comm.py --inner 2 --out benchmarks/results/comm_cost_h200x8.json
 
 CPU dry run of the machinery (gloo; ``--stand-in`` times the ring under every variant name)::
 
@@ -22,7 +22,6 @@ CPU dry run of the machinery (gloo; ``--stand-in`` times the ring under every va
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -38,6 +37,7 @@ import cpscope  # noqa: E402
 from cpscope.train.calibrate import calibrate, ring_stand_in  # noqa: E402
 from cpscope.hybrid.comm_cost import LOCAL, VARIANTS, CommCostModel, cache_path  # noqa: E402
 from cpscope.hybrid.variants import choose, predict  # noqa: E402
+from _results import dump  # noqa: E402
 
 
 def auto_report(model: CommCostModel) -> list[dict[str, Any]]:
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{r['cp']:>3} {r['tokens']:>7} {r['docs']:>4} {r['kv_heads']:>3}  {times}  {r['auto']:>10} "
                       f"{r['auto_vs_fastest']:>9.3f}")
             if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump({"command": " ".join(sys.argv), "model": model.to_json(), "residuals": resid,
-                               "auto": rows}, f, indent=1)
+                dump({"model": model.to_json(), "residuals": resid, "auto": rows}, args.out)
                 print(f"wrote {args.out}")
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
-"""The issue-14 benchmark scripts on CPU, tiny shapes: they run, and their parity check can fail.
+"""The attention, host-time and transformers benchmark scripts on CPU, tiny shapes: they run, and their parity check
+can fail.
 
-The GPU numbers come from ``benchmarks/gpu_issue14.sh`` on an H200; these tests keep the scripts from breaking when
+The GPU numbers come from ``benchmarks/gpu_checks.sh`` on an H200; these tests keep the scripts from breaking when
 the library changes under them (block signatures, the CPU kernel the host benchmark stubs out, the HF adapter), and
 check that ``bench_attention``'s parity check compares against an independent reference that a wrong result fails.
 """

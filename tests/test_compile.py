@@ -1,21 +1,26 @@
-"""torch.compile over hybrid CP: reading the scope in a compiled block does not recompile per microbatch or group.
+"""torch.compile over hybrid CP, two ways.
 
-The pattern under test (docs/autograd.md, "torch.compile"): the ContextVar read and the ring's collectives stay
-eager (``torch.compiler.disable``); only tensors and plain ints reach the compiled code. A block is run over CP1,
-CP2, CP4 and a *second, different* CP2 group, twice, on a 4-rank gloo pool; the number of graphs compiled is
-bounded (automatic dynamic shapes: at most one static and one dynamic graph per segment between the eager calls),
-the CP2-b microbatch and the whole second pass compile nothing, and the compiled forward and gradients equal
-eager ones, which equal a float64 full-sequence reference cut per rank.
-
-Backend: a counting wrapper that runs the captured FX graph as is (what ``backend="eager"`` does). What this test
-checks is Dynamo's capture, guards and recompiles, which do not depend on the backend; inductor would add minutes
-of C++ compilation on a 2-core CPU box without changing the count.
+1. A model compiled whole, ``torch.compile(model)``, whose layers call cpscope's RoPE and attention directly (nothing
+   disabled by the user), over CP1, CP2, CP4 and another CP2 group with lengths and document counts that change
+   per microbatch: equal to a float64 full-pack reference cut per rank (forward and every gradient), every
+   projection inside a compiled graph (no silent eager fall-back), a bounded number of graphs, and graph breaks
+   only at cpscope's deliberate eager islands (the last two are marked ``xfail`` until the core keeps Dynamo out
+   of its host code; the tests say what is needed).
+2. The pattern of docs/autograd.md, "torch.compile": the ContextVar read and the ring's collectives kept eager by
+   the caller (``torch.compiler.disable``), only tensors and plain ints reaching compiled code. A block is run over
+   CP1, CP2, CP4 and a *second, different* CP2 group, twice, on a 4-rank gloo pool; the number of graphs is bounded
+   (automatic dynamic shapes: at most one static and one dynamic graph per segment between the eager calls), the
+   CP2-b microbatch and the whole second pass compile nothing, and the compiled forward and gradients equal eager
+   ones, which equal a float64 full-sequence reference cut per rank. Backend: a counting wrapper that runs the
+   captured FX graph as is (what ``backend="eager"`` does): Dynamo's capture, guards and recompiles do not depend
+   on the backend; inductor would add minutes of C++ compilation on a 2-core CPU box without changing the count.
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import pytest
 import torch
 
 import cpscope
@@ -175,3 +180,247 @@ def test_attention_module_scope_read_does_not_guard_on_group():
         # group (index 3) and the second pass compile nothing.
         assert counts[0] == 1 and counts[2] <= 3, counts
         assert counts[2:] == [counts[2]] * (len(counts) - 2), counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile(model) with cpscope RoPE and attention inside, nothing disabled by the user.
+#
+# A two-layer decoder whose layers call `cpscope.apply_rotary_pos_emb` and `cpscope.context_parallel_attention`
+# directly is compiled whole (`torch.compile(model)`) and run over microbatches of CP1, CP2, CP4 and a second,
+# different CP2 group, with lengths (and, in thd, document counts) that change from microbatch to microbatch, on a
+# 4-rank gloo pool. Backend: AOTAutograd with eager kernels (`aot_eager`) behind a counter: Dynamo's capture, guards
+# and recompiles and AOTAutograd's joint forward/backward tracing are what the model meets under inductor too;
+# inductor itself would add minutes of C++ compilation on a 2-core CPU box without changing the counts.
+#
+# What is measured, per microbatch: the graphs handed to the backend, Dynamo's `unique_graphs`, the graph-break
+# reasons, and the projections that ran inside compiled graphs. Eager fall-back is made loud: `suppress_errors`
+# off, a recompile-limit hit raises (`fail_on_recompile_limit_hit`, with a limit far above the bound below, so the
+# bound is what the test checks, not Dynamo's limit).
+# ---------------------------------------------------------------------------------------------------------------
+
+MH, MHKV, MD, MLAYERS = 4, 2, 8, 2  # q heads, k/v heads (GQA), head dim, layers
+ME = MH * MD
+CPSCOPE_CALLS_PER_LAYER = 3  # RoPE on q, RoPE on k, attention
+# Microbatches: (CP group, document lengths). bshd takes the single length of each; every length is divisible by
+# 2·cp. The second pass has only lengths (and document counts) the first did not have: whatever became dynamic in
+# the first pass must stay so, and nothing may be keyed on a length, a CP size or a group.
+SCHEDULE = (
+    [("cp1", [16]), ("cp2", [24, 8]), ("cp4", [32]), ("cp2b", [16, 16, 8])],
+    [("cp4", [48, 16]), ("cp1", [8]), ("cp2b", [40, 8, 8, 24])],
+)
+WARMUP = 2  # microbatches after which automatic dynamic shapes has seen every input change once
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, qkv_format: str) -> None:
+        super().__init__()
+        self.qkv_format = qkv_format
+        self.q = torch.nn.Linear(ME, MH * MD, bias=False, dtype=torch.float64)
+        self.kv = torch.nn.Linear(ME, 2 * MHKV * MD, bias=False, dtype=torch.float64)
+        self.o = torch.nn.Linear(MH * MD, ME, bias=False, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cu: Any) -> torch.Tensor:
+        """``x``: [1, s, e] (bshd) or [t, e] (thd) -> the same shape."""
+        q = self.q(x).unflatten(-1, (MH, MD))  # [.., h, d]
+        k, v = self.kv(x).unflatten(-1, (2, MHKV, MD)).unbind(-3)  # [.., h_kv, d] each
+        q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
+        k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
+        o = cpscope.context_parallel_attention(q, k, v, qkv_format=self.qkv_format, causal=True, cu_seqlens=cu)
+        return x + self.o(o.flatten(-2))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, qkv_format: str) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(qkv_format) for _ in range(MLAYERS))
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cu: Any = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, freqs, cu)
+        return x
+
+
+def _ref_rope(t: torch.Tensor, freqs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE on [t, h, d] at positions ``pos`` (independent of cpscope)."""
+    ang = freqs[pos, 0, 0, :][:, None, :]  # [t, 1, d]
+    half = t.shape[-1] // 2
+    return t * ang.cos() + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * ang.sin()
+
+
+def _ref_model(model: _Model, x: torch.Tensor, freqs: torch.Tensor, docs: list[int]) -> torch.Tensor:
+    """The whole pack on one process in float64: per-document positions, document-masked causal attention."""
+    from tests.attention._reference import reference_attention
+
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    pos = torch.cat([torch.arange(n) for n in docs])
+    for layer in model.layers:
+        q = layer.q(x).unflatten(-1, (MH, MD))  # [t, h, d]
+        k, v = layer.kv(x).unflatten(-1, (2, MHKV, MD)).unbind(-3)
+        q, k = _ref_rope(q, freqs, pos), _ref_rope(k, freqs, pos)
+        x = x + layer.o(reference_attention(q, k, v, causal=True, cu=cu).flatten(-2))
+    return x
+
+
+def _graph_ops(gm: torch.fx.GraphModule, what: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and what in str(n.target))
+
+
+def _compiled_model_run(qkv_format: str) -> dict:
+    """One rank: the schedule through ``torch.compile(model)``; checks against the reference, returns the counts."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.utils import counters
+
+    from tests.attention._reference import zigzag_index
+
+    assert cpscope.backward_read_check_enabled()
+    torch._dynamo.reset()
+    counters.clear()
+    groups = cpscope.new_cp_groups([1, 2, 4])
+    named = {"cp1": groups[1], "cp2": groups[2], "cp4": groups[4],
+             "cp2b": cpscope.new_cp_groups([2], ranks=[0, 2, 1, 3])[2]}  # same size, other members
+    torch.manual_seed(0)  # the same weights on every rank
+    model = _Model(qkv_format)
+    aot_eager = lookup_backend("aot_eager")
+    graphs, projections_run = [0], [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs[0] += 1
+        n_proj = _graph_ops(gm, "linear")
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            projections_run[0] += n_proj
+            return compiled(*args)
+
+        return run
+
+    compiled = torch.compile(model, backend=backend)
+    ang = torch.arange(128, dtype=torch.float64)[:, None] / (
+        10000.0 ** (torch.arange(0, MD, 2, dtype=torch.float64) / MD))[None, :]
+    freqs = torch.cat((ang, ang), -1)[:, None, None, :]  # [128, 1, 1, d], TE layout
+    gen = torch.Generator().manual_seed(1)
+    rows: list[dict] = []
+    mismatches: list[str] = []
+    with torch._dynamo.config.patch(suppress_errors=False, fail_on_recompile_limit_hit=True, recompile_limit=64):
+        for pass_ in SCHEDULE:
+            for name, docs in pass_:
+                docs = docs if qkv_format == "thd" else docs[:1]
+                group = named[name]
+                cp, rank = (1, 0) if group is None else (group.size(), torch.distributed.get_rank(group))
+                total = sum(docs)
+                x_full = torch.randn(total, ME, generator=gen, dtype=torch.float64)
+                g_full = torch.randn(total, ME, generator=gen, dtype=torch.float64)
+                cu_list = [0]
+                for n in docs:
+                    cu_list.append(cu_list[-1] + n)
+                idx = zigzag_index(cu_list, cp, rank)  # independent of cpscope's index math
+                # reference: the whole pack, float64, one process
+                model.zero_grad(set_to_none=True)
+                xr = x_full.clone().requires_grad_()
+                out_ref = _ref_model(model, xr, freqs, docs)
+                (out_ref * g_full).sum().backward()
+                dw_ref = [p.grad.clone() for p in model.parameters()]
+                # cpscope: this rank's zigzag part, through the compiled model
+                model.zero_grad(set_to_none=True)
+                x = x_full[idx].clone()
+                if qkv_format == "bshd":
+                    x = x[None]  # [1, s_local, e]
+                x.requires_grad_()
+                cu = torch.tensor(cu_list, dtype=torch.int32) if qkv_format == "thd" else None
+                before = projections_run[0]
+                with cpscope.runtime_cp(group):
+                    out = compiled(x, freqs, cu)
+                    g = g_full[idx] if qkv_format == "thd" else g_full[idx][None]
+                    (out * g).sum().backward()
+                dw = [p.grad.clone() for p in model.parameters()]
+                if group is not None:
+                    for t in dw:  # each rank holds the gradient of its own rows' loss; the group sums them
+                        torch.distributed.all_reduce(t, group=group)
+                pairs = [("out", out.reshape(-1, ME), out_ref.detach()[idx]), ("dx", x.grad.reshape(-1, ME),
+                         xr.grad[idx])] + [(f"d{n}", a, b) for (n, _), a, b in zip(model.named_parameters(), dw,
+                                                                                    dw_ref)]
+                for what, got, want in pairs:
+                    try:
+                        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+                    except AssertionError as e:
+                        mismatches.append(f"{name} {docs} {what}: {str(e).splitlines()[1:3]}")
+                rows.append({"mb": f"{name} {docs}", "graphs": graphs[0],
+                             "unique_graphs": counters["stats"]["unique_graphs"],
+                             "projections_compiled": projections_run[0] - before})
+    breaks = {reason.split("\n")[0]: n for reason, n in counters["graph_break"].items()}
+    torch._dynamo.reset()  # the pool's next tasks start without this model's graphs and guards
+    return {"rows": rows, "mismatches": mismatches, "breaks": breaks}
+
+
+_RUNS: dict[str, Any] = {}
+
+
+def _compiled_model_results(qkv_format: str) -> list[dict]:
+    """Per-rank results of one run of the schedule, shared by the three tests below (run once per format).
+
+    A run that crashed raises ``RuntimeError`` (not an ``AssertionError``), so the ``xfail(raises=AssertionError)``
+    tests below report a crash as a failure instead of hiding it as an expected one."""
+    if qkv_format not in _RUNS:
+        try:
+            _RUNS[qkv_format] = run_ranks(4, _compiled_model_run, qkv_format)
+        except BaseException as e:  # noqa: BLE001 - kept to re-raise in every test that reads it
+            _RUNS[qkv_format] = e
+    res = _RUNS[qkv_format]
+    if isinstance(res, BaseException):
+        raise RuntimeError(f"the compiled run ({qkv_format}) failed: {res}") from res
+    return res
+
+
+def _xfail(reason: str) -> Any:
+    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
+
+
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_compiled_model_equals_reference(qkv_format):
+    """Forward and every gradient of the compiled model equal the float64 full-pack reference cut per rank, at
+    CP1, CP2, CP4 and another CP2 group; every projection of every microbatch ran inside a compiled graph (a
+    frame that fell back to eager would run its projections outside)."""
+    for rank, res in enumerate(_compiled_model_results(qkv_format)):
+        assert not res["mismatches"], (rank, res["mismatches"])
+        for row in res["rows"]:
+            assert row["projections_compiled"] >= 3 * MLAYERS, (rank, row)
+
+
+@pytest.mark.parametrize("qkv_format", [
+    pytest.param("bshd", marks=_xfail("Dynamo traces cpscope's host code (scope read, pack cache, index math): "
+                                      "21-25 graphs per rank over the schedule, above the bound of 14")),
+    pytest.param("thd", marks=_xfail("Dynamo traces cpscope's host code (pack cache, offsets read with .item(), "
+                                     "data-dependent index math): new graphs for every new pack, without end")),
+])
+def test_compiled_model_bounded_recompiles(qkv_format):
+    """Bound: each cpscope call may be one eager island (a graph break), so one forward is at most
+    ``3·layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at
+    most twice (static, then dynamic) and never again: ``unique_graphs ≤ 2·(3·layers + 1)`` over the whole
+    schedule, and nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new
+    document counts.
+
+    Needed in the core: the host side of each public call (scope read, validation, pack cache, index math) as one
+    ``torch.compiler.disable``d step that returns tensors, so that Dynamo traces only tensor math and guards on
+    nothing that changes per microbatch."""
+    bound = 2 * (CPSCOPE_CALLS_PER_LAYER * MLAYERS + 1)
+    for rank, res in enumerate(_compiled_model_results(qkv_format)):
+        rows = res["rows"]
+        assert rows[-1]["unique_graphs"] <= bound, (rank, bound, rows)
+        assert all(r["graphs"] == rows[WARMUP - 1]["graphs"] for r in rows[WARMUP:]), (rank, rows)
+
+
+@pytest.mark.parametrize("qkv_format", [
+    pytest.param(f, marks=_xfail("graph breaks inside cpscope's host code (graph-task probe returning an int, "
+                                 "an RLock, .item() on offsets, data-dependent shapes) besides its eager islands"))
+    for f in ("bshd", "thd")
+])
+def test_compiled_model_breaks_only_at_eager_islands(qkv_format):
+    """Every graph break is a deliberate eager island (a ``torch.compiler.disable``d cpscope step: scope read and
+    host bookkeeping, collectives), never an accident of tracing (an unsupported context manager, a data-dependent
+    ``.item()``, a generator), which would move with torch versions and cost a graph per break."""
+    for rank, res in enumerate(_compiled_model_results(qkv_format)):
+        accidental = {r: n for r, n in res["breaks"].items() if "torch.compiler.disable" not in r}
+        assert not accidental, (rank, accidental)

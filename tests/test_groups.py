@@ -72,7 +72,7 @@ def test_pad_schedule_aligns_the_members_of_every_block():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Ring attention on permuted / interleaved rank lists (issue #13.1): rows and dq/dk/dv against float64
+# Ring attention on permuted / interleaved rank lists: rows and dq/dk/dv against float64
 
 
 def _ring_check(group, fmt: str, seed: int) -> float:
@@ -192,7 +192,7 @@ def test_loop_accepts_groups_over_a_permuted_rank_list():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Creation at scale, simulated (issue #17): what one rank of a 4096-rank job calls
+# Creation at scale, simulated: what one rank of a 4096-rank job calls
 
 
 @pytest.fixture

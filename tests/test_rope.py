@@ -198,6 +198,129 @@ def test_rotary_embedding_table(interleaved):
         rope(-1)
 
 
+def test_sizes_accept_numpy_integers_and_refuse_bools():
+    np = pytest.importorskip("numpy")
+    want = rotary_freqs(6, 12, base=500.0)
+    assert torch.equal(rotary_freqs(np.int64(6), np.int32(12), base=np.float32(500.0)), want)
+    rope = RotaryEmbedding(np.int16(6), base=np.float64(500.0))
+    assert rope.rot_dim == 6 and type(rope.rot_dim) is int
+    assert torch.equal(rope(np.uint8(12)), want)
+    for bad in (True, np.True_, 6.0, np.float32(6.0)):
+        with pytest.raises(ValueError, match="rot_dim must be a positive even int"):
+            RotaryEmbedding(bad)
+        with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
+            rope(bad)
+    with pytest.raises(ValueError, match="base must be a finite number > 0, got True"):
+        rotary_freqs(6, 12, base=True)
+
+
+def test_rotary_embedding_table_written_in_place_changes_no_later_table():
+    rope = RotaryEmbedding(4)
+    want = rotary_freqs(4, 16)
+    t = rope(16)
+    t.add_(3.0)  # the caller's table is theirs; the next one is rebuilt
+    again = rope(8)
+    assert torch.equal(again, want[:8]) and again.data_ptr() != t.data_ptr()
+    fresh = RotaryEmbedding(4)
+    with torch.inference_mode():  # a table made here has no version counter: a new one each time, never cached
+        a = fresh(8)
+        b = fresh(8)
+    assert torch.equal(a, want[:8]) and a.data_ptr() != b.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The compiled path: only a failure of the compiler turns compilation off, for that case only; OOM propagates
+
+
+@pytest.fixture
+def compile_state(monkeypatch):
+    """A clean compiled-path state; returns the list of calls the (fake) compiled kernel received."""
+    from cpscope.rope import api
+
+    calls = []
+    monkeypatch.setattr(api, "_compile_off", set())
+    monkeypatch.setattr(api, "_compiled", None)
+    return api, calls
+
+
+def _rope_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(1, 8, 2, HEAD_DIM, generator=g, dtype=dtype)
+    freqs = rotary_freqs(HEAD_DIM, 8)
+    ref = ref_rope_full(t.double(), freqs, "bshd", [8], False)
+    return t, freqs, ref
+
+
+def _fake_compiled(calls, failure=None):
+    from cpscope.rope import api
+
+    def compiled(t, angles, interleaved):
+        calls.append(t.dtype)
+        if failure is not None and t.dtype == torch.float32:
+            raise failure
+        return api._rope_math(t, angles, interleaved)
+
+    return lambda fn: compiled
+
+
+def test_compile_oom_propagates_and_compilation_stays_on(compile_state, monkeypatch, caplog):
+    api, calls = compile_state
+    t, freqs, ref = _rope_inputs()
+    monkeypatch.setattr(api, "_compile", _fake_compiled(calls, RuntimeError("CUDA out of memory. Tried to allocate")))
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        apply_rotary_pos_emb(t, freqs, qkv_format="bshd", group=None, impl="compiled")
+    assert api._compile_off == set() and not caplog.records
+    monkeypatch.setattr(api, "_compiled", None)
+    monkeypatch.setattr(api, "_compile", _fake_compiled(calls))  # memory is back: the compiled kernel runs
+    out = apply_rotary_pos_emb(t, freqs, qkv_format="bshd", group=None, impl="compiled")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert calls == [torch.float32, torch.float32]
+
+
+def test_oom_wrapped_by_the_compiler_propagates(compile_state, monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    api, calls = compile_state
+    t, freqs, _ = _rope_inputs()
+    wrapped = BackendCompilerFailed(lambda *a: None, torch.OutOfMemoryError("CUDA out of memory"), None)
+    monkeypatch.setattr(api, "_compile", _fake_compiled(calls, wrapped))
+    with pytest.raises(BackendCompilerFailed):
+        apply_rotary_pos_emb(t, freqs, qkv_format="bshd", group=None, impl="compiled")
+    assert api._compile_off == set()
+
+
+def test_compile_error_turns_compilation_off_for_that_case_only(compile_state, monkeypatch, caplog):
+    api, calls = compile_state
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("planted compiler failure: no working C++ compiler")
+
+    real_compile = torch.compile
+    compiled_calls = []
+
+    def compile_fn(fn):  # a real torch.compile whose backend fails for float32, and works (eager) for float64
+        broken, works = real_compile(fn, backend=failing_backend, dynamic=True), real_compile(fn, backend="eager")
+
+        def run(t, angles, interleaved):
+            compiled_calls.append(t.dtype)
+            return (broken if t.dtype == torch.float32 else works)(t, angles, interleaved)
+
+        return run
+
+    monkeypatch.setattr(api, "_compile", compile_fn)
+    t, freqs, ref = _rope_inputs()
+    with caplog.at_level("WARNING", logger="cpscope.rope.api"):
+        for _ in range(3):
+            out = apply_rotary_pos_emb(t, freqs, qkv_format="bshd", group=None, impl="compiled")
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)  # the eager path, same rows
+        out64 = apply_rotary_pos_emb(t.double(), freqs, qkv_format="bshd", group=None, impl="compiled")
+    torch.testing.assert_close(out64, ref, atol=1e-6, rtol=1e-6)
+    assert compiled_calls == [torch.float32, torch.float64]  # tried once for float32; float64 still compiled
+    assert api._compile_off == {("cpu", torch.float32, 4, False, False)}
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "planted compiler failure" in warnings[0].getMessage()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad input: ValueError naming the values, before any work
 

@@ -4,10 +4,12 @@
 returns this rank's rows of full attention over the whole sequences — document-masked in ``thd``, causal or not,
 with grouped-query attention — over one of four communication variants. Under CP1 it is plain local attention.
 
-Modules: :mod:`.api` (validate once, prepare, dispatch), :mod:`.variants` (``comm=`` and the ``"auto"`` chooser),
-:mod:`.ring` (the zigzag ring), :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hierarchical` (one algorithm each),
-:mod:`.blocks` (one block and its kernels), :mod:`.merge` (log-sum-exp merging), :mod:`.comm` (the exchange),
-:mod:`.module` (the ``nn.Module``).
+Modules, top down: :mod:`.api` (validate once, prepare the call, run it), :mod:`.module` (the ``nn.Module``),
+:mod:`.variants` (``comm=`` and the ``"auto"`` chooser), one algorithm each — :mod:`.ring` (the zigzag ring; its
+plan of blocks and rows per step in :mod:`.ring_plan`), :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hierarchical` —
+and their pieces: :mod:`.blocks` (one block and its kernels; :mod:`._cudnn_thd` for packed blocks on cuDNN),
+:mod:`.merge` (log-sum-exp merging), :mod:`.comm` (the exchange between ranks), :mod:`.layout` (the packed form of
+the collective variants), :mod:`._inputs` (validation).
 
 Example::
 

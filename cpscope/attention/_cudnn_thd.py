@@ -23,6 +23,9 @@ pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of 
 Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
 and an sm90+ GPU; :func:`available` says whether this process has them.
 
+Private test / benchmark knobs (process-wide; not an API): ``_BUCKET_BATCH`` (round the number of sequences up, see
+below) and ``_ORDERED_EXECUTE`` (the frontend's ordered ``execute``, see :class:`_Built`).
+
 Example::
 
     from cpscope.attention import _cudnn_thd

@@ -37,10 +37,11 @@ from typing import Any, Optional
 import torch
 
 from ..scope import CPScope
-from ._exchange import GroupCollectives, Packed, Pending, acc_dtype
+from .blocks import Varlen, acc_dtype, block_backward, block_forward
+from .comm import GroupCollectives, Pending
+from .layout import Packed
 from .merge import merge_rows_
-from .blocks import Varlen, block_backward, block_forward
-from .ring import RingPlan
+from .ring_plan import DiagPart, RingPlan
 
 __all__ = ["AllGatherPlan", "all_gather_attention"]
 
@@ -185,12 +186,12 @@ def backward(
     local = [b for b in plan.blocks if b.src == "local"]
     parts = rp.diag_parts(q.shape[-2], k.shape[-2]) if local else []
 
-    def local_piece(p: Any) -> None:
-        g = block_backward(p.take(dout, p.hq), p.take(q, p.hq), p.take(k, p.hk), p.take(v, p.hk),
-                           p.take(out, p.hq), p.take_lse(lse), scale=plan.scale, causal=True, varlen=p.varlen)
-        p.take(dq, p.hq).add_(g[0])
-        p.take(dk, p.hk).copy_(g[1])
-        p.take(dv, p.hk).copy_(g[2])
+    def local_piece(p: DiagPart) -> None:
+        g = block_backward(p.take_q(dout), p.take_q(q), p.take_kv(k), p.take_kv(v), p.take_q(out), p.take_lse(lse),
+                           scale=plan.scale, causal=True, varlen=p.varlen)
+        p.take_q(dq).add_(g[0])
+        p.take_kv(dk).copy_(g[1])
+        p.take_kv(dv).copy_(g[2])
 
     if parts:
         local_piece(parts[0])  # hides the gathers
@@ -249,7 +250,7 @@ class _AllGatherAttention(torch.autograd.Function):
 def all_gather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float
 ) -> torch.Tensor:
-    """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention._exchange`).
+    """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention.layout`).
 
     Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than calling this directly.
     """

@@ -1,12 +1,18 @@
-"""Context-parallel (ring) attention over the active CP group.
+"""Context-parallel attention over the active CP group: validate once, prepare the call, run its variant.
 
 :func:`context_parallel_attention` takes this rank's **zigzag** shards of q/k/v (see ``cpscope.zigzag_shard``) and
 returns this rank's rows of full attention over the whole sequences — document-masked in ``thd``, causal or not,
 with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plain local attention.
 
+A call is validated and resolved once into an :class:`AttentionCall` (:func:`prepare_call`: shapes, offsets and
+their per-pack metadata, the variant); :func:`run_call` runs it — the zigzag ring (:mod:`.ring`) here, the
+collective variants through :func:`cpscope.attention.variants.run_variant`. An observer in the
+``cpscope._hooks.attention`` slot (the sentinel) wraps the run of the prepared call.
+
 Kernels: exact math on CPU (fp32/fp64 scores); on CUDA (fp16/bf16) PyTorch's cuDNN attention for dense blocks
 (MHA, GQA and MQA: K/V are never expanded), cuDNN's ragged kernels for ``thd`` when the cuDNN frontend is installed
-(else PyTorch's flash-attention varlen kernels). Every block of the ring uses the same kernels as CP1.
+(else PyTorch's flash-attention varlen kernels). Every block of the ring uses the same kernels as CP1; CP1 dense on
+CUDA is one ``F.scaled_dot_product_attention`` call.
 
 Example::
 
@@ -24,18 +30,17 @@ import torch.nn.functional as F
 
 from .. import _hooks
 from .._pack import Pack, pack_for
+from .._variants import P2P
 from ..scope import _UNSET, CPScope, resolve_scope
-from .variants import Variant, resolve_variant, run_variant
 from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
-from .ring import RingGeometry, RingPlan, ring_attention
+from .ring import ring_attention
+from .ring_plan import RingPlan, plan_for_pack
+from .variants import Variant, resolve_variant, run_variant
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "AttentionCall", "prepare_call", "run_call"]
 
-# CP1 bshd/sbhd on CUDA through F.scaled_dot_product_attention (True) or the ring's CP1 path (False); private knob.
-_CP1_SDPA: bool = True
-
-# How bshd/sbhd run: with the dense kernels (default; cuDNN attention on CUDA) or as packed varlen blocks (each
-# batch row one zigzag-sharded "document"; flash varlen on CUDA). Private knob: tests cover both routes on CPU.
+# Private test knob: bshd/sbhd run with the dense kernels (False, the default; cuDNN attention on CUDA) or as packed
+# varlen blocks (True: each batch row one zigzag-sharded "document"), so that tests cover both routes on CPU.
 _DENSE_AS_VARLEN: bool = False
 
 
@@ -109,10 +114,10 @@ def attention_with_scope(
     qkv_format: str = "bshd",
     causal: bool = True,
     cu_seqlens: Optional[Any] = None,
+    cu_seqlens_padded: Optional[Any] = None,
     max_seqlen: Optional[int] = None,
     softmax_scale: Optional[float] = None,
     comm: Optional[str] = None,
-    cu_seqlens_padded: Optional[Any] = None,
 ) -> torch.Tensor:
     """:func:`context_parallel_attention` with an already resolved :class:`~cpscope.CPScope` (no ContextVar read).
 
@@ -180,62 +185,68 @@ def prepare_call(
     """
     check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    pack: Optional[Pack] = None
+    pack = _pack_of(q, scope, qkv_format, cu_seqlens, cu_seqlens_padded, max_seqlen)
+    variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,  # comm= / scope.comm
+                              cu=pack.cu if qkv_format == "thd" else None,
+                              padded=pack is not None and pack.real is not None)
+    return AttentionCall(q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen,
+                         softmax_scale, comm, scale=scale, pack=pack, variant=variant)
+
+
+def _pack_of(q: torch.Tensor, scope: CPScope, qkv_format: str, cu_seqlens: Optional[Any],
+             cu_seqlens_padded: Optional[Any], max_seqlen: Optional[int]) -> Optional[Pack]:
+    """The call's validated per-pack metadata: ``thd``'s documents; bshd/sbhd rows with real lengths (or run as
+    varlen rows); ``None`` for plain dense rows."""
     if qkv_format == "thd":
         if cu_seqlens is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens (global, int32, starting at 0)")
         pack = pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=cu_seqlens_padded)
         check_thd_pack(q, pack, max_seqlen)
-    else:
-        if cu_seqlens_padded is not None:
-            raise ValueError(
-                f"cu_seqlens_padded is only used with qkv_format='thd', got qkv_format={qkv_format!r}; for "
-                f"{qkv_format} pass the rows' real lengths as cu_seqlens"
-            )
-        b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
-        g = s * scope.size  # global sequence length
-        check_dense_max_seqlen(max_seqlen, g)
-        if cu_seqlens is not None or _DENSE_AS_VARLEN:
-            # row i is a document of global length g, zigzag-sharded (padded at its end when real lengths are given)
-            layout = tuple(range(0, b * g + 1, g))
-            pack = pack_for(layout, scope.size, scope.rank) if cu_seqlens is None else \
-                pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=layout)
-    variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,
-                              cu=pack.cu if qkv_format == "thd" else None)  # comm= / scope.comm
-    if variant.name != "p2p" and pack is not None and pack.padded and not causal:
-        if (comm if comm is not None else scope.comm) != "auto":
-            raise ValueError(
-                f"comm={variant.name!r} cannot mask padding without a causal mask (real offsets given that differ "
-                "from the layout); use comm='p2p' (or 'auto') for this microbatch"
-            )
-        variant = Variant("p2p")
-    return AttentionCall(q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen,
-                         softmax_scale, comm, scale=scale, pack=pack, variant=variant)
+        return pack
+    if cu_seqlens_padded is not None:
+        raise ValueError(
+            f"cu_seqlens_padded is only used with qkv_format='thd', got qkv_format={qkv_format!r}; for "
+            f"{qkv_format} pass the rows' real lengths as cu_seqlens"
+        )
+    b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
+    g = s * scope.size  # global sequence length
+    check_dense_max_seqlen(max_seqlen, g)
+    if cu_seqlens is None and not _DENSE_AS_VARLEN:
+        return None
+    # row i is a document of global length g, zigzag-sharded (padded at its end when real lengths are given)
+    layout = tuple(range(0, b * g + 1, g))
+    if cu_seqlens is None:
+        return pack_for(layout, scope.size, scope.rank)
+    return pack_for(cu_seqlens, scope.size, scope.rank, cu_seqlens_padded=layout)
 
 
 def run_call(call: AttentionCall) -> torch.Tensor:
     """Run a prepared :class:`AttentionCall` (raises its ``error`` if its inputs failed validation)."""
     if call.error is not None:
         raise call.error
-    q, k, v, scope, qkv_format, causal, pack = call.q, call.k, call.v, call.scope, call.qkv_format, call.causal, \
-        call.pack
-    variant, scale = call.variant, call.scale
-    if variant.name != "p2p":
-        # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so
-        # no gradient flows from them
-        out = run_variant(variant, q, k, v, scope, qkv_format=qkv_format, causal=causal,
-                          cu=pack.cu if qkv_format == "thd" else None, scale=scale)
-        return _zero_padding_rows(out, pack, qkv_format) if call.padded else out
-    if qkv_format == "thd":
-        return ring_attention(q, k, v, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
-    if qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
+    if call.variant.name == P2P:
+        return _run_ring(call)
+    # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so no
+    # gradient flows from them
+    out = run_variant(call.variant, call.q, call.k, call.v, call.scope, qkv_format=call.qkv_format,
+                      causal=call.causal, cu=call.pack.cu if call.qkv_format == "thd" else None, scale=call.scale)
+    return _zero_padding_rows(out, call.pack, call.qkv_format) if call.padded else out
+
+
+def _run_ring(call: AttentionCall) -> torch.Tensor:
+    """The zigzag ring (``"p2p"``; every variant under CP1) on the call's layout."""
+    q, k, v, scope, causal, scale, pack = call.q, call.k, call.v, call.scope, call.causal, call.scale, call.pack
+    if call.qkv_format == "thd":
+        return ring_attention(q, k, v, plan=plan_for_pack(pack, q.device, causal=causal, scale=scale),
+                              group=scope.group)
+    if call.qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     b, s = q.shape[0], q.shape[1]
     if pack is not None:  # [b, s, h, d] -> [b*s, h, d] through the varlen ring
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
-        out = ring_attention(q2, k2, v2, plan=_varlen_plan(pack, q.device, causal, scale), group=scope.group)
-        out = out.view(b, s, *q.shape[2:])
-    elif scope.size == 1 and q.is_cuda and _CP1_SDPA:
+        plan = plan_for_pack(pack, q.device, causal=causal, scale=scale)
+        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group).view(b, s, *q.shape[2:])
+    elif scope.size == 1 and q.is_cuda:
         # CP1 on CUDA is plain attention: PyTorch's SDPA (cuDNN on Hopper; GQA without expanded K/V) with its own
         # autograd — the same kernels as cpscope's blocks, without the ring's Function around them (host time)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -244,7 +255,7 @@ def run_call(call: AttentionCall) -> torch.Tensor:
     else:
         plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s)
         out = ring_attention(q, k, v, plan=plan, group=scope.group)
-    return out.transpose(0, 1) if qkv_format == "sbhd" else out
+    return out.transpose(0, 1) if call.qkv_format == "sbhd" else out
 
 
 def _zero_padding_rows(out: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
@@ -259,9 +270,3 @@ def _zero_padding_rows(out: torch.Tensor, pack: Pack, qkv_format: str) -> torch.
     flat = dense.reshape(b * s, *dense.shape[2:]).index_fill(0, rows, 0)
     res = flat.view(b, s, *dense.shape[2:])
     return res if qkv_format == "bshd" else res.transpose(0, 1)
-
-
-def _varlen_plan(pack: Pack, device: torch.device, causal: bool, scale: float) -> RingPlan:
-    """The ring plan of a pack: its :class:`RingGeometry` is built once per (pack, device) and cached on the pack."""
-    geo = pack.memo(("ring", device), lambda: RingGeometry(pack, device))
-    return RingPlan(varlen=True, causal=causal, scale=scale, rank=pack.rank, size=pack.cp, geometry=geo)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Varlen", "block_forward", "block_backward"]
+__all__ = ["Varlen", "block_forward", "block_backward", "acc_dtype"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,12 +47,14 @@ class Varlen:
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks compute in and return ``lse`` in (fp64 for fp64 inputs, else fp32); the ring's merges and
+    dQ accumulate in it too."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CPU (and any non-CUDA device): exact math
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,7 +111,7 @@ def _batched(x: torch.Tensor, vl: Optional[Varlen]) -> torch.Tensor:
 
 
 def _cpu_forward(q, k, v, scale, causal, vl):
-    dt = _compute_dtype(q.dtype)
+    dt = acc_dtype(q.dtype)
     mask = _mask(q, k, causal, vl)
     qb, kb, vb = _batched(q, vl), _batched(_expand_kv(k, q.shape[-2]), vl), _batched(_expand_kv(v, q.shape[-2]), vl)
     s = _cpu_scores(qb, kb, scale, mask, dt)  # [b, h, s_q, s_k]
@@ -123,7 +125,7 @@ def _cpu_forward(q, k, v, scale, causal, vl):
 
 
 def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
-    dt = _compute_dtype(q.dtype)
+    dt = acc_dtype(q.dtype)
     h, h_kv = q.shape[-2], k.shape[-2]
     mask = _mask(q, k, causal, vl)
     qb, kb, vb = _batched(q, vl).to(dt), _batched(_expand_kv(k, h), vl).to(dt), _batched(_expand_kv(v, h), vl).to(dt)
@@ -144,25 +146,48 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CUDA: flash-attention kernels shipped with PyTorch (aten)
+# CUDA: PyTorch's cuDNN and flash-attention kernels (aten)
+#
+# Private test / benchmark knobs (process-wide, read per block; not an API):
+# * _USE_CUDNN — dense blocks on cuDNN attention (True, the default: what F.scaled_dot_product_attention picks on
+#   Hopper; ~1.7x faster than the flash-attention-2 kernels there, GQA / MQA included: cuDNN takes K/V with fewer
+#   heads as they are and returns dK/dV with h_kv heads — H200, 32 q heads x 128, bf16, causal fwd+bwd: 16k 8 k/v
+#   heads 14.2 ms vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms, docs/attention_kernels.md §10) or on flash
+#   (False; benchmarks compare the two).
+# * _VARLEN_KERNEL — packed (varlen) blocks on "flash" (PyTorch's bundled flash-attention-2 varlen kernels),
+#   "cudnn" (cuDNN's ragged fused attention through the cuDNN frontend, see _cudnn_thd; ~1.9x faster on H200, needs
+#   nvidia-cudnn-frontend; raises where it is missing) or "auto" (the default: cuDNN where available).
 
 _aten = torch.ops.aten
-# Dense blocks use cuDNN attention (what F.scaled_dot_product_attention picks on Hopper; ~1.7x faster than the
-# flash-attention-2 kernels there), GQA / MQA included: cuDNN takes K/V with fewer heads as they are (no expanded
-# copies) and returns dK/dV with h_kv heads — H200, 32 q heads x 128, bf16, causal fwd+bwd: 16k 8 k/v heads 14.2 ms
-# vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms (benchmarks/attention_notes.md §10). Private knob for benchmarks.
 _USE_CUDNN = True
-_AUX: dict = {}  # (kernel, device) -> the dense kernels' placeholder outputs (cum_seq_q/k, philox seed/offset)
+_VARLEN_KERNEL = "auto"
+
+# The dense kernels' backward takes placeholder outputs of their forward as arguments: cum_seq_q / cum_seq_k (None
+# for dense inputs) and the philox seed / offset (unused without dropout). Every forward on a device returns equal
+# placeholders, so the first one's, kept per (kernel, device), serves every later backward on that device (several
+# devices in one process each have their own). Only these placeholders are kept: never a block's out or lse, which
+# are returned to the caller (and which the ring merges into in place).
+_AUX: dict[tuple[str, torch.device], tuple[Any, ...]] = {}
+
+
+def _remember_aux(kernel: str, device: torch.device, res: tuple) -> None:
+    """Keep the placeholders of a dense forward's result ``res`` for ``kernel``'s backward on ``device``."""
+    key = (kernel, device)
+    if key not in _AUX:
+        _AUX[key] = (res[2], res[3], res[6], res[7])
+
+
+def _aux(kernel: str, device: torch.device) -> tuple[Any, ...]:
+    """The placeholders a dense backward of ``kernel`` on ``device`` takes: ``(cum_seq_q, cum_seq_k, seed, offset)``."""
+    aux = _AUX.get((kernel, device))
+    if aux is None:
+        raise RuntimeError(f"a dense {kernel} attention backward on {device} without any forward there")
+    return aux
 
 
 def _use_cudnn(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a dense block runs on cuDNN attention (else flash); the place for a per-shape choice."""
     return _USE_CUDNN
-
-
-# Packed (varlen) blocks: "flash" (PyTorch's bundled flash-attention-2 varlen kernels) or "cudnn" (cuDNN's ragged
-# fused attention through the cuDNN frontend, see _cudnn_thd; ~1.9x faster on H200, needs nvidia-cudnn-frontend);
-# "auto" (default) takes cuDNN where available. Private knob for benchmarks and fallbacks.
-_VARLEN_KERNEL = "auto"
 
 
 def _varlen_on_cudnn(q: torch.Tensor) -> bool:
@@ -183,10 +208,10 @@ def _cuda_forward(q, k, v, scale, causal, vl):
         if _use_cudnn(q, k):
             res = _aten._scaled_dot_product_cudnn_attention.default(qt, kt, vt, None, True, 0.0, causal, False,
                                                                      scale=scale)
-            _AUX.setdefault(("cudnn", q.device), (res[2], res[3], res[6], res[7]))
+            _remember_aux("cudnn", q.device, res)
             return res[0].transpose(1, 2), res[1].squeeze(-1)  # lse [b, h, s, 1] -> [b, h, s]
         res = _aten._scaled_dot_product_flash_attention.default(qt, kt, vt, 0.0, causal, False, scale=scale)
-        _AUX.setdefault(("flash", q.device), (res[2], res[3], res[6], res[7]))
+        _remember_aux("flash", q.device, res)
         return res[0].transpose(1, 2), res[1]
     if _varlen_on_cudnn(q):
         from . import _cudnn_thd
@@ -202,13 +227,13 @@ def _cuda_backward(dout, q, k, v, out, lse, scale, causal, vl):
     if vl is None:
         args = [t.transpose(1, 2) for t in (dout, q, k, v, out)]
         if _use_cudnn(q, k):
-            cq, ck, seed, offset = _AUX[("cudnn", q.device)]
+            cq, ck, seed, offset = _aux("cudnn", q.device)
             dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward.default(
                 *args, lse.unsqueeze(-1).contiguous(), seed, offset, None, cq, ck, q.shape[1], k.shape[1], 0.0,
                 causal, scale=scale,
             )
         else:
-            cq, ck, seed, offset = _AUX[("flash", q.device)]
+            cq, ck, seed, offset = _aux("flash", q.device)
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward.default(
                 *args, lse.contiguous(), cq, ck, q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale,
             )

@@ -1,11 +1,16 @@
-"""Double-buffered point-to-point exchange around the CP ring.
+"""The exchange between the ranks of a CP group: the ring's point-to-point hops and the variants' collectives.
 
-:class:`RingComm` sends buffers to the next rank of the group and receives the previous rank's buffers into
-fresh ones, asynchronously, so the caller computes on the current buffer while the next one is in flight.
-
-On CUDA the exchange is issued on :func:`cpscope.cp_stream` after that stream waits for the compute stream (the
-buffer being sent is ready), and :meth:`RingComm.wait` makes the compute stream wait for the communication; no
+:class:`RingComm` (the zigzag ring) sends buffers to the next rank of the group and receives the previous rank's
+buffers into fresh ones, asynchronously, so the caller computes on the current buffer while the next one is in
+flight. On CUDA the exchange is issued on :func:`cpscope.cp_stream` after that stream waits for the compute stream
+(the buffer being sent is ready), and :meth:`RingComm.wait` makes the compute stream wait for the communication; no
 host synchronisation happens. Buffers used on both streams are marked with ``record_stream``.
+
+:class:`GroupCollectives` (all-gather, all-to-all, hierarchical) posts ``all_gather`` / ``reduce_scatter`` /
+``all_to_all`` asynchronously (NCCL runs them on its own stream; ``wait()`` orders the compute stream after them, no
+host sync on CUDA) and returns a :class:`Pending`. The collective variants only talk to this small interface, so a
+test harness can run them over an in-process stand-in (``tests/attention/_virtual.py``: several virtual ranks on
+one device, one thread each).
 
 Example::
 
@@ -13,10 +18,14 @@ Example::
     comm.send_recv([k, v])        # post: k, v -> next rank; prev rank's k, v -> new buffers
     ...compute on k, v...
     k, v = comm.wait()            # the received buffers
+
+    coll = GroupCollectives(scope.group, scope.size, scope.rank)
+    p = coll.all_gather(k_half)   # posted now
+    k_all = p.wait()              # [size * n, ...]
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +33,11 @@ import torch.distributed as dist
 from ..groups import group_ranks
 from ..streams import cp_stream
 
-__all__ = ["RingComm", "is_dense"]
+__all__ = ["RingComm", "is_dense", "Pending", "GroupCollectives"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ring's hops
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -126,3 +139,63 @@ class RingComm:
                 req.wait()
         recv, self._reqs, self._recv, self._stream = self._recv, None, None, None
         return recv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Collectives (the all-gather, all-to-all and hierarchical variants)
+
+# torch >= 2.13 names them *_single (the *_tensor names warn there); older torch has only the *_tensor names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """One posted collective: :meth:`wait` waits for it (once) and returns its result tensor."""
+
+    __slots__ = ("_work", "_result")
+
+    def __init__(self, work: Any, result: torch.Tensor) -> None:
+        self._work, self._result = work, result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._result
+
+
+class GroupCollectives:
+    """The collectives of the variants over one ``torch.distributed`` group, each posted asynchronously.
+
+    ``size`` / ``rank`` are the group's (resolved once by the caller, kept on the autograd ``ctx``). Tensors are
+    split and joined along dim 0, rank-major. Every rank of the group must post the same collectives in the same
+    order.
+
+    Example::
+
+        coll = GroupCollectives(group, 2, rank)
+        p = coll.all_gather(k_half)          # posted now
+        ...compute...
+        k_all = p.wait()                     # [2 * n, ...]
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+
+    def all_gather(self, x: torch.Tensor) -> Pending:
+        """``[n, ...]`` from every rank -> ``[size * n, ...]`` (rank ``j``'s rows at ``j*n``)."""
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        return Pending(_ALL_GATHER(out, x, group=self.group, async_op=True), out)
+
+    def reduce_scatter(self, x: torch.Tensor) -> Pending:
+        """``[size * n, ...]`` from every rank -> the sum over ranks of rows ``rank*n .. rank*n+n-1``."""
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        return Pending(_REDUCE_SCATTER(out, x, group=self.group, async_op=True), out)
+
+    def all_to_all(self, x: torch.Tensor) -> Pending:
+        """``[size * n, ...]``: rows ``j*n ..`` go to rank ``j``; the result's rows ``j*n ..`` came from rank ``j``."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        return Pending(dist.all_to_all_single(out, x, group=self.group, async_op=True), out)

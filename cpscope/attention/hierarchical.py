@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from ..groups import group_ranks
 from ..scope import CPScope
-from ._exchange import GroupCollectives, Packed
+from .comm import GroupCollectives
+from .layout import Packed
 from .ulysses import UlyssesPlan, check_heads, run
 
 __all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hierarchical_attention"]

@@ -18,6 +18,7 @@ Example::
     out = attn(q, k, v)                                      # CP2
     with cpscope.runtime_cp(None):
         out = attn(q_full, k_full, v_full)                   # CP1 for this call
+    out = attn(q, k, v, comm="all_gather")                   # another variant for this call
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..scope import CPScope, build_time_scope, check_comm, runtime_scope_or
+from .._checks import check_qkv_format
+from .._variants import check_comm
+from ..scope import CPScope, build_time_scope, runtime_scope_or
+from .api import attention_with_scope
 
 __all__ = ["ContextParallelAttention"]
 
@@ -38,7 +42,11 @@ class ContextParallelAttention(nn.Module):
         qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
         causal: causal mask.
         softmax_scale: default ``1 / sqrt(d)``.
-        comm: communication variant (see :func:`cpscope.context_parallel_attention`); ``None``: the scope's.
+        comm: communication variant (see :func:`cpscope.context_parallel_attention`); ``None``: the scope's. A
+            call's own ``comm=`` overrides it.
+
+    Raises:
+        ValueError: an unknown ``qkv_format`` or ``comm``.
 
     Example::
 
@@ -50,7 +58,8 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None,
                  comm: Optional[str] = None) -> None:
         super().__init__()
-        self.qkv_format, self.causal, self.softmax_scale = qkv_format, causal, softmax_scale
+        self.qkv_format = check_qkv_format(qkv_format)
+        self.causal, self.softmax_scale = causal, softmax_scale
         self.comm = check_comm(comm)
         self._build_scope: CPScope = build_time_scope()  # never the runtime binding active now
 
@@ -70,15 +79,19 @@ class ContextParallelAttention(nn.Module):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any] = None,
-        max_seqlen: Optional[int] = None,
+        max_seqlen: Optional[int] = None, cu_seqlens_padded: Optional[Any] = None, comm: Optional[str] = None,
     ) -> torch.Tensor:
         """Attention over the scope of this call (:meth:`active_scope`), resolved once here.
 
         Args:
             q: local zigzag shard in the module's ``qkv_format``: ``[b, s, h, d]``, ``[s, b, h, d]`` or ``[t, h, d]``.
             k, v: same layout, ``h_kv`` heads with ``h % h_kv == 0``.
-            cu_seqlens: ``thd`` only: **global** document offsets (int32, from 0).
+            cu_seqlens: **global** offsets (int32, from 0): ``thd``'s documents (the real ones when
+                ``cu_seqlens_padded`` is given); ``bshd`` / ``sbhd``: optional real lengths of the rows.
             max_seqlen: optional; checked to be at least the longest global sequence / document.
+            cu_seqlens_padded: ``thd`` only: the layout offsets of padded documents (TransformerEngine's
+                convention, see :func:`cpscope.context_parallel_attention`).
+            comm: this call's communication variant; ``None``: the module's (else the scope's).
 
         Returns:
             This rank's rows of full attention, same shape and dtype as ``q``.
@@ -87,12 +100,11 @@ class ContextParallelAttention(nn.Module):
             ValueError: inconsistent inputs, before any collective runs (see
                 :func:`cpscope.context_parallel_attention`).
         """
-        from .api import attention_with_scope
-
         scope = self.active_scope()
         return attention_with_scope(
             q, k, v, scope, qkv_format=self.qkv_format, causal=self.causal, cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen, softmax_scale=self.softmax_scale, comm=self.comm,
+            cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, softmax_scale=self.softmax_scale,
+            comm=self.comm if comm is None else comm,
         )
 
     def extra_repr(self) -> str:

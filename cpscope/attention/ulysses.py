@@ -1,9 +1,9 @@
 """All-to-all (Ulysses) CP attention: sequence-sharded -> head-sharded, full attention, back.
 
-One all-to-all turns this rank's zigzag tokens of all heads into **all** tokens of ``h/cp`` q heads and ``h_kv/cp``
-k/v heads, in natural order per sequence (the zigzag permutation is undone as part of the exchange, see
-:func:`cpscope.attention._exchange.seq_to_heads`); attention runs locally over whole sequences (document-masked in
-``thd``, causal or not: one kernel call); one all-to-all brings the output rows home in zigzag order. Backward:
+One all-to-all (:func:`seq_to_heads`) turns this rank's zigzag tokens of all heads into **all** tokens of ``h/cp``
+q heads and ``h_kv/cp`` k/v heads, in natural order per sequence (the zigzag permutation is undone as part of the
+exchange); attention runs locally over whole sequences (document-masked in ``thd``, causal or not: one kernel
+call); one all-to-all (:func:`heads_to_seq`) brings the output rows home in zigzag order. Backward:
 dO travels like the inputs, the kernel's dQ/dK/dV travel back like the output. The head-sharded q/k/v/out and the
 log-sum-exp are kept for backward (the same memory as the local ones), so backward runs two all-to-alls, not four.
 
@@ -21,26 +21,27 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..scope import CPScope
-from ._exchange import A2APlan, GroupCollectives, Packed, heads_to_seq, seq_to_heads
-from .ring import RingPlan
-from .ring import _backward as ring_backward
-from .ring import _forward as ring_forward
+from ..sharding import zigzag_indices
+from .comm import GroupCollectives
+from .layout import Packed
+from .ring import ring_backward, ring_forward
+from .ring_plan import RingPlan
 
-__all__ = ["A2APlan", "UlyssesPlan", "a2a_attention", "check_heads"]
+__all__ = ["A2APlan", "UlyssesPlan", "a2a_attention", "check_heads", "seq_to_heads", "heads_to_seq"]
 
 
 def check_heads(heads: int, kv_heads: int, n: int, *, variant: str, cp: int) -> None:
     """``ValueError`` unless both head counts divide by the all-to-all size ``n``; names what would work."""
     if heads % n == 0 and kv_heads % n == 0:
         return
-    import math
-
     g = math.gcd(heads, kv_heads)
     sizes = [d for d in range(1, g + 1) if g % d == 0]
     what = "CP size" if variant == "a2a" else "inner (all-to-all) size"
@@ -49,6 +50,82 @@ def check_heads(heads: int, kv_heads: int, n: int, *, variant: str, cp: int) -> 
         f"divide by it (CP size {cp}); {what}s that would work for these heads: {sizes}. Or use comm='all_gather' "
         f"(cheap with few k/v heads) or comm='p2p', which take any head count"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sequence <-> heads: one all-to-all plus one copy on each side (the zigzag permutation is undone (redone) by one
+# ``index_select`` of the received (sent) rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(cu: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inv)``: ``perm[i]`` is where row ``i`` of the rank-major concatenation of the ``n`` zigzag shards
+    sits in natural order; ``natural = rank_major[inv]`` and ``rank_major = natural[perm]``."""
+    perm = torch.cat([zigzag_indices(list(cu), n, r) for r in range(n)])
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return perm.to(device), inv.to(device)
+
+
+class A2APlan:
+    """The facts of one sequence <-> heads exchange over ``n`` ranks (this one ``rank``).
+
+    ``cu`` are the offsets of the sequences the ``n`` ranks share: each sequence of ``cu`` is zigzag-sharded over
+    the ``n`` ranks (chunks ``r`` and ``2n-1-r``). For Ulysses that is the global ``cu`` and ``n = cp``; inside the
+    hierarchical variant it is the outer-local offsets ``cu // outer`` and ``n`` the inner size.
+    """
+
+    def __init__(self, cu: tuple[int, ...], *, n: int, rank: int, device: torch.device) -> None:
+        self.cu, self.n, self.rank = cu, n, rank
+        self.total = cu[-1]  # tokens after seq_to_heads (all n ranks' tokens)
+        self.local = cu[-1] // n  # tokens before
+        self.perm, self.inv = _permutation(cu, n, device)
+
+    def split_heads(self, heads: int, what: str = "heads") -> int:
+        if heads % self.n:
+            raise ValueError(f"{what}={heads} do not divide by the all-to-all size {self.n}")
+        return heads // self.n
+
+
+def seq_to_heads(xs: Sequence[torch.Tensor], ex: A2APlan, coll: Any) -> list[torch.Tensor]:
+    """``[t, h_i, d]`` zigzag shards (all heads) -> ``[T, h_i/n, d]`` natural order, this rank's heads; one all-to-all.
+
+    Heads are split in ``n`` contiguous groups: rank ``j`` gets heads ``j*h_i/n ..`` of every tensor (for GQA the q
+    heads of group ``j`` use exactly the k/v heads of group ``j``). The returned tensors are contiguous.
+    """
+    n, t = ex.n, ex.local
+    widths = [x.shape[1] // n for x in xs]
+    d = xs[0].shape[-1]
+    send = xs[0].new_empty((n, t, sum(widths), d))  # [dest, t, heads of dest (all tensors), d]
+    off = 0
+    for x, w in zip(xs, widths):
+        send[:, :, off:off + w].copy_(x.view(t, n, w, d).transpose(0, 1))
+        off += w
+    recv = coll.all_to_all(send.view(n * t, -1, d)).wait()  # [src * t, w_total, d], rank-major zigzag shards
+    out, off = [], 0
+    for w in widths:
+        out.append(recv[:, off:off + w].index_select(0, ex.inv))  # natural order
+        off += w
+    return out
+
+
+def heads_to_seq(xs: Sequence[torch.Tensor], ex: A2APlan, coll: Any) -> list[torch.Tensor]:
+    """Inverse of :func:`seq_to_heads`: ``[T, h_i/n, d]`` natural, this rank's heads -> ``[t, h_i, d]`` zigzag."""
+    n, t = ex.n, ex.local
+    widths = [x.shape[1] for x in xs]
+    d = xs[0].shape[-1]
+    joined = xs[0] if len(xs) == 1 else torch.cat(list(xs), dim=1)
+    send = joined.index_select(0, ex.perm)  # [dest * t, w_total, d]: each destination's zigzag rows
+    recv = coll.all_to_all(send).wait().view(n, t, -1, d)  # [src (= head group), t, w_total, d]
+    out, off = [], 0
+    for w in widths:
+        out.append(recv[:, :, off:off + w].transpose(0, 1).reshape(t, n * w, d))
+        off += w
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The variant
 
 
 class UlyssesPlan:

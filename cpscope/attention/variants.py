@@ -29,20 +29,17 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ..scope import COMM_CHOICES, CPScope, check_comm
-from ._exchange import packed, unpacked
+from .._variants import A2A, ALL_GATHER, AUTO, HIERARCHICAL, P2P, VARIANTS, check_comm, split_comm
+from ..scope import CPScope
 from .allgather import all_gather_attention
-from .hierarchical import check_inner_size, hierarchical_attention
+from .hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
+from .layout import packed, unpacked
 from .ulysses import a2a_attention, check_heads
 
 __all__ = ["VARIANTS", "VariantQuery", "Variant", "default_rule", "choose_variant", "set_auto_chooser",
            "resolve_variant", "run_variant", "te_binding"]
 
 logger = logging.getLogger(__name__)
-
-VARIANTS = ("p2p", "all_gather", "a2a", "a2a+p2p")
-assert set(VARIANTS) | {"auto"} == set(COMM_CHOICES)
-
 
 @dataclass(frozen=True)
 class VariantQuery:
@@ -74,12 +71,12 @@ class Variant(NamedTuple):
 def default_rule(query: VariantQuery) -> str:
     """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring)."""
     if query.cp == 1:
-        return "p2p"
+        return P2P
     if query.heads % query.cp == 0 and query.kv_heads % query.cp == 0:
-        return "a2a"
+        return A2A
     if query.heads >= 4 * query.kv_heads:
-        return "all_gather"
-    return "p2p"
+        return ALL_GATHER
+    return P2P
 
 
 _chooser: Callable[[VariantQuery], str] = default_rule
@@ -108,7 +105,7 @@ def choose_variant(query: VariantQuery) -> str:
         check_comm(name)
     except ValueError as e:
         raise ValueError(f"the auto chooser {_chooser!r} returned {name!r}, not a variant: {e}") from None
-    if name == "auto":
+    if name == AUTO:
         raise ValueError(f"the auto chooser {_chooser!r} returned 'auto'; it must name a variant")
     return name
 
@@ -125,26 +122,37 @@ def _query(q: torch.Tensor, k: torch.Tensor, *, scope: CPScope, qkv_format: str,
 
 
 def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: torch.Tensor, *, qkv_format: str,
-                    causal: bool, cu: Optional[tuple[int, ...]]) -> Variant:
+                    causal: bool, cu: Optional[tuple[int, ...]], padded: bool = False) -> Variant:
     """The variant of this call (after the shared input checks, before any collective).
 
+    ``padded``: the call masks padding rows (real offsets that differ from the layout); without a causal mask only
+    ``"p2p"`` masks them, so ``"auto"`` then falls back to it and another named variant raises.
+
     Raises:
-        ValueError: an unknown ``comm``; a variant these heads / this CP size cannot run (with what would work).
+        ValueError: an unknown ``comm``; a variant these heads / this CP size cannot run (with what would work); a
+            variant other than ``"p2p"`` asked for padding without a causal mask.
     """
-    spec = check_comm(comm) if comm is not None else (scope.comm or "p2p")
+    asked = check_comm(comm) if comm is not None else (scope.comm or P2P)
     if scope.size == 1:  # every variant is the same local attention
-        return Variant("p2p")
-    if spec == "auto":
+        return Variant(P2P)
+    spec = asked
+    if spec == AUTO:
         spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu))
         logger.debug("comm='auto' chose %r (cp=%d, heads %d/%d, %s)", spec, scope.size, q.shape[-2], k.shape[-2],
                      qkv_format)
-    name, _, inner = spec.partition(":")
+    name, inner = split_comm(spec)
     h, h_kv = q.shape[-2], k.shape[-2]
-    if name == "a2a":
-        check_heads(h, h_kv, scope.size, variant="a2a", cp=scope.size)
-    if name == "a2a+p2p":
-        return Variant(name, check_inner_size(int(inner) if inner else None, scope.size, h, h_kv))
-    return Variant(name)
+    if name == A2A:
+        check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size)
+    variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv)) if name == HIERARCHICAL else Variant(name)
+    if name != P2P and padded and not causal:
+        if asked != AUTO:
+            raise ValueError(
+                f"comm={name!r} cannot mask padding without a causal mask (real offsets given that differ "
+                "from the layout); use comm='p2p' (or 'auto') for this microbatch"
+            )
+        return Variant(P2P)
+    return variant
 
 
 def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, *,
@@ -152,7 +160,7 @@ def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout."""
     qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
     kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale}
-    if variant.name == "a2a+p2p":
+    if variant.name == HIERARCHICAL:
         kw["inner"] = variant.inner
     out = _RUNNERS[variant.name](qp, kp, vp, **kw)
     return unpacked(out, how)
@@ -177,31 +185,30 @@ def te_binding(scope: CPScope, comm: str, module: Any) -> tuple[Any, str]:
     Raises:
         ValueError: an unknown variant; ``"a2a"`` / ``"a2a+p2p"`` with heads (or a CP size) they cannot shard.
     """
-    name, _, inner = check_comm(comm).partition(":")
+    name, inner = split_comm(check_comm(comm))
     heads = _te_heads(module)
-    if name == "auto":
+    if name == AUTO:
         if heads is None:
-            return scope.group, "p2p"
+            return scope.group, P2P
         hd = getattr(module, "hidden_size_per_attention_head_k", getattr(module, "hidden_size_per_attention_head", 0))
         query = VariantQuery(scope.size, heads[0], heads[1], int(hd or 0), str(getattr(module, "qkv_format", "")),
                              "causal" in str(getattr(module, "attn_mask_type", "causal")))
-        name, _, inner = choose_variant(query).partition(":")
-    if name == "a2a" and heads is not None:
-        check_heads(heads[0], heads[1], scope.size, variant="a2a", cp=scope.size)
-    if name != "a2a+p2p":
+        name, inner = split_comm(choose_variant(query))
+    if name == A2A and heads is not None:
+        check_heads(heads[0], heads[1], scope.size, variant=A2A, cp=scope.size)
+    if name != HIERARCHICAL:
         return scope.group, name
-    if heads is None and not inner:
+    if heads is None and inner is None:
         check_inner_size(None, scope.size, scope.size, scope.size)  # a CP size without proper divisors: its error
         raise ValueError(f"cp_comm_type='a2a+p2p' for a module whose heads cpscope cannot read: name the inner size, "
                          f"e.g. 'a2a+p2p:2' (CP size {scope.size})")
     h, h_kv = heads if heads is not None else (0, 0)  # unknown heads: TE checks them itself
-    n = check_inner_size(int(inner) if inner else None, scope.size, h, h_kv)
-    from .hierarchical import hierarchical_groups
-
-    return list(hierarchical_groups(scope.group, n)), "a2a+p2p"
+    n = check_inner_size(inner, scope.size, h, h_kv)
+    return list(hierarchical_groups(scope.group, n)), HIERARCHICAL
 
 
 # name -> runner, looked up per call (a test may wrap one to see which variant ran)
 _RUNNERS: dict[str, Callable[..., torch.Tensor]] = {
-    "all_gather": all_gather_attention, "a2a": a2a_attention, "a2a+p2p": hierarchical_attention,
+    ALL_GATHER: all_gather_attention, A2A: a2a_attention, HIERARCHICAL: hierarchical_attention,
 }
+assert set(_RUNNERS) | {P2P} == set(VARIANTS)  # every variant runs: the collective ones here, the ring in api

@@ -50,21 +50,24 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.utils.checkpoint
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface
 
 from .. import _hooks
 from .._checks import check_cu_seqlens, check_divisible_seq, cu_seqlens_list
 from ..attention import context_parallel_attention
-from ..recompute import scoped
 from ..scope import _UNSET, CPScope, resolve_scope
 from ..sharding import zigzag_positions, zigzag_shard
+from ._hf_recompute import (
+    ATTN_IMPLEMENTATION,
+    ScopedCheckpointFunction,
+    enable_scoped_recompute,
+    install_checkpoint_wrapper,
+)
 
 try:  # transformers builds (or, for "cpscope", skips) the attention mask through this registry
     from transformers.masking_utils import AttentionMaskInterface
@@ -84,10 +87,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# The name this module registers with transformers' AttentionInterface and AttentionMaskInterface, e.g.
-# ``AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION)`` (that is, "cpscope").
-ATTN_IMPLEMENTATION = "cpscope"
 
 # Keys shard_batch knows how to cut along the sequence (dim 1).
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "position_ids", "token_type_ids")
@@ -228,6 +227,40 @@ def _host_int(value: Any) -> Optional[int]:
     return hit
 
 
+def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
+                        kwargs: dict[str, Any]) -> None:
+    """``ValueError`` for what the ring cannot honour: masks with padding / 4-D, dropout, softcap, sinks, KV caches."""
+    if attention_mask is not None:
+        _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
+    if dropout:
+        raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(f"{name}={kwargs[name]!r}")
+    if query.shape[2] != key.shape[2]:
+        raise _unsupported(
+            f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
+            "attn_implementation for generation"
+        )
+
+
+def _packed_offsets(kwargs: dict[str, Any]) -> tuple[Any, Optional[list[int]]]:
+    """The packed batch's global ``cu_seq_lens`` (as given) and their validated host copy; ``(None, None)`` if dense.
+
+    Host copies are remembered per tensor: one sync per forward, none per layer.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu = cu_q if cu_q is not None else cu_k
+    if cu is None:
+        return None, None
+    cu_list = cu_seqlens_list(cu, "cu_seq_lens_q" if cu is cu_q else "cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and cu_q is not cu_k:
+        cu_k_list = cu_seqlens_list(cu_k, "cu_seq_lens_k")
+        if cu_k_list != cu_list:
+            raise _unsupported(f"different cu_seq_lens_q {cu_list} and cu_seq_lens_k {cu_k_list}")
+    return cu, cu_list
+
+
 def cpscope_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -257,37 +290,14 @@ def cpscope_attention_forward(
     scope = resolve_scope()  # read once, here in forward
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
-    if attention_mask is not None:
-        _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
-    if dropout:
-        raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise _unsupported(f"{name}={kwargs[name]!r}")
-    if query.shape[2] != key.shape[2]:
-        raise _unsupported(
-            f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
-            "attn_implementation for generation"
-        )
+    _refuse_unsupported(query, key, attention_mask, dropout, kwargs)
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    cu = cu_q if cu_q is not None else cu_k
-    cu_list: Optional[list[int]] = None
-    if cu is not None:  # validated host copies, remembered per tensor: one sync per forward, none per layer
-        cu_list = cu_seqlens_list(cu, "cu_seq_lens_q" if cu is cu_q else "cu_seq_lens_k")
-        if cu_q is not None and cu_k is not None and cu_q is not cu_k:
-            cu_k_list = cu_seqlens_list(cu_k, "cu_seq_lens_k")
-            if cu_k_list != cu_list:
-                raise _unsupported(f"different cu_seq_lens_q {cu_list} and cu_seq_lens_k {cu_k_list}")
-
+    cu, cu_list = _packed_offsets(kwargs)
     window = kwargs.get("sliding_window")
     if window is not None:  # harmless only when it covers the whole (global) sequence / longest document
-        if cu_list is not None:
-            longest = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
-        else:
-            longest = query.shape[2] * scope.size
+        longest = query.shape[2] * scope.size if cu_list is None else max(b - a for a, b in zip(cu_list, cu_list[1:]))
         if window < longest:
             raise _unsupported(f"sliding_window={window} shorter than the global sequence length {longest}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d]
@@ -350,7 +360,6 @@ def shard_batch(
             out = model(**shard_batch({"input_ids": ids, "labels": ids}))
     """
     scope = resolve_scope(group)
-    cp = scope.size
     tokens = batch.get("input_ids")
     if tokens is None:
         tokens = batch.get("inputs_embeds")
@@ -367,10 +376,38 @@ def shard_batch(
                 f"shard_batch does not know how to shard {name!r} of shape {tuple(value.shape)}; it shards "
                 f"{_SEQ_KEYS} along dim 1"
             )
-
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(seqlen, device=tokens.device).unsqueeze(0).expand(b, seqlen)
+    cu = _batch_offsets(position_ids, b, seqlen, scope.size)
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return zigzag_shard(x, seq_dim=1, cu_seqlens=cu, group=scope.group)
+
+    out = {k: v for k, v in batch.items() if k not in _SEQ_KEYS and k != "attention_mask"}
+    for name in ("input_ids", "inputs_embeds", "token_type_ids"):
+        if batch.get(name) is not None:
+            out[name] = cut(batch[name])
+    rows = position_ids.reshape(-1, seqlen)
+    out["position_ids"] = cut(rows.expand(b, seqlen) if rows.shape[0] == 1 else rows)
+    labels = batch.get("labels")
+    if labels is not None:
+        shifted = _shifted_labels(labels, cu, ignore_index)
+        out["labels"] = cut(labels)
+        out["shift_labels"] = cut(shifted)
+        if "num_items_in_batch" not in batch:
+            out["num_items_in_batch"] = (shifted != ignore_index).sum()
+    out.setdefault("use_cache", False)  # a KV cache has no meaning for sharded training sequences
+    if cu is not None:
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=tokens.device)
+        max_len = max(e - s for s, e in zip(cu[:-1], cu[1:]))
+        out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max_len, max_length_k=max_len)
+    return out
+
+
+def _batch_offsets(position_ids: torch.Tensor, b: int, seqlen: int, cp: int) -> Optional[list[int]]:
+    """The global document offsets of a packed batch (``position_ids`` restarting), ``None`` for one sequence per
+    row; checks the lengths against ``2·cp``."""
     if position_ids.shape[-1] != seqlen:
         raise ValueError(f"position_ids have {position_ids.shape[-1]} positions, the batch has {seqlen} tokens")
     position_ids = position_ids.reshape(-1, seqlen)
@@ -390,141 +427,19 @@ def shard_batch(
         check_divisible_seq(seqlen, cp)
     else:
         check_cu_seqlens(cu, cp)
+    return cu
 
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        return zigzag_shard(x, seq_dim=1, cu_seqlens=cu, group=scope.group)
 
-    out = {k: v for k, v in batch.items() if k not in _SEQ_KEYS and k != "attention_mask"}
-    for name in ("input_ids", "inputs_embeds", "token_type_ids"):
-        if batch.get(name) is not None:
-            out[name] = cut(batch[name])
-    out["position_ids"] = cut(position_ids.expand(b, seqlen) if position_ids.shape[0] == 1 else position_ids)
-
-    labels = batch.get("labels")
-    if labels is not None:
-        shifted = torch.full_like(labels, ignore_index)
-        shifted[:, :-1] = labels[:, 1:]
-        if cu is not None:
-            ends = torch.tensor(cu[1:], device=labels.device) - 1
-            shifted[:, ends] = ignore_index  # the last token of a document predicts nothing
-        out["labels"] = cut(labels)
-        out["shift_labels"] = cut(shifted)
-        if "num_items_in_batch" not in batch:
-            out["num_items_in_batch"] = (shifted != ignore_index).sum()
-    out.setdefault("use_cache", False)  # a KV cache has no meaning for sharded training sequences
+def _shifted_labels(labels: torch.Tensor, cu: Optional[list[int]], ignore_index: int) -> torch.Tensor:
+    """``labels[i + 1]`` at ``i`` on the full sequence, ``ignore_index`` at the last token of every row / document."""
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[:, :-1] = labels[:, 1:]
     if cu is not None:
-        cu_t = torch.tensor(cu, dtype=torch.int32, device=tokens.device)
-        max_len = max(e - s for s, e in zip(cu[:-1], cu[1:]))
-        out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max_len, max_length_k=max_len)
-    return out
+        ends = torch.tensor(cu[1:], device=labels.device) - 1
+        shifted[:, ends] = ignore_index  # the last token of a document predicts nothing
+    return shifted
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Activation checkpointing: transformers' per-layer checkpoint function, made scope-preserving
-
-
-def _uses_cpscope(config: Any) -> bool:
-    """Whether ``config`` (or one of its sub-configs, for composite models) selects ``attn_implementation="cpscope"``."""
-    if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-        return True
-    for name in getattr(config, "sub_configs", None) or ():
-        sub = getattr(config, name, None)
-        if sub is not None and getattr(sub, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-            return True
-    return False
-
-
-class ScopedCheckpointFunction:
-    """transformers' per-layer checkpoint function, made to re-enter the forward's CP scope in the recompute.
-
-    ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(forward, self, **kw), *args)``
-    at each checkpointed layer call. This wrapper replaces ``function`` with :func:`cpscope.scoped` (``function``)
-    — capturing the scope bound *now*, at the forward call — and calls the wrapped checkpoint function (torch's
-    ``checkpoint`` with the model's ``use_reentrant`` / ``context_fn`` / offload settings) with it, so the recompute
-    in backward runs under the forward's scope on whichever thread, in either mode.
-
-    With ``model`` given, it scopes only while ``model.config`` selects ``attn_implementation="cpscope"`` (checked
-    at each call) and calls the checkpoint function unchanged otherwise, so other models are untouched.
-
-    Example::
-
-        layer._gradient_checkpointing_func = ScopedCheckpointFunction(
-            functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True))
-    """
-
-    __slots__ = ("inner", "_model")
-
-    def __init__(self, inner: Callable[..., Any], model: Optional[torch.nn.Module] = None) -> None:
-        if not callable(inner):
-            raise ValueError(f"ScopedCheckpointFunction needs a callable checkpoint function, got {inner!r}")
-        self.inner = inner
-        self._model = None if model is None else weakref.ref(model)
-
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._model is not None:
-            model = self._model()
-            if model is None or not _uses_cpscope(getattr(model, "config", None)):
-                return self.inner(function, *args, **kwargs)
-        return self.inner(scoped(function), *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> "ScopedCheckpointFunction":
-        import copy
-
-        model = None if self._model is None else self._model()
-        twin = memo.get(id(model), model) if model is not None else None  # the copied model, when it is copied too
-        return ScopedCheckpointFunction(copy.deepcopy(self.inner, memo), twin)
-
-    def __reduce__(self) -> Any:
-        return ScopedCheckpointFunction, (self.inner,)  # pickled: scopes unconditionally (no weak reference)
-
-    def __repr__(self) -> str:
-        return f"ScopedCheckpointFunction({self.inner!r})"
-
-
-def enable_scoped_recompute(model: torch.nn.Module) -> int:
-    """Make every checkpoint function already installed in ``model`` scope-preserving; returns how many it wrapped.
-
-    Not needed for ``attn_implementation="cpscope"`` models whose checkpointing is enabled after importing this
-    module (that is automatic). Use it when checkpointing was enabled before the import, or by code that sets
-    ``_gradient_checkpointing_func`` itself. Wrapped functions scope unconditionally (the model asked for it).
-
-    Example::
-
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        cphf.enable_scoped_recompute(model)
-    """
-    wrapped = 0
-    for module in model.modules():
-        fn = module.__dict__.get("_gradient_checkpointing_func")
-        if fn is not None and not isinstance(fn, ScopedCheckpointFunction):
-            module._gradient_checkpointing_func = ScopedCheckpointFunction(fn)
-            wrapped += 1
-        elif isinstance(fn, ScopedCheckpointFunction) and fn._model is not None:
-            module._gradient_checkpointing_func = ScopedCheckpointFunction(fn.inner)  # now unconditional
-            wrapped += 1
-    return wrapped
-
-
-def _install_checkpoint_wrapper() -> None:
-    """Wrap ``PreTrainedModel._set_gradient_checkpointing`` (once) so every checkpoint function it installs is a
-    :class:`ScopedCheckpointFunction` bound to that model."""
-    original = PreTrainedModel._set_gradient_checkpointing
-    if getattr(original, "_cpscope_scoped", False):
-        return
-
-    @functools.wraps(original)
-    def _set_gradient_checkpointing(
-        self: Any, enable: bool = True, gradient_checkpointing_func: Callable[..., Any] = torch.utils.checkpoint.checkpoint,
-        *args: Any, **kwargs: Any,
-    ) -> Any:
-        if enable and not isinstance(gradient_checkpointing_func, ScopedCheckpointFunction):
-            gradient_checkpointing_func = ScopedCheckpointFunction(gradient_checkpointing_func, self)
-        return original(self, enable, gradient_checkpointing_func, *args, **kwargs)
-
-    _set_gradient_checkpointing._cpscope_scoped = True  # type: ignore[attr-defined]
-    PreTrainedModel._set_gradient_checkpointing = _set_gradient_checkpointing  # type: ignore[method-assign]
-
-
-_install_checkpoint_wrapper()
+install_checkpoint_wrapper()
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)

@@ -65,11 +65,12 @@ from .._checks import (
     check_qkv_format,
     cu_seqlens_list,
 )
-from ..rope._te import call_te_rope, te_rope
+from .._variants import VARIANTS, check_comm
 from ..groups import group_ranks
-from ..rope import checked_rope_inputs
+from ..rope import call_te_rope, checked_rope_inputs, te_rope
 from ..scope import _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
 from ..streams import cp_stream
+from ._swap import ForwardSignature, call_with_attributes, swap_class, unswap_all
 
 __all__ = [
     "CP_SETTINGS",
@@ -89,7 +90,6 @@ logger = logging.getLogger(__name__)
 #:
 #:     assert all(hasattr(te_attn, name) for name in CP_SETTINGS)   # what a TE-like module must have
 CP_SETTINGS = ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type")
-_TE_COMMS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _LBS = "load_balancing_strategy"
 
 StreamProvider = Callable[[Optional[torch.device]], Any]
@@ -162,7 +162,7 @@ def bind_te_cp(
     comm = cp_comm_type if cp_comm_type is not None else scope.comm if scope.comm is not None else saved["cp_comm_type"]
     cp_group = scope.group
     if scope.size == 1:
-        comm = comm if comm in _TE_COMMS else saved["cp_comm_type"]  # TE ignores it without CP
+        comm = comm if comm in VARIANTS else saved["cp_comm_type"]  # TE ignores it without CP
         bound: dict[str, Any] = {"cp_group": None, "cp_global_ranks": None, "cp_stream": None, "cp_comm_type": comm}
     else:
         from ..attention.variants import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
@@ -345,7 +345,7 @@ class ScopedDotProductAttention(nn.Module):
         te_cp_settings(attention)  # fail early on a module of the wrong kind
         self.attention = attention
         build = _dpa_build_scope(attention) if group is _UNSET else None
-        self._opts = _Options(cp_comm_type, stream_provider, group, validate, build)
+        self._opts = _Options(check_comm(cp_comm_type), stream_provider, group, validate, build)
         self._signature = inspect.signature(attention.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -362,10 +362,9 @@ class ScopedDotProductAttention(nn.Module):
 # written for TE needs no change and its state_dict keys stay the same.
 
 
-class _ScopedDPAMixin:
+class _ScopedDPAMixin(ForwardSignature):
     """Forward of a DotProductAttention bound to the active scope for the call (see :func:`enable_runtime_cp`)."""
 
-    _cpscope_signature: inspect.Signature
     _cpscope_opts: _Options
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -378,34 +377,13 @@ class _ScopedMHAMixin:
     """Forward of a MultiheadAttention whose RoPE uses the active scope's ``cp_size`` / ``cp_rank`` for the call."""
 
     _cpscope_opts: _Options
-    cp_size: int
-    cp_rank: int
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         scope = self._cpscope_opts.scope()
         if scope is None:  # outside every runtime scope, built with its own CP: as built
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        saved = (self.cp_size, self.cp_rank)
-        self.cp_size, self.cp_rank = scope.size, scope.rank
-        try:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.cp_size, self.cp_rank = saved
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _scoped_class(base: type, mixin: type) -> type:
-    cls = _CLASSES.get((base, mixin))
-    if cls is None:
-        attrs: dict[str, Any] = {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                                 "_cpscope_base": base}
-        if mixin is _ScopedDPAMixin:
-            sig = inspect.signature(base.forward)  # type: ignore[attr-defined]
-            attrs["_cpscope_signature"] = sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
-        cls = _CLASSES.setdefault((base, mixin), type(base.__name__, (mixin, base), attrs))
-    return cls
+        values = {"cp_size": scope.size, "cp_rank": scope.rank}
+        return call_with_attributes(self, values, super().forward, *args, **kwargs)  # type: ignore[misc]
 
 
 def _kind(module: nn.Module) -> Optional[type]:
@@ -435,9 +413,10 @@ def enable_runtime_cp(
     runtime binding active now): its own group / ``cp_size`` if it was built with CP, else the process-wide
     build-time group (see :class:`ScopedDotProductAttention`). Build-time settings are restored after every call,
     also on exceptions. The modules keep their
-    parameters and ``state_dict`` keys (only their class is swapped for a subclass, as FSDP2 does); ``copy.deepcopy``
-    keeps the behaviour, pickling the whole module object does not work (save ``state_dict`` instead). Calling it
-    again updates the options; :func:`disable_runtime_cp` undoes it.
+    parameters and ``state_dict`` keys (only their class is swapped for a subclass, as FSDP2 does, with
+    :mod:`cpscope.integrations._swap`); ``copy.deepcopy`` keeps the behaviour; pickling the module object works only
+    where its options pickle (a captured scope or process group does not: save ``state_dict``). Calling it again
+    updates the options; :func:`disable_runtime_cp` undoes it.
 
     Args: as :class:`ScopedDotProductAttention`.
 
@@ -451,6 +430,7 @@ def enable_runtime_cp(
         with cpscope.runtime_cp(groups[2]):
             y = layer(x_local, rotary_pos_emb=freqs)     # attention and RoPE use the CP2 group
     """
+    check_comm(cp_comm_type)
     converted = []
     for name, module in model.named_modules():  # check and capture everything first: fail before changing any
         mixin = _kind(module)
@@ -461,9 +441,7 @@ def enable_runtime_cp(
             build = _dpa_build_scope(module) if mixin is _ScopedDPAMixin else _mha_build_scope(module)
         converted.append((name, module, mixin, _Options(cp_comm_type, stream_provider, group, validate, build)))
     for name, module, mixin, opts in converted:
-        base = getattr(type(module), "_cpscope_base", type(module))
-        module.__class__ = _scoped_class(base, mixin)
-        module._cpscope_opts = opts
+        swap_class(module, mixin, _cpscope_opts=opts)
     return [name for name, *_ in converted]
 
 
@@ -476,25 +454,13 @@ def disable_runtime_cp(model: nn.Module) -> list[str]:
         ...
         disable_runtime_cp(model)      # the TE modules use their own (build-time) CP settings again
     """
-    names = []
-    for name, module in model.named_modules():
-        base = getattr(type(module), "_cpscope_base", None)
-        if base is not None:
-            module.__class__ = base
-            del module._cpscope_opts
-            names.append(name)
-    return names
+    return unswap_all(model)
 
 
 def te_apply_rotary_pos_emb(
-    t: torch.Tensor,
-    freqs: torch.Tensor,
-    *,
-    qkv_format: str,
+    t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str,
     cu_seqlens: Optional[Union[torch.Tensor, Sequence[int]]] = None,
-    interleaved: bool = False,
-    fused: bool = True,
-    group: Any = _UNSET,
+    interleaved: bool = False, fused: bool = True, group: Any = _UNSET,
 ) -> torch.Tensor:
     """TE's RoPE (fused by default) at the global positions of the local zigzag tokens of the active scope.
 

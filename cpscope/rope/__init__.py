@@ -2,7 +2,8 @@
 
 * :mod:`~cpscope.rope.api` — :func:`apply_rotary_pos_emb`, :class:`RotaryEmbedding`, :func:`rotary_freqs`.
 * :mod:`~cpscope.rope._kernel` — the Triton kernel used on CUDA; :mod:`~cpscope.rope._te` — TransformerEngine's
-  fused RoPE, used when TE is importable (optional, imported only then).
+  fused RoPE, used when TE is importable (optional, imported only then). ``checked_rope_inputs``, ``te_rope`` and
+  ``call_te_rope`` are shared with :mod:`cpscope.integrations.te` (not part of the public API).
 
 Example::
 
@@ -10,6 +11,7 @@ Example::
     with cpscope.runtime_cp(groups[2]):
         q = cpscope.apply_rotary_pos_emb(q_local, freqs, qkv_format="bshd")
 """
+from ._te import call_te_rope, te_rope
 from .api import RotaryEmbedding, apply_rotary_pos_emb, checked_rope_inputs, rotary_freqs
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]

@@ -12,8 +12,10 @@ Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(
 
 Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope.rope._kernel`: one launch, angles read from the table by
 position, ~25 µs of host time), else TE's fused kernel when TransformerEngine is importable, else plain torch math
-``torch.compile``-d; on CPU plain torch math. Everything derived from the offsets (validation, positions) is cached
-per pack (:mod:`cpscope._pack`), so a call costs the same host time whatever the number of documents.
+``torch.compile``-d (inside a user's ``torch.compile`` the math joins that graph; a failure of the compiler itself
+turns compilation off for that case only, logged once; an out-of-memory error propagates); on CPU plain torch math.
+Everything derived from the offsets (validation, positions) is cached per pack (:mod:`cpscope._pack`), so a call
+costs the same host time whatever the number of documents.
 
 Example::
 
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import operator
 import threading
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -77,23 +81,60 @@ def _rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torc
     return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
 
 
+# torch.compile-d math. A failure of the compiler itself (TorchDynamo / Inductor: no working C++ compiler or Triton,
+# a lowering bug) turns compilation off for that case only — (device type, dtype, rank, interleaved, autograd) —
+# and is logged once per case; anything else (an out-of-memory error, also one wrapped by the compiler, or an error
+# the math would raise eagerly as well) propagates and compilation stays on.
 _compiled_lock = threading.Lock()
 _compiled: Optional[Callable[..., torch.Tensor]] = None
-_compile_failed = False
+_compile_off: set[tuple[Any, ...]] = set()
 
 
-def _rope_math_cuda(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``_rope_math`` as one fused ``torch.compile`` kernel (created on first use); eager if compiling fails."""
-    global _compiled, _compile_failed
-    if not _compile_failed:
+def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(fn, dynamic=True)
+
+
+def _causes(e: Optional[BaseException]) -> Iterator[BaseException]:
+    """``e`` and what it wraps (``inner_exception`` of the compiler's errors, ``__cause__``, ``__context__``)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the compiler failing (not the kernel: no out-of-memory anywhere in what it wraps)."""
+    from torch._dynamo.exc import TorchDynamoException  # imported only when something failed
+
+    if not isinstance(e, TorchDynamoException):
+        return False
+    return not any(isinstance(c, torch.OutOfMemoryError) or "out of memory" in str(c) for c in _causes(e))
+
+
+def _rope_math_compiled(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``_rope_math`` as one fused ``torch.compile`` kernel (created on first use); see the comment above."""
+    global _compiled
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: its graph takes the math as it is
+        return _rope_math(t, angles, interleaved)
+    case = (t.device.type, t.dtype, t.dim(), bool(interleaved), torch.is_grad_enabled() and t.requires_grad)
+    if case in _compile_off:
+        return _rope_math(t, angles, interleaved)
+    with _compiled_lock:
+        if _compiled is None:
+            _compiled = _compile(_rope_math)
+        compiled = _compiled
+    try:
+        return compiled(t, angles, interleaved)
+    except Exception as e:
+        if not _is_compile_failure(e):
+            raise
         with _compiled_lock:
-            if _compiled is None:
-                _compiled = torch.compile(_rope_math, dynamic=True)
-        try:
-            return _compiled(t, angles, interleaved)
-        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
-            _compile_failed = True
-            logger.warning("cpscope RoPE: torch.compile failed (%s); using the eager path", e)
+            first = case not in _compile_off
+            _compile_off.add(case)
+        if first:
+            logger.warning("cpscope RoPE: torch.compile failed for %s (%s: %s); using the eager path for it",
+                           case, type(e).__name__, e)
     return _rope_math(t, angles, interleaved)
 
 
@@ -189,14 +230,7 @@ def apply_rotary_pos_emb(
         _hooks.rope(scope, pack.cu, qkv_format, t)
 
     if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
-        if not _rope_kernel.usable(t):
-            raise ValueError(f"impl='triton' needs Triton and a CUDA tensor of fp32/bf16/fp16, got {t.device} {t.dtype}")
-        table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
-        if table.dtype != torch.float32 or not table.is_contiguous() or table.device != t.device:
-            table = table.to(device=t.device, dtype=torch.float32).contiguous()
-        return _rope_kernel.rope(t, table, pack.positions(t.device), interleaved=interleaved,
-                                 seq_is_a=qkv_format == "sbhd")
-
+        return _triton_rope(t, freqs, pack, qkv_format, interleaved)
     use_te = impl == "te" or (impl == "auto" and t.is_cuda and _te_apply())
     if use_te:
         te_apply = _te_apply()
@@ -205,69 +239,83 @@ def apply_rotary_pos_emb(
         layout = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=layout, cu=list(pack.cu), cp=cp,
                             rank=rank, interleaved=interleaved, fused=True)
+    angles = _angles(freqs, pack, qkv_format).to(t.device)
+    if impl == "compiled" or (impl == "auto" and t.is_cuda):
+        return _rope_math_compiled(t, angles, interleaved)
+    return _rope_math(t, angles, interleaved)
 
+
+def _triton_rope(t: torch.Tensor, freqs: torch.Tensor, pack: Pack, qkv_format: str, interleaved: bool) -> torch.Tensor:
+    if not _rope_kernel.usable(t):
+        raise ValueError(f"impl='triton' needs Triton and a CUDA tensor of fp32/bf16/fp16, got {t.device} {t.dtype}")
+    table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
+    if table.dtype != torch.float32 or not table.is_contiguous() or table.device != t.device:
+        table = table.to(device=t.device, dtype=torch.float32).contiguous()
+    return _rope_kernel.rope(t, table, pack.positions(t.device), interleaved=interleaved,
+                             seq_is_a=qkv_format == "sbhd")
+
+
+def _angles(freqs: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
+    """The angles of the local tokens, shaped to broadcast against the local tensor (on ``freqs``' device)."""
     pos = pack.positions(freqs.device)  # [n_local] global positions (cached per pack)
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
     angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
     if qkv_format == "bshd":
-        angles = angles[None, :, None, :]  # [1, s, 1, rot_dim]
-    elif qkv_format == "sbhd":
-        angles = angles[:, None, None, :]  # [s, 1, 1, rot_dim]
-    else:
-        angles = angles[:, None, :]  # [t, 1, rot_dim]
-    angles = angles.to(t.device)
-    if impl == "compiled" or (impl == "auto" and t.is_cuda):
-        return _rope_math_cuda(t, angles, interleaved)
-    return _rope_math(t, angles, interleaved)
+        return angles[None, :, None, :]  # [1, s, 1, rot_dim]
+    if qkv_format == "sbhd":
+        return angles[:, None, None, :]  # [s, 1, 1, rot_dim]
+    return angles[:, None, :]  # [t, 1, rot_dim]
 
 
-def _check_base(base: float) -> None:
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+def _check_base(base: float) -> float:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 0:
         raise ValueError(f"RoPE base must be a finite number > 0, got {base!r}")
+    return float(base)
+
+
+def _size(value: Any, what: str, *, positive_even: bool = False) -> int:
+    """A size given as a Python or NumPy integer (anything with ``__index__`` but a bool), as an ``int``."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if positive_even and (n is None or n <= 0 or n % 2):
+        raise ValueError(f"{what} must be a positive even int, got {value!r}")
+    if n is None or n < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+    return n
 
 
 def rotary_freqs(
-    rot_dim: int,
-    max_seqlen: int,
-    *,
-    base: float = 10000.0,
-    interleaved: bool = False,
+    rot_dim: int, max_seqlen: int, *, base: float = 10000.0, interleaved: bool = False,
     device: Optional[Union[torch.device, str]] = None,
 ) -> torch.Tensor:
     """The TE-style fp32 angle table ``[max_seqlen, 1, 1, rot_dim]`` for :func:`apply_rotary_pos_emb`.
 
     ``angle[p, j] = p · base^(−2j/rot_dim)`` for ``j < rot_dim/2``; non-interleaved concatenates the two halves,
-    interleaved repeats each angle twice in a row.
+    interleaved repeats each angle twice in a row. Sizes may be Python or NumPy integers.
 
     Example::
 
         freqs = cpscope.rotary_freqs(64, 4096)     # [4096, 1, 1, 64]
     """
-    _check_rot_dim(rot_dim)
-    _check_base(base)
-    if not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    rot_dim = _size(rot_dim, "rot_dim", positive_even=True)
+    base = _check_base(base)
+    max_seqlen = _size(max_seqlen, "max_seqlen")
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))
-    return _table(inv_freq, max_seqlen, interleaved)
-
-
-def _table(inv_freq: torch.Tensor, max_seqlen: int, interleaved: bool) -> torch.Tensor:
     pos = torch.arange(max_seqlen, dtype=torch.float32, device=inv_freq.device)
     ang = torch.outer(pos, inv_freq)  # [S, rot_dim/2]
     emb = ang.repeat_interleave(2, dim=-1) if interleaved else torch.cat((ang, ang), dim=-1)
     return emb[:, None, None, :]  # [S, 1, 1, rot_dim]
 
 
-def _check_rot_dim(rot_dim: int) -> None:
-    if not isinstance(rot_dim, int) or isinstance(rot_dim, bool) or rot_dim <= 0 or rot_dim % 2:
-        raise ValueError(f"rot_dim must be a positive even int, got {rot_dim!r}")
-
-
 class RotaryEmbedding(torch.nn.Module):
     """Builds (and caches) the fp32 RoPE angle table for :func:`apply_rotary_pos_emb`.
 
     ``forward(max_seqlen, device=None)`` returns ``[max_seqlen, 1, 1, rot_dim]``; the table is cached per device
-    and grown on demand (a shorter request is a view of the cached table). Pass the **global** length.
+    and grown on demand (a shorter request is a view of the cached table). Pass the **global** length. Sizes may
+    be Python or NumPy integers. Writing into a returned table in place changes no later table: the cache sees the
+    write (the view shares the table's version counter) and builds a new one.
 
     Example::
 
@@ -278,24 +326,30 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rot_dim: int, base: float = 10000.0, interleaved: bool = False) -> None:
         super().__init__()
-        _check_rot_dim(rot_dim)
-        _check_base(base)
-        self.rot_dim, self.base, self.interleaved = rot_dim, float(base), bool(interleaved)
-        self._cache: dict[torch.device, torch.Tensor] = {}
+        self.rot_dim = _size(rot_dim, "rot_dim", positive_even=True)
+        self.base, self.interleaved = _check_base(base), bool(interleaved)
+        self._cache: dict[torch.device, tuple[torch.Tensor, int]] = {}  # device -> (table, its version when made)
 
     def forward(self, max_seqlen: int, device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
-        if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
-            raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        max_seqlen = _size(max_seqlen, "max_seqlen")
         dev = torch.device("cpu") if device is None else torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        table = self._cache.get(dev)
-        if table is None or table.shape[0] < max_seqlen:
-            table = rotary_freqs(
-                self.rot_dim, max_seqlen, base=self.base, interleaved=self.interleaved, device=dev
-            )
-            self._cache[dev] = table
+        table, version = self._cache.get(dev, (None, -1))
+        if table is None or table.shape[0] < max_seqlen or _version(table) != version:
+            table = rotary_freqs(self.rot_dim, max_seqlen, base=self.base, interleaved=self.interleaved, device=dev)
+            version = _version(table)
+            if version is None:  # an inference-mode tensor has no version counter: never hand out the cache
+                return table
+            self._cache[dev] = (table, version)
         return table[:max_seqlen]
 
     def extra_repr(self) -> str:
         return f"rot_dim={self.rot_dim}, base={self.base}, interleaved={self.interleaved}"
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensor
+        return None

@@ -166,6 +166,17 @@ def test_explicit_group_and_module_scope_rules():
     run_ranks(4, _explicit_and_module)
 
 
+def test_module_validates_its_arguments_at_construction():
+    with pytest.raises(ValueError, match="'bhsd'"):
+        ContextParallelAttention(qkv_format="bhsd")
+    with pytest.raises(ValueError, match="'ring'"):
+        ContextParallelAttention(comm="ring")
+    attn = ContextParallelAttention(qkv_format="thd")
+    with pytest.raises(ValueError, match="'ring'"):  # a call's comm is checked before anything runs
+        attn(*(torch.zeros(8, 2, 4) for _ in range(3)), cu_seqlens=torch.tensor([0, 8], dtype=torch.int32),
+             comm="ring")
+
+
 def _compiled_module() -> tuple[list[float], list[float]]:
     cpscope.set_backward_read_check(True)
     groups = cpscope.new_cp_groups([1, 2])
@@ -366,10 +377,18 @@ def _pad_helpers_task(fmt: str) -> float:
         idx = zigzag_index(lay, 2, r)
         loc = [x[idx].float().requires_grad_(True) for x in b.tensors[:3]]
         kw = dict(cu_seqlens=b.cu_seqlens, cu_seqlens_padded=b.cu_seqlens_padded)
+        attn = ContextParallelAttention(qkv_format="thd", causal=False, comm="all_gather")
+        mod_in = [x.detach().clone().requires_grad_(True) for x in loc]
         with cpscope.runtime_cp(group):
             out = context_parallel_attention(*loc, qkv_format="thd", causal=False, **kw)
             legacy = context_parallel_attention(*loc, qkv_format="thd", causal=False, cu_seqlens=b.cu_seqlens_padded)
+            mod_out = attn(*mod_in, comm="p2p", **kw)  # the call's comm beats the module's
+            with pytest.raises(ValueError, match="cannot mask padding"):
+                attn(*mod_in, **kw)  # the module's all_gather cannot mask padding without a causal mask
         out.backward(b.tensors[3][idx].float())
+        mod_out.backward(b.tensors[3][idx].float())
+        for got, want in zip((mod_out, *(x.grad for x in mod_in)), (out, *(x.grad for x in loc))):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the module passes cu_seqlens_padded on
         real_of = torch.full((lay[-1],), -1, dtype=torch.long)
         real_of[b.real_index] = torch.arange(sum(real))
         rows = real_of[idx]

@@ -85,10 +85,10 @@ def recording():
     wrapped = [(allgather, "forward", lambda a: "all_gather"), (allgather, "backward", lambda a: "all_gather"),
                (ulysses, "forward", lambda a: "a2a" if a[5] is None else "a2a+p2p"),
                (ulysses, "backward", lambda a: "a2a" if a[4] is None else "a2a+p2p"),
-               (ring, "_forward", lambda a: "p2p"), (ring, "_backward", lambda a: "p2p")]
+               (ring, "ring_forward", lambda a: "p2p"), (ring, "ring_backward", lambda a: "p2p")]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in wrapped]
     for (mod, name, tag), (_, _, orig) in zip(wrapped, saved):
-        def wrapper(*a, _orig=orig, _tag=tag, _what=name.strip("_"), **kw):
+        def wrapper(*a, _orig=orig, _tag=tag, _what=name.rsplit("_", 1)[-1], **kw):
             seen.append(f"{_tag(a)}.{_what}")
             return _orig(*a, **kw)
 

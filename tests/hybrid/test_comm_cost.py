@@ -1,7 +1,7 @@
 """The per-variant attention cost model, ``comm="auto"`` (choose) and the collective calibration (gloo ranks).
 
-Until the communication variants are merged, the calibration is exercised with ``ring_stand_in`` (every variant
-runs the ring); the machinery (collective timing, agreement, cache, fit, choice) is what is tested here.
+The calibration also runs with ``ring_stand_in`` (every variant runs the ring); the machinery (collective timing,
+agreement, cache, fit, choice) is what is tested here.
 """
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def _calibrate_default() -> str:
 def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
     has_comm = "comm" in inspect.signature(cpscope.context_parallel_attention).parameters
     out = run_ranks(2, _calibrate_default)
-    if has_comm:  # the variants are merged: the real calibration runs
+    if has_comm:  # the attention takes comm=: the real calibration runs
         assert out == ["ran", "ran"]
     else:
         assert all("takes no comm=" in o and "ring_stand_in" in o for o in out)

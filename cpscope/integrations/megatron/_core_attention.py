@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any, Optional
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 
 from ...attention import attention_with_scope
 from ...scope import CPScope
+from .._swap import ForwardSignature
 from ._carrier import consumer_scope
 
 __all__ = ["RingCoreAttention", "TEAttentionMixin", "attention_offsets", "is_causal"]
@@ -144,15 +144,8 @@ class RingCoreAttention(nn.Module):
                f"softmax_scale={self.softmax_scale:.6g}"
 
 
-class TEAttentionMixin:
+class TEAttentionMixin(ForwardSignature):
     """``TEDotProductAttention.forward`` bound to the carried scope for the call (see the module docstring)."""
-
-    _cpscope_signature: inspect.Signature
-
-    @classmethod
-    def _cpscope_prepare(cls, base: type) -> dict[str, Any]:
-        sig = inspect.signature(base.forward)
-        return {"_cpscope_signature": sig.replace(parameters=list(sig.parameters.values())[1:])}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from ..te import bind_te_cp  # cpscope's TE glue: imports TransformerEngine only when it runs TE code

@@ -17,18 +17,18 @@
 
 Example::
 
-    module.__class__ = scoped_class(type(module), AttentionRopeMixin)   # what enable_runtime_cp does
+    swap_class(module, AttentionRopeMixin)      # what enable_runtime_cp does (cpscope.integrations._swap)
 """
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any, Optional
 
 import torch
 
 from ...scope import CPScope, capture_scope
 from ...sharding import zigzag_positions
+from .._swap import call_with_attributes, signature_without_self
 from ._carrier import consumer_scope
 
 __all__ = ["RotaryTableMixin", "AttentionRopeMixin", "SingleRankGroup"]
@@ -55,7 +55,7 @@ class RotaryTableMixin:
     """``RotaryEmbedding.forward`` / ``get_rotary_seq_len`` for the scope bound by the entry forward."""
 
     _CACHE_SIZE = 32
-    config_cp_size: int  # set by enable_runtime_cp: the static config.context_parallel_size
+    _cpscope_config_cp_size: int  # set by enable_runtime_cp: the static config.context_parallel_size
 
     def _cpscope_table(self, max_seq_len: int, offset: int) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # type: ignore[attr-defined]  # [S, rot/2]
@@ -97,7 +97,7 @@ class RotaryTableMixin:
         psp = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
         if psp is not None:
             return length  # max_seqlen_q / kv: global already
-        return length // self.config_cp_size * capture_scope().size
+        return length // self._cpscope_config_cp_size * capture_scope().size
 
 
 class AttentionRopeMixin:
@@ -107,7 +107,7 @@ class AttentionRopeMixin:
 
     @classmethod
     def _cpscope_prepare(cls, base: type) -> dict[str, Any]:
-        params = list(inspect.signature(base.forward).parameters)[1:]
+        params = list(signature_without_self(base.forward).parameters)
         return {"_cpscope_psp_index": params.index("packed_seq_params") if "packed_seq_params" in params else None}
 
     def _cpscope_collection(self, scope: CPScope, static: Any) -> Any:
@@ -129,9 +129,5 @@ class AttentionRopeMixin:
         if psp is None and idx is not None and idx < len(args):
             psp = args[idx]
         scope = consumer_scope(psp)  # the carried scope: the same in forward and in recompute
-        static = self.pg_collection  # type: ignore[attr-defined]
-        self.pg_collection = self._cpscope_collection(scope, static)
-        try:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.pg_collection = static
+        collection = self._cpscope_collection(scope, self.pg_collection)  # type: ignore[attr-defined]
+        return call_with_attributes(self, {"pg_collection": collection}, super().forward, *args, **kwargs)  # type: ignore[misc]

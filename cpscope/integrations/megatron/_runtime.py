@@ -1,7 +1,8 @@
 """:func:`enable_runtime_cp`: a megatron-core model built with a static CP size follows the group of each microbatch.
 
 What it changes, in place (each module keeps its parameters and ``state_dict`` keys; classes are swapped for
-subclasses, as FSDP2's ``fully_shard`` does; :func:`disable_runtime_cp` undoes everything):
+subclasses, as FSDP2's ``fully_shard`` does, with :mod:`cpscope.integrations._swap`; :func:`disable_runtime_cp`
+undoes everything):
 
 entry
     The outermost modules whose ``forward`` takes ``packed_seq_params`` (``GPTModel``; or a bare ``TransformerBlock``
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from torch import nn
 
@@ -47,6 +48,7 @@ from ._core_attention import RingCoreAttention, TEAttentionMixin
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
 from ._version import check_megatron_core
+from .._swap import ForwardSignature, original_class, swap_class, unswap_all
 
 __all__ = ["enable_runtime_cp", "disable_runtime_cp"]
 
@@ -54,45 +56,15 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Class swapping
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _scoped_class(base: type, mixin: type) -> type:
-    cls = _CLASSES.get((base, mixin))
-    if cls is None:
-        attrs: dict[str, Any] = {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                                 "_cpscope_base": base}
-        prepare = getattr(mixin, "_cpscope_prepare", None)
-        if prepare is not None:
-            attrs.update(prepare(base))
-        cls = _CLASSES.setdefault((base, mixin), type(base.__name__, (mixin, base), attrs))
-    return cls
-
-
-def _swap(module: nn.Module, mixin: type) -> None:
-    base = getattr(type(module), "_cpscope_base", type(module))
-    module.__class__ = _scoped_class(base, mixin)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Entry
 
 
-class EntryMixin:
+class EntryMixin(ForwardSignature):
     """The entry forward: resolve the microbatch's scope once, validate, bind it and carry it down."""
 
-    _cpscope_signature: inspect.Signature
     _cpscope_static: CPScope  # the model's static (build-time) CP scope, from its pg_collection.cp
     _cpscope_recompute: bool
     _cpscope_rotary: list  # the RotaryTableMixin modules below this entry
-
-    @classmethod
-    def _cpscope_prepare(cls, base: type) -> dict[str, Any]:
-        sig = inspect.signature(base.forward)
-        return {"_cpscope_signature": sig.replace(parameters=list(sig.parameters.values())[1:])}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = self._cpscope_signature.bind(*args, **kwargs)
@@ -263,6 +235,35 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
             loss = loss_fn(model(mb.tokens, None, None, packed_seq_params=mb.psp), mb.labels)
             loss.backward()                                   # no scope needed here
     """
+    classes = _megatron_classes()
+    modules = dict(model.named_modules())
+    config = _check_supported(modules, classes)
+    entries = _entries(model)
+    if not entries:
+        raise ValueError(
+            f"enable_runtime_cp: no module of {type(model).__name__} takes packed_seq_params in forward "
+            "(expected a megatron-core GPTModel, TransformerBlock or TransformerLayer)"
+        )
+    for _, module in entries:
+        recompute = getattr(getattr(module, "config", None), "recompute_granularity", None) is not None
+        swap_class(module, EntryMixin, _cpscope_static=_static_scope(module), _cpscope_recompute=recompute)
+    names = [name for name, _ in entries] + _convert_consumers(modules, config, classes)
+    for _, entry in entries:
+        entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
+    logger.debug("enable_runtime_cp: converted %d modules", len(names))
+    return sorted(set(names))
+
+
+class _Classes(NamedTuple):
+    """The megatron-core classes whose modules :func:`enable_runtime_cp` converts."""
+
+    rotary: type  # RotaryEmbedding
+    attention: type  # Attention (self-attention's base)
+    local_core: type  # the local spec's DotProductAttention
+    te_core: Optional[type]  # TEDotProductAttention, where TransformerEngine is installed
+
+
+def _megatron_classes() -> _Classes:
     check_megatron_core()
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.attention import Attention
@@ -275,50 +276,42 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         te_cls = TEDotProductAttention if HAVE_TE else None
     except ImportError:  # pragma: no cover - depends on the installation
         te_cls = None
+    return _Classes(RotaryEmbedding, Attention, DotProductAttention, te_cls)
 
-    modules = dict(model.named_modules())
+
+def _check_supported(modules: dict[str, nn.Module], classes: _Classes) -> Any:
+    """The model's config; ``ValueError`` listing every option whose CP consumers cannot follow a runtime group."""
     configs = [m.config for m in modules.values() if getattr(m, "config", None) is not None]
     config = configs[0] if configs else None
     bad = _refusals(config, list(modules.values())) if config is not None else []
-    if any(type(m) is DotProductAttention for m in modules.values()) and config is not None:
+    if any(type(m) is classes.local_core for m in modules.values()) and config is not None:
         bad += _local_refusals(config)
     if bad:
         raise ValueError("enable_runtime_cp: not supported with runtime CP: " + "; ".join(bad))
+    return config
 
+
+def _convert_consumers(modules: dict[str, nn.Module], config: Any, classes: _Classes) -> list[str]:
+    """Swap every CP consumer below the entries (RoPE table, attention, TE core attention); the names converted."""
     names: list[str] = []
-    entries = _entries(model)
-    if not entries:
-        raise ValueError(
-            f"enable_runtime_cp: no module of {type(model).__name__} takes packed_seq_params in forward "
-            "(expected a megatron-core GPTModel, TransformerBlock or TransformerLayer)"
-        )
-    for name, module in entries:
-        if not isinstance(getattr(type(module), "_cpscope_base", None), type):
-            static = _static_scope(module)
-            _swap(module, EntryMixin)
-            module._cpscope_static = static
-            module._cpscope_recompute = getattr(getattr(module, "config", None), "recompute_granularity", None) is not None
-        names.append(name)
     for name, module in modules.items():
-        base = getattr(type(module), "_cpscope_base", type(module))
-        if base is RotaryEmbedding:  # YaRN / multimodal subclasses are refused above
-            _swap(module, RotaryTableMixin)
-            module.config_cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
-        elif issubclass(base, Attention):
-            _swap(module, AttentionRopeMixin)
+        base = original_class(module)
+        if base is classes.rotary:  # YaRN / multimodal subclasses are refused by _refusals
+            static_cp = int(getattr(config, "context_parallel_size", 1) or 1)
+            swap_class(module, RotaryTableMixin, _cpscope_config_cp_size=static_cp)
+        elif issubclass(base, classes.attention):
+            swap_class(module, AttentionRopeMixin)
             core = getattr(module, "core_attention", None)
-            if type(core) is DotProductAttention:
-                module.core_attention = RingCoreAttention.replacing(core)
+            if type(core) is classes.local_core:
+                module.core_attention = core = RingCoreAttention.replacing(core)
+            if isinstance(core, RingCoreAttention):  # replaced now or by an earlier call
                 names.append(f"{name}.core_attention" if name else "core_attention")
-        elif te_cls is not None and issubclass(base, te_cls):
-            _swap(module, TEAttentionMixin)
+        elif classes.te_core is not None and issubclass(base, classes.te_core):
+            swap_class(module, TEAttentionMixin)
         else:
             continue
         names.append(name)
-    for _, entry in entries:
-        entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
-    logger.debug("enable_runtime_cp: converted %d modules", len(names))
-    return sorted(set(names))
+    return names
 
 
 def _entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -329,7 +322,7 @@ def _entries(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(name == p or name.startswith(p + ".") for p, _ in out if p) or (out and out[0][0] == ""):
             continue
-        base = getattr(type(module), "_cpscope_base", type(module))
+        base = original_class(module)
         if issubclass(base, (Attention,)) or isinstance(module, (RingCoreAttention,)):
             continue
         forward = getattr(base, "forward", None)
@@ -357,11 +350,4 @@ def disable_runtime_cp(model: nn.Module) -> list[str]:
         if isinstance(core, RingCoreAttention) and core.original() is not None:
             module.core_attention = core.original()
             names.append(f"{name}.core_attention" if name else "core_attention")
-        base = getattr(type(module), "_cpscope_base", None)
-        if base is not None:
-            module.__class__ = base
-            for attr in ("_cpscope_static", "_cpscope_recompute", "_cpscope_rotary", "config_cp_size",
-                         "_cpscope_tables", "_cpscope_collections", "_cpscope_device"):
-                module.__dict__.pop(attr, None)
-            names.append(name)
-    return sorted(set(names))
+    return sorted(set(names + unswap_all(model)))

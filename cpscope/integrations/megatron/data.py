@@ -184,14 +184,8 @@ class MegatronMicrobatch(LocalMicrobatch):
 
 
 def prepare_megatron_microbatch(
-    docs: Sequence[Document],
-    *,
-    cp: int,
-    group: Optional[dist.ProcessGroup],
-    seqs: Sequence[int] = (),
-    pad_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
-    device: Optional[Union[torch.device, str]] = None,
+    docs: Sequence[Document], *, cp: int, group: Optional[dist.ProcessGroup], seqs: Sequence[int] = (),
+    pad_id: int = 0, ignore_index: int = IGNORE_INDEX, device: Optional[Union[torch.device, str]] = None,
 ) -> MegatronMicrobatch:
     """Pack ``docs`` (keeping their targets), pad each to a multiple of ``2·cp``, keep this rank's zigzag part.
 
@@ -225,13 +219,8 @@ def prepare_megatron_microbatch(
 
 
 def prepare_megatron_microbatches(
-    planned: Iterable[MicrobatchSpec],
-    docs: Sequence[Document],
-    groups: Mapping[int, Optional[dist.ProcessGroup]],
-    *,
-    ranks: Optional[Sequence[int]] = None,
-    pad_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
+    planned: Iterable[MicrobatchSpec], docs: Sequence[Document], groups: Mapping[int, Optional[dist.ProcessGroup]],
+    *, ranks: Optional[Sequence[int]] = None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX,
     device: Optional[Union[torch.device, str]] = None,
 ) -> list[MegatronMicrobatch]:
     """:func:`prepare_megatron_microbatch` for each planned microbatch of this rank (``plan.microbatches_for_rank``).
