@@ -10,14 +10,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _tensor_cache
-
 __all__ = [
     "QKV_FORMATS",
     "check_qkv_format",
     "check_int",
-    "cu_seqlens_list",
-    "host_offsets",
+    "offsets_values",
     "check_cu_seqlens",
     "check_divisible_seq",
     "check_local_thd_len",
@@ -49,35 +46,22 @@ def check_int(value: Any, name: str, *, low: Optional[int] = None) -> int:
     return value
 
 
-def cu_seqlens_list(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> list[int]:
-    """``cu_seqlens`` as a Python list of ints, after checking dtype, rank, start at 0 and monotonicity.
-
-    One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it). A
-    device tensor is copied to the host once, not once per layer: the validated values are kept in
-    :mod:`cpscope._tensor_cache` while the tensor lives and keeps its content.
-    """
-    return list(host_offsets(cu_seqlens, name))
-
-
-def host_offsets(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> tuple[int, ...]:
-    """:func:`cu_seqlens_list` as an immutable tuple; for a tensor, the cached tuple itself (no copy on a hit).
+def offsets_values(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> tuple[int, ...]:
+    """``cu_seqlens`` (an int tensor or a sequence of integers) as a tuple of ints, after checking dtype, rank, start
+    at 0 and monotonicity. Uncached: one host copy of a tensor each call (``cpscope._pack.host_offsets`` caches it).
 
     Example::
 
-        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
-        host_offsets(cu)            # (0, 4, 12): one host copy, then served from the cache while cu is unchanged
+        offsets_values([0, 4, 12])          # (0, 4, 12)
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        return _tensor_cache.derived(cu_seqlens, _HOST_OFFSETS, lambda: _tensor_offsets(cu_seqlens, name))
+        return _tensor_offsets(cu_seqlens, name)
     if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
         raise ValueError(f"{name} must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}")
     values = list(cu_seqlens)
     if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
         raise ValueError(f"{name} must hold integers, got {values}")
     return tuple(_validated([int(v) for v in values], name))
-
-
-_HOST_OFFSETS = ("host_offsets",)  # the key of a validated host copy in the tensor cache
 
 
 def _tensor_offsets(cu_seqlens: torch.Tensor, name: str) -> tuple[int, ...]:

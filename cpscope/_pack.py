@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from . import _tensor_cache
-from ._checks import check_cu_seqlens, host_offsets
+from ._checks import check_cu_seqlens, offsets_values
 
-__all__ = ["Pack", "pack_for", "dense_pack"]
+__all__ = ["Pack", "pack_for", "dense_pack", "host_offsets", "cu_seqlens_list"]
 
 Offsets = Union[torch.Tensor, Sequence[int]]
 _MISSING: Any = object()
@@ -205,6 +205,27 @@ def _real_local(lens: Sequence[int], real_lens: Sequence[int], cp: int, rank: in
 
 # ----------------------------------------------------------------------------------------------------------------
 # Lookup (cached in cpscope._tensor_cache)
+
+_HOST_OFFSETS = ("host_offsets",)  # the key of a validated host copy in the tensor cache
+
+
+def host_offsets(cu_seqlens: Offsets, name: str = "cu_seqlens") -> tuple[int, ...]:
+    """Validated global offsets as a tuple of ints (``cpscope._checks.offsets_values``); for a tensor, one host
+    copy kept while the tensor lives and keeps its content, so every layer of a forward shares one device sync.
+
+    Example::
+
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+        host_offsets(cu)            # (0, 4, 12): one host copy, then served from the cache while cu is unchanged
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        return _tensor_cache.derived(cu_seqlens, _HOST_OFFSETS, lambda: offsets_values(cu_seqlens, name))
+    return offsets_values(cu_seqlens, name)
+
+
+def cu_seqlens_list(cu_seqlens: Offsets, name: str = "cu_seqlens") -> list[int]:
+    """:func:`host_offsets` as a new list (yours to change)."""
+    return list(host_offsets(cu_seqlens, name))
 
 
 def pack_for(cu_seqlens: Offsets, cp: int, rank: int, *, cu_seqlens_padded: Optional[Offsets] = None,

@@ -316,7 +316,7 @@ def test_bad_seq_dim_and_rank():
 
 def test_cu_seqlens_host_copy_is_cached_per_tensor_and_version():
     """Every layer validating the same cu_seqlens tensor shares one host copy; an in-place change is seen."""
-    from cpscope._checks import cu_seqlens_list
+    from cpscope._pack import cu_seqlens_list
 
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)
     assert cu_seqlens_list(cu) == [0, 4, 12]
@@ -426,7 +426,7 @@ def test_offsets_refilled_in_place_behind_torchs_back_are_seen():
 
     buf = np.array([0, 8, 16], dtype=np.int32)
     cu = torch.from_numpy(buf)
-    assert cpscope._checks.host_offsets(cu) == (0, 8, 16)
+    assert cpscope._pack.host_offsets(cu) == (0, 8, 16)
     old_pack = pack_for(cu, 2, 1)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 2, 8, generator=g, dtype=torch.float64)
@@ -435,7 +435,7 @@ def test_offsets_refilled_in_place_behind_torchs_back_are_seen():
     version = cu._version
     buf[:] = [0, 4, 16]  # the loader's next microbatch, into the same memory
     assert cu._version == version  # torch did not see the write
-    assert cpscope._checks.host_offsets(cu) == (0, 4, 16)
+    assert cpscope._pack.host_offsets(cu) == (0, 4, 16)
     new_pack = pack_for(cu, 2, 1)
     assert new_pack is not old_pack and new_pack.cu == (0, 4, 16)  # what the ring and cuDNN offsets derive from
     assert zigzag_positions(cu, 2, 1).tolist() == ref_local_tokens([4, 12], 2, 1)[1]

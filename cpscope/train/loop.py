@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
-from .._checks import cu_seqlens_list
+from .._pack import cu_seqlens_list
 from ..groups import group_ranks
 from ..scope import check_comm, runtime_cp, scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
