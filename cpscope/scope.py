@@ -31,18 +31,18 @@ import torch.distributed as dist
 
 from ._checks import check_int
 from ._contextlib import bound_calls
-from ._variants import COMM_CHOICES, check_comm  # noqa: F401 - COMM_CHOICES stays importable from here
+from ._variants import check_comm
 from .backward_check import check_read, mark_binding, thread_task, unmark_binding
-from .backward_check import graph_task_id as _current_graph_task_id  # noqa: F401 - importable from here
 
 __all__ = [
     "CPScope", "runtime_cp", "current_cp_group", "cp_size", "cp_rank", "capture_scope", "resolve_scope",
     "runtime_scope_or", "set_build_time_cp_group", "build_time_cp_group", "build_time_scope", "build_time_cp",
-    "scope_for",
+    "scope_for", "UNSET",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_UNSET: Any = object()  # "no group= given": read the active scope
+UNSET: Any = object()  # the default of every ``group=`` argument: "not given", read the active scope
+_UNSET = UNSET  # the same object, for code that names it so
 
 
 def _group_ref(group: Any, callback: Optional[Callable[[Any], None]] = None) -> Callable[[], Any]:
@@ -374,7 +374,7 @@ def capture_scope() -> CPScope:
     return scope
 
 
-def resolve_scope(group: Any = _UNSET) -> CPScope:
+def resolve_scope(group: Any = UNSET) -> CPScope:
     """The scope for a CP consumer: ``group`` when given explicitly (``None`` = CP1), else :func:`capture_scope`.
 
     How every cpscope function implements "``group=`` explicitly, the active scope by default"; only the default
@@ -382,9 +382,9 @@ def resolve_scope(group: Any = _UNSET) -> CPScope:
 
     Example::
 
-        scope = resolve_scope(group)          # def my_op(x, *, group=_UNSET): once, in forward; keep it on ctx
+        scope = resolve_scope(group)          # def my_op(x, *, group=UNSET): once, in forward; keep it on ctx
     """
-    if group is _UNSET:
+    if group is UNSET:
         return capture_scope()
     return scope_for(group)
 

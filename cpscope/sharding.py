@@ -31,10 +31,9 @@ from ._checks import (
     check_int,
     check_local_thd_len,
     check_seq_dim,
-    cu_seqlens_list,
 )
-from ._pack import Pack, dense_pack, pack_for
-from .scope import _UNSET, CPScope, resolve_scope
+from ._pack import Pack, cu_seqlens_list, dense_pack, pack_for
+from .scope import UNSET, CPScope, resolve_scope
 
 __all__ = [
     "zigzag_indices",
@@ -73,7 +72,7 @@ def _cp_rank(cp: Optional[int], rank: Optional[int], group: Any) -> tuple[int, i
         return scope.size, scope.rank
     if cp is None or rank is None:
         raise ValueError(f"pass both cp and rank (got cp={cp!r}, rank={rank!r}), or neither for the active scope")
-    if group is not _UNSET:
+    if group is not UNSET:
         raise ValueError(f"pass either cp and rank (got cp={cp!r}, rank={rank!r}) or group=, not both")
     cp = check_int(cp, "cp", low=1)
     rank = check_int(rank, "rank", low=0)
@@ -94,7 +93,7 @@ def _device(device: Any) -> torch.device:
 @torch.compiler.disable  # host-side index math, cached: opaque to torch.compile (no per-cp recompiles)
 def zigzag_indices(
     seqlen_or_cu_seqlens: SeqlenOrCu, cp: Optional[int] = None, rank: Optional[int] = None,
-    device: Optional[Union[torch.device, str]] = None, *, group: Any = _UNSET,
+    device: Optional[Union[torch.device, str]] = None, *, group: Any = UNSET,
 ) -> torch.Tensor:
     """Indices, in the full (unsharded) tensor, of the tokens CP rank ``rank`` of ``cp`` holds, in local order.
 
@@ -120,7 +119,7 @@ def zigzag_indices(
 @torch.compiler.disable
 def zigzag_positions(
     seqlen_or_cu_seqlens: SeqlenOrCu, cp: Optional[int] = None, rank: Optional[int] = None,
-    device: Optional[Union[torch.device, str]] = None, *, group: Any = _UNSET,
+    device: Optional[Union[torch.device, str]] = None, *, group: Any = UNSET,
 ) -> torch.Tensor:
     """Global positions (restarting at 0 in every document) of the tokens CP rank ``rank`` of ``cp`` holds.
 
@@ -147,7 +146,7 @@ zigzag_position_ids = zigzag_positions
 
 
 def zigzag_shard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = UNSET,
     cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """This rank's zigzag part of the full tensor ``x`` (per document when ``cu_seqlens`` is given).
@@ -209,7 +208,7 @@ class _ZigzagUnshard(torch.autograd.Function):
 
 
 def zigzag_unshard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = UNSET,
     cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard`: gather every rank's local part and restore the original token order.
@@ -307,7 +306,7 @@ def _resolve_cp(cp: Optional[int], group: Any) -> int:
     if cp is None:
         return resolve_scope(group).size
     cp = check_int(cp, "cp", low=1)
-    if group is not _UNSET and resolve_scope(group).size != cp:
+    if group is not UNSET and resolve_scope(group).size != cp:
         raise ValueError(f"cp={cp} contradicts group= of CP size {resolve_scope(group).size}; pass one of them")
     return cp
 
@@ -317,7 +316,7 @@ def pad_packed_batch(
     cu_seqlens: Union[torch.Tensor, Sequence[int]],
     cp: Optional[int] = None,
     pad_value: Union[float, int, Sequence[Union[float, int]]] = 0,
-    group: Any = _UNSET,
+    group: Any = UNSET,
 ) -> PaddedPackedBatch:
     """Pad every document of a packed ``thd`` batch to a multiple of ``2·cp`` tokens (padding at each end).
 
@@ -380,7 +379,7 @@ def pad_packed_batch(
 
 
 def pad_to_cp_multiple(
-    x: torch.Tensor, *, seq_dim: int, cp: Optional[int] = None, pad_value: Union[float, int] = 0, group: Any = _UNSET
+    x: torch.Tensor, *, seq_dim: int, cp: Optional[int] = None, pad_value: Union[float, int] = 0, group: Any = UNSET
 ) -> tuple[torch.Tensor, int]:
     """Pad ``x`` at the end of ``seq_dim`` to a multiple of ``2·cp`` (``bshd`` / ``sbhd``); returns ``(x, real_len)``.
 
