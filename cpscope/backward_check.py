@@ -170,8 +170,10 @@ def check_read(bound: bool) -> None:
         return
     task = _task_of_thread()
     if task == -1:
-        if not bound and _is_torch_recompute(_top_hooks(False), _RECOMPUTE_UNPACK):
-            raise _read_in_backward_error(IN_TORCH_RECOMPUTE)
+        if not bound:
+            hooks = _top_hooks(False)
+            if hooks is not None and _is_torch_recompute(hooks, _RECOMPUTE_UNPACK):
+                raise _read_in_backward_error(IN_TORCH_RECOMPUTE)
     elif _BOUND_IN_TASK.get() != task:
         raise _read_in_backward_error(task)
 

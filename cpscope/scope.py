@@ -16,15 +16,15 @@ scope
     :func:`capture_scope` returns the one in force so that autograd, activation recompute or a pipeline schedule
     can re-enter it later with :meth:`CPScope.bind` (the one way to re-enter a scope).
 
-State. The active scope lives only in the ContextVar (per thread / asyncio task). Process-wide are the build-time
-scope (configuration fixed when a model is built) and a cache of each group's facts (weak: it never keeps a group
-alive). Every read of the active scope goes through the backward read check (:mod:`cpscope.backward_check`), every
-binding tells it where it was made; this module knows nothing else of its readers.
+State. The active scope lives only in the ContextVar (per thread / asyncio task). Process-wide: the build-time scope
+(configuration fixed when a model is built) and a weak cache of each group's facts. Reads and bindings follow the
+protocol of :mod:`cpscope.backward_check`; this module knows nothing else of its readers.
 """
 from __future__ import annotations
 
+import numbers
 import weakref
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
@@ -45,10 +45,14 @@ UNSET: Any = object()  # the default of every ``group=`` argument: "not given", 
 _UNSET = UNSET  # the same object, for code that names it so
 
 
+def _no_group() -> None:
+    return None
+
+
 def _group_ref(group: Any, callback: Optional[Callable[[Any], None]] = None) -> Callable[[], Any]:
     """A weak reference to ``group``; a strong one for objects that refuse weak references (test stand-ins)."""
     if group is None:
-        return lambda: None
+        return _no_group
     try:
         return weakref.ref(group, callback)
     except TypeError:
@@ -79,16 +83,12 @@ class CPScope:
     def __init__(self, group: Optional[dist.ProcessGroup], size: int, rank: int, comm: Optional[str] = None) -> None:
         self._set(_group_ref(group), size, rank, comm)
 
-    def _set(self, ref: Callable[[], Any], size: int, rank: int, comm: Optional[str]) -> None:
-        object.__setattr__(self, "_ref", ref)
-        object.__setattr__(self, "size", check_int(size, "CPScope size", low=1))
+    def _set(self, ref: Callable[[], Any], size: int, rank: int, comm: Optional[str] = None) -> "CPScope":
+        size = check_int(size, "CPScope size", low=1)
+        object.__setattr__(self, "_ref", _no_group if size == 1 else ref)  # a size-1 group means CP1: no group
+        object.__setattr__(self, "size", size)
         object.__setattr__(self, "rank", check_int(rank, "CPScope rank", low=0))
         object.__setattr__(self, "comm", check_comm(comm))
-
-    @classmethod
-    def _with_ref(cls, ref: Callable[[], Any], size: int, rank: int, comm: Optional[str] = None) -> "CPScope":
-        self = cls.__new__(cls)
-        self._set(ref, size, rank, comm)
         return self
 
     @property
@@ -125,7 +125,7 @@ class CPScope:
     def with_comm(self, comm: Optional[str]) -> "CPScope":
         """This binding carrying the attention communication variant ``comm`` (see ``cpscope._variants``)."""
         comm = check_comm(comm)
-        return self if comm == self.comm else CPScope._with_ref(self._ref, self.size, self.rank, comm)
+        return self if comm == self.comm else CPScope.__new__(CPScope)._set(self._ref, self.size, self.rank, comm)
 
     @property
     def is_cp1(self) -> bool:
@@ -147,19 +147,20 @@ CP1 = CPScope(None, 1, 0)
 
 # The one piece of per-context state: which scope is active in *this* context (thread / asyncio task). None = unbound.
 _ACTIVE: ContextVar[Optional[CPScope]] = ContextVar("cpscope_active_cp_scope", default=None)
+_get_active = _ACTIVE.get
 # The build-time (static) scope. Process-wide on purpose: it is configuration fixed when the model is built,
 # never the per-microbatch group (that one lives only in _ACTIVE).
 _build_time: CPScope = CP1
-# Facts of each group seen, computed once: id(group) -> (weak reference to the group, its CPScope). A hit counts
-# only when the reference resolves to that very group (an id is reused once its object is gone); the reference's
-# callback drops the entry when the group dies, so the cache never keeps a destroyed group alive.
-_SCOPES: dict[int, tuple[Callable[[], Any], CPScope]] = {id(None): (lambda: None, CP1)}
+# Facts of each group seen: weakref.ref(group) (callback-less: the same key while the group lives) -> its CPScope.
+# A lookup finds only this very group's entry (references to two objects never compare equal, whatever their ids);
+# a second reference's callback drops the entry when the group dies: the cache never keeps a group alive.
+_SCOPES: "dict[weakref.ref[Any], CPScope]" = {}
+_CALLBACKS: "dict[weakref.ref[Any], weakref.ref[Any]]" = {}  # keeps each entry's dropping reference alive
+_wref = weakref.ref
 
 
 def _bind(scope: CPScope) -> Any:
-    """Bind ``scope`` in this context; the token(s) for :func:`_unbind` (``runtime_cp.__enter__`` inlines it).
-
-    Follows :mod:`cpscope.backward_check`'s protocol: a binding made inside a graph task is marked as such."""
+    """Bind ``scope`` here, marked when made inside a graph task (backward_check's protocol); tokens for _unbind."""
     task = thread_task()
     return _ACTIVE.set(scope) if task == -1 else (_ACTIVE.set(scope), mark_binding(task))
 
@@ -175,9 +176,8 @@ def _unbind(tokens: Any) -> None:
 def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] = None) -> CPScope:
     """Validate ``group`` (and ``local_cp_size``) and return its :class:`CPScope`; cached per group.
 
-    Raises ``ValueError`` when this rank is not a member of ``group``, or when ``local_cp_size`` contradicts it
-    (``local_cp_size == 1`` ⇔ group is ``None`` or of size 1; otherwise ``local_cp_size == group.size()``).
-    ``local_cp_size`` is any integer (NumPy's too), never a bool or a float.
+    Raises ``ValueError`` when this rank is not a member of ``group``, or when ``local_cp_size`` (any integer, not a
+    bool or float) contradicts it (``1`` ⇔ group ``None`` or of size 1; otherwise ``group.size()``).
 
     Example::
 
@@ -186,8 +186,12 @@ def scope_for(group: Optional[dist.ProcessGroup], local_cp_size: Optional[int] =
     if group is None:
         scope = CP1
     else:
-        hit = _SCOPES.get(id(group))
-        scope = hit[1] if hit is not None and hit[0]() is group else _make_scope(group)
+        try:
+            scope = _SCOPES.get(_wref(group))
+        except TypeError:  # refuses weak references: not a ProcessGroup (_make_scope says so)
+            scope = None
+        if scope is None:
+            scope = _make_scope(group)
     if local_cp_size is not None and (type(local_cp_size) is not int or local_cp_size != scope.size):
         _check_local_cp_size(group, scope, local_cp_size)
     return scope
@@ -214,26 +218,22 @@ def _make_scope(group: Any) -> CPScope:
             f"runtime_cp: global rank {me} is not a member of the CP group of size {size} (its global ranks: "
             f"{members}); bind only a group this rank belongs to"
         )
-    key = id(group)
+    key = _wref(group)
 
-    def forget(ref: Any, key: int = key) -> None:  # the group died: drop its entry (if it is still this one)
-        entry = _SCOPES.get(key)
-        if entry is not None and entry[0] is ref:
-            _SCOPES.pop(key, None)
+    def forget(_: Any, key: Any = key) -> None:  # the group died: drop its entry
+        _SCOPES.pop(key, None)
+        _CALLBACKS.pop(key, None)
 
-    ref = _group_ref(group, forget)
-    scope = CP1 if size == 1 else CPScope._with_ref(ref, size, rank)
-    _SCOPES[key] = (ref, scope)
+    _CALLBACKS[key] = ref = _wref(group, forget)
+    scope = CP1 if size == 1 else CPScope.__new__(CPScope)._set(ref, size, rank)
+    _SCOPES[key] = scope
     return scope
 
 
 def _check_local_cp_size(group: Any, scope: CPScope, local_cp_size: Any) -> None:
-    try:
-        value = check_int(local_cp_size, "local_cp_size")
-    except ValueError:
-        raise ValueError(
-            f"local_cp_size must be an int (or None), got {type(local_cp_size).__name__} {local_cp_size!r}"
-        ) from None
+    if isinstance(local_cp_size, bool) or not isinstance(local_cp_size, numbers.Integral):
+        raise ValueError(f"local_cp_size must be an int (or None), got {type(local_cp_size).__name__} {local_cp_size!r}")
+    value = int(local_cp_size)
     if value != scope.size:
         what = "None (CP1)" if group is None else f"a group of size {scope.size}"
         raise ValueError(
@@ -257,14 +257,11 @@ class runtime_cp:
 
     Args:
         group: the CP group for this microbatch; ``None`` or a size-1 group means CP1.
-        local_cp_size: optional cross-check (Megatron's convention), any integer: ``1`` requires CP1, ``n > 1`` a
-            group of size ``n``.
-        comm: the attention communication variant of this microbatch (see ``cpscope._variants``), used where
-            attention is called with ``comm=None`` (``None``: attention's default).
+        local_cp_size: optional cross-check (Megatron's), any integer: ``1`` requires CP1, ``n > 1`` a group of size n.
+        comm: the attention variant (``cpscope._variants``) where attention is called with ``comm=None``.
 
     Raises:
-        ValueError: this rank is not a member of ``group``, ``local_cp_size`` contradicts ``group`` (both values
-            named), or ``comm`` is not a variant.
+        ValueError: this rank is not in ``group``; ``local_cp_size`` contradicts it; ``comm`` is not a variant.
 
     Example::
 
@@ -279,12 +276,21 @@ class runtime_cp:
     def __init__(
         self, group: Optional[dist.ProcessGroup], *, local_cp_size: Optional[int] = None, comm: Optional[str] = None
     ) -> None:
-        hit = _SCOPES.get(id(group))  # scope_for's cache hit, inlined (this is the hot path)
-        if hit is not None and hit[0]() is group and local_cp_size is None and comm is None:
-            self._scope = hit[1]
-        else:
-            scope = scope_for(group, local_cp_size)
-            self._scope = scope if comm is None else scope.with_comm(comm)
+        if local_cp_size is None and comm is None:  # the hot path: scope_for's cache hit, inlined
+            if group is None:
+                self._scope = CP1
+                self._tokens = None
+                return
+            try:
+                scope = _SCOPES.get(_wref(group))
+            except TypeError:  # refuses weak references: scope_for says why
+                scope = None
+            if scope is not None:
+                self._scope = scope
+                self._tokens = None
+                return
+        scope = scope_for(group, local_cp_size)
+        self._scope = scope if comm is None else scope.with_comm(comm)
         # What __exit__ must undo: None (not entered), one binding's token(s), or a list of them when nested.
         # (No list for the common single use: this is the hot path.)
         self._tokens: Any = None
@@ -303,8 +309,10 @@ class runtime_cp:
 
     def __enter__(self) -> CPScope:
         scope = self._scope
-        task = thread_task()  # _bind, inlined: this is the hot path
-        tokens = _ACTIVE.set(scope) if task == -1 else (_ACTIVE.set(scope), mark_binding(task))
+        if self._tokens is None and thread_task() == -1:  # the hot path: one binding, outside every backward
+            self._tokens = _ACTIVE.set(scope)
+            return scope
+        tokens = _bind(scope)
         held = self._tokens
         if held is None:
             self._tokens = tokens
@@ -316,17 +324,17 @@ class runtime_cp:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         held = self._tokens
+        if type(held) is Token:  # the hot path
+            self._tokens = None
+            _ACTIVE.reset(held)
+            return
         if type(held) is list:
             tokens = held.pop()
             if not held:
                 self._tokens = None
         else:
             tokens, self._tokens = held, None
-        if type(tokens) is tuple:
-            unmark_binding(tokens[1])
-            _ACTIVE.reset(tokens[0])
-        else:
-            _ACTIVE.reset(tokens)
+        _unbind(tokens)
 
     def __call__(self, fn: F) -> F:
         scope = self._scope
@@ -348,7 +356,7 @@ def runtime_scope_or(default: CPScope) -> CPScope:
 
         scope = cpscope.runtime_scope_or(self.build_scope)   # in a module's forward: the runtime scope wins
     """
-    scope = _ACTIVE.get()
+    scope = _get_active()
     if scope is None or thread_task() != -1:  # backward_check's protocol: else the read passes
         check_read(scope is not None)
     return default if scope is None else scope
@@ -365,7 +373,7 @@ def capture_scope() -> CPScope:
         with cpscope.runtime_cp(groups[2]):
             snap = cpscope.capture_scope()       # CPScope(size=2, rank=…); snap.bind() re-enters it later
     """
-    scope = _ACTIVE.get()
+    scope = _get_active()
     if scope is None:
         check_read(False)
         return _build_time
@@ -394,19 +402,16 @@ def current_cp_group() -> Optional[dist.ProcessGroup]:
 
     Example::
 
-        with cpscope.runtime_cp(groups[2]):
-            dist.all_reduce(t, group=cpscope.current_cp_group())
+        group = cpscope.current_cp_group()        # inside runtime_cp(groups[2]): groups[2]
     """
-    scope = _ACTIVE.get()
+    scope = _get_active()
     if scope is None:
         check_read(False)
         scope = _build_time
     elif thread_task() != -1:  # backward_check's protocol: else the read passes
         check_read(True)
-    if scope.size == 1:
-        return None
-    group = scope._ref()  # what the ``group`` property does, without its call overhead
-    return group if group is not None else scope.group  # (dead: the property raises)
+    group = scope._ref()  # what the ``group`` property does, without its call overhead (None for CP1)
+    return group if group is not None or scope.size == 1 else scope.group  # (dead: the property raises)
 
 
 def cp_size() -> int:
@@ -414,8 +419,7 @@ def cp_size() -> int:
 
     Example::
 
-        with cpscope.runtime_cp(groups[4]):
-            assert cpscope.cp_size() == 4
+        assert cpscope.cp_size() == 4             # inside runtime_cp(groups[4])
     """
     return capture_scope().size
 
@@ -425,8 +429,7 @@ def cp_rank() -> int:
 
     Example::
 
-        with cpscope.runtime_cp(groups[2]):
-            chunk = cpscope.cp_rank()             # 0 or 1: which zigzag pair of chunks this rank holds
+        chunk = cpscope.cp_rank()             # inside runtime_cp(groups[2]): 0 or 1, which pair of chunks
     """
     return capture_scope().rank
 
@@ -450,12 +453,11 @@ def set_build_time_cp_group(group: Optional[dist.ProcessGroup]) -> None:
 
 
 def build_time_cp_group() -> Optional[dist.ProcessGroup]:
-    """The build-time CP group (``None`` for CP1).
+    """The build-time CP group (``None`` for CP1); unaffected by runtime scopes.
 
     Example::
 
-        with cpscope.runtime_cp(None):
-            static = cpscope.build_time_cp_group()   # unaffected by the runtime scope
+        static = cpscope.build_time_cp_group()
     """
     return _build_time.group
 
@@ -465,16 +467,14 @@ def build_time_scope() -> CPScope:
 
     Example::
 
-        with cpscope.runtime_cp(groups[2]):
-            assert cpscope.build_time_scope().is_cp1     # the runtime CP2 binding is not the build-time group
+        self.build_scope = cpscope.build_time_scope()     # in a module's __init__
     """
     return _build_time
 
 
 class build_time_cp:
-    """Temporarily set the build-time group (context manager), restoring the previous one on exit.
-
-    Meant for model construction and tests; not thread-safe (the build-time group is process-wide).
+    """Temporarily set the build-time group (context manager), restoring the previous one on exit; for model
+    construction and tests, not thread-safe (the build-time group is process-wide).
 
     Example::
 

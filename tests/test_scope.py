@@ -352,25 +352,33 @@ def test_scope_sizes_are_any_integer():
 
 
 def test_scope_cache_hit_needs_the_very_group():
-    """An entry found under id(group) counts only if its weak reference resolves to that very object: a planted
-    entry of another object with the same id (what an id reused after a missed drop would look like) is ignored."""
+    """A cache entry serves only the very object it was made for: a new object that reuses the id of a dead one
+    whose entry was never dropped (planted here, with no dropping callback) gets no hit (the old id-keyed cache
+    served the dead object's CPScope(size=4) for an object it never validated)."""
+    import gc
     import weakref
 
     class StandIn:  # not a ProcessGroup: validation refuses it
         pass
 
-    class Other:
-        pass
-
-    stand_in, other = StandIn(), Other()
-    planted = scope_mod.CPScope(other, 4, 3)
-    scope_mod._SCOPES[id(stand_in)] = (weakref.ref(other), planted)
+    old = StandIn()
+    planted = scope_mod.CPScope(old, 4, 3)
+    scope_mod._SCOPES[weakref.ref(old)] = planted
+    old_id = id(old)
+    del old
+    gc.collect()
+    kept, new = [], StandIn()
+    while id(new) != old_id and len(kept) < 10000:  # CPython hands the freed memory out again soon
+        kept.append(new)
+        new = StandIn()
     try:
+        assert id(new) == old_id, "could not reuse the id"
         for bind in (cpscope.runtime_cp, scope_mod.scope_for):
             with pytest.raises(ValueError, match="expected a torch.distributed.ProcessGroup or None, got StandIn"):
-                bind(stand_in)  # the old cache served CPScope(size=4) for an object it never validated
+                bind(new)
     finally:
-        scope_mod._SCOPES.pop(id(stand_in), None)
+        for key in [k for k, v in scope_mod._SCOPES.items() if v is planted]:
+            del scope_mod._SCOPES[key]
 
 
 def _w_numpy_integer_local_cp_size_with_a_real_group():
@@ -466,13 +474,13 @@ def _w_destroyed_group_is_released():
         assert cpscope.cp_size() == 2 and cpscope.current_cp_group() is group
         snap = cpscope.capture_scope()
     assert scope_mod.scope_for(group) is snap  # cached: one scope per group
-    assert id(group) in scope_mod._SCOPES
+    assert weakref.ref(group) in scope_mod._SCOPES
     ref = weakref.ref(group)
     dist.destroy_process_group(group)
     del group
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())  # neither the cache nor the snapshot kept it alive
-    assert not any(s is snap for _, s in scope_mod._SCOPES.values())  # its cache entry is gone
+    assert not any(s is snap for s in scope_mod._SCOPES.values())  # its cache entry is gone
     with pytest.raises(RuntimeError, match="was destroyed"):
         snap.group  # a kept snapshot of a destroyed group refuses loudly (it never turns into CP1)
     assert snap.size == 2 and "destroyed" in repr(snap)
