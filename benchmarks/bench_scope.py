@@ -1,6 +1,7 @@
 """Cost of a runtime_cp scope and of a scope read, with the backward read check on and off.
 
 Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH] [--compare-scope PATH]
+                                        [--compare-label TEXT]
 
 Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same process and interleaved:
   * floor  — a minimal context manager that does ``token = var.set(v)`` / ``var.reset(token)``, plus ``var.get()``
@@ -162,6 +163,7 @@ def _summary(args, samples, cases, reads):
         "read_check_cost_ns": {p: round(med[f"{p}_on"] - med[f"{p}_off"], 1) for p in pairs},
         "repeats": args.repeats,
         "number": args.number,
+        "compared_scope": args.compare_label or args.compare_scope,
         "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                 "loadavg": [round(x, 2) for x in os.getloadavg()]},
     }
@@ -223,6 +225,7 @@ def main():
     ap.add_argument("--number", type=int, default=200_000)
     ap.add_argument("--json", default=None)
     ap.add_argument("--compare-scope", default=None, help="another version's cpscope/scope.py, timed side by side")
+    ap.add_argument("--compare-label", default=None, help="what --compare-scope is (recorded in the JSON)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
