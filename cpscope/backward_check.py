@@ -21,7 +21,9 @@ Cost on the hot path (a scope bind and a scope read, measured in ``benchmarks/be
 (the graph task id). The saved-tensor-hook probe runs only for a read outside every graph task **with no scope bound
 in this context** — what a read in torch's recompute on a device thread sees (that thread's context starts empty);
 so a read there raises, and a read under a binding made inside the recompute (``cpscope.checkpoint``,
-``scope_context_fn``, an explicit ``runtime_cp``) passes.
+``scope_context_fn``, an explicit ``runtime_cp``) passes. Not told apart (a read under *any* binding outside every
+graph task passes): torch's recompute triggered outside every backward by code that unpacks a saved tensor by hand
+on a thread with a binding of its own — the recompute then reads that binding.
 
 The switch
 ----------
