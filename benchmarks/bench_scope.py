@@ -1,13 +1,17 @@
 """Cost of a runtime_cp scope and of a scope read, with the backward read check on and off.
 
 Usage:  python benchmarks/bench_scope.py [--repeats 15] [--number 200000] [--json PATH] [--compare-scope PATH]
+                                        [--compare-label TEXT]
 
 Spawns 2 gloo ranks (a real CP2 group needs them); rank 0 times, in the same process and interleaved:
   * floor  — a minimal context manager that does ``token = var.set(v)`` / ``var.reset(token)``, plus ``var.get()``
   * cp2    — ``with runtime_cp(group_of_2): current_cp_group()``
   * none   — ``with runtime_cp(None): current_cp_group()``
   * reuse  — the same ``runtime_cp`` object entered repeatedly (decorator-like reuse)
-Reports ns per iteration (median of the repeats) and the ratio to the floor. Target: ≤ 2x.
+Times are CPU time of the timing thread (``time.thread_time``), so that a busy shared machine's other processes do not
+count. Reports ns per iteration (median of the repeats) and the ratio to the floor (``ratio_to_floor``: the median over
+repeats of each case over the floor measured just before it, robust to load drift; ``ratio_of_medians_to_floor``
+beside it). Target: cp2 ≤ 2x with the backward read check on.
 
 Then the cost of one scope read — what every CP consumer (sharding, RoPE, attention, the modules, the HF / TE
 adapters) pays once per call — inside a bound CP2 scope, check on (the default) vs off, same run, interleaved:
@@ -17,8 +21,10 @@ adapters) pays once per call — inside a bound CP2 scope, check on (the default
   * module_on / _off    — ``ContextParallelAttention.active_scope()`` (the module's read, via ``runtime_scope_or``)
   * rope_on / _off      — a whole small consumer call, ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` CP2 shard
                           (one scope read inside), timed with ``--number / 100`` calls
-With ``--compare-scope PATH`` (another version's ``cpscope/scope.py``, which imports nothing of cpscope, e.g.
-``git show da431cc:cpscope/scope.py > /tmp/scope_old.py``), the enter + read + exit cases also run with that module,
+  * capture_outside_on / _off — ``capture_scope()`` outside every scope (the read that also probes for torch
+                          checkpoint's recompute hooks)
+With ``--compare-scope PATH`` (another version's ``cpscope/scope.py`` that imports nothing of cpscope, e.g. the one
+before the backward check moved out: ``git show b33ddf4:cpscope/scope.py > /tmp/scope_old.py``), the enter + read + exit cases also run with that module,
 loaded side by side and interleaved in the same loop (``old_cp2``, ``old_none``, …).
 
 Reports ns per read (medians), the ratio on / off (median of the per-repeat ratios of back-to-back samples; the
@@ -31,6 +37,7 @@ import json
 import os
 import socket
 import statistics
+import time
 import timeit
 from contextvars import ContextVar
 
@@ -58,7 +65,8 @@ class _Bare:
         _VAR.reset(self._t)
 
 
-def _measure(args, group):
+def _enter_read_exit_cases(args, group):
+    """``with runtime_cp(g): current_cp_group()`` and its variants, beside the floor (check on: the default)."""
     import cpscope
 
     runtime_cp, current = cpscope.runtime_cp, cpscope.current_cp_group
@@ -80,14 +88,19 @@ def _measure(args, group):
         with reuse:
             current()
 
-    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}  # with the check on (the default)
+    cases = {"floor": floor, "cp2": cp2, "none": none, "reuse_cp2": reused}
     if args.compare_scope:
         cases.update(_other_scope_cases(args.compare_scope, group))
+    return cases
 
+
+def _read_cases():
+    """One scope read per call, each with the check on and off: ``{name: (callable, check on?)}``."""
     import torch
 
+    import cpscope
+
     attn = cpscope.ContextParallelAttention()
-    active = attn.active_scope
     capture, size = cpscope.capture_scope, cpscope.cp_size
     t = torch.randn(1, 8, 2, 16)  # [b, s_local, h, d]: a CP2 shard of a 16-token sequence
     freqs = cpscope.rotary_freqs(16, 16)
@@ -95,40 +108,64 @@ def _measure(args, group):
     def rope():
         cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd")
 
-    reads = {  # name: (callable, backward read check on?); run inside one bound CP2 scope
-        "read_floor": (_VAR.get, True),
-        "capture_on": (capture, True), "capture_off": (capture, False),
-        "cp_size_on": (size, True), "cp_size_off": (size, False),
-        "module_on": (active, True), "module_off": (active, False),
-        "rope_on": (rope, True), "rope_off": (rope, False),
-    }
-    samples = {k: [] for k in (*cases, *reads)}
-    for _ in range(args.repeats):  # part 1, outside every scope (as before): interleave so drift hits all alike
+    reads = {"read_floor": (_VAR.get, True)}
+    for name, fn in (("capture", capture), ("cp_size", size), ("module", attn.active_scope), ("rope", rope)):
+        reads[f"{name}_on"], reads[f"{name}_off"] = (fn, True), (fn, False)
+    return reads
+
+
+def _timed(fn, number):
+    """ns per call, in CPU time of this thread: time the OS gives other processes (a shared machine) is not counted."""
+    return timeit.timeit(fn, number=number, timer=time.thread_time) / number * 1e9
+
+
+def _measure(args, group):
+    import cpscope
+
+    cases, reads = _enter_read_exit_cases(args, group), _read_cases()
+    outside = {"capture_outside_on": (cpscope.capture_scope, True), "capture_outside_off": (cpscope.capture_scope, False)}
+    samples = {k: [] for k in (*cases, *reads, *outside)}
+    for i in range(args.repeats):  # part 1, outside every scope: interleaved so that drift hits all alike
         for name, fn in cases.items():
-            samples[name].append(timeit.timeit(fn, number=args.number) / args.number * 1e9)
-    with runtime_cp(group):  # part 2: reads inside a bound CP2 scope, check on vs off back to back
+            samples[name].append(_timed(fn, args.number))
+        for name, (fn, check) in (outside.items() if i % 2 == 0 else list(outside.items())[::-1]):
+            cpscope.set_backward_read_check(check)  # a read with nothing bound: the recompute-hook probe too
+            samples[name].append(_timed(fn, args.number))
+        cpscope.set_backward_read_check(True)
+    with cpscope.runtime_cp(group):  # part 2: reads inside a bound CP2 scope, check on vs off back to back
         _VAR.set(group)
         for i in range(args.repeats):
-            order = list(reads.items()) if i % 2 == 0 else list(reads.items())[::-1]  # on/off order alternates
-            for name, (fn, check) in order:
+            for name, (fn, check) in (reads.items() if i % 2 == 0 else list(reads.items())[::-1]):
                 cpscope.set_backward_read_check(check)
-                number = max(1, args.number // 100) if name.startswith("rope") else args.number
-                samples[name].append(timeit.timeit(fn, number=number) / number * 1e9)
+                samples[name].append(_timed(fn, max(1, args.number // 100) if name.startswith("rope") else args.number))
         cpscope.set_backward_read_check(True)
+    return _summary(args, samples, cases, reads)
+
+
+def _paired(samples, a, b):
+    """The median over repeats of ``a / b`` measured back to back (robust to load drift between repeats)."""
+    return round(statistics.median(x / y for x, y in zip(samples[a], samples[b])), 3)
+
+
+def _summary(args, samples, cases, reads):
+    import platform
+
+    import torch
+
     med = {k: statistics.median(v) for k, v in samples.items()}
-    pairs = ("capture", "cp_size", "module", "rope")
+    pairs = ("capture", "cp_size", "module", "rope", "capture_outside")
     return {
         "ns_per_iter": {k: round(med[k], 1) for k in cases},
-        "ratio_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
-        "read_ns": {k: round(med[k], 1) for k in reads},
-        # the median over repeats of on/off measured back to back (robust to load drift between repeats)
-        "read_check_ratio_on_off": {
-            p: round(statistics.median(a / b for a, b in zip(samples[f"{p}_on"], samples[f"{p}_off"])), 3)
-            for p in pairs
-        },
+        "ratio_to_floor": {k: _paired(samples, k, "floor") for k in cases if k != "floor"},
+        "ratio_of_medians_to_floor": {k: round(med[k] / med["floor"], 3) for k in cases if k != "floor"},
+        "read_ns": {k: round(med[k], 1) for k in (*reads, "capture_outside_on", "capture_outside_off")},
+        "read_check_ratio_on_off": {p: _paired(samples, f"{p}_on", f"{p}_off") for p in pairs},
         "read_check_cost_ns": {p: round(med[f"{p}_on"] - med[f"{p}_off"], 1) for p in pairs},
         "repeats": args.repeats,
         "number": args.number,
+        "compared_scope": args.compare_label or args.compare_scope,
+        "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                "loadavg": [round(x, 2) for x in os.getloadavg()]},
     }
 
 
@@ -171,10 +208,10 @@ def _worker(rank, world, port, args):
         print(f"{'case':<12}{'ns/iter':>10}{'x floor':>10}")
         for k, v in result["ns_per_iter"].items():
             print(f"{k:<12}{v:>10.1f}{result['ratio_to_floor'].get(k, 1.0):>10.2f}")
-        print(f"{'read':<12}{'on ns':>10}{'off ns':>10}{'on/off':>10}{'cost ns':>10}")
-        for p in ("capture", "cp_size", "module", "rope"):
+        print(f"{'read':<16}{'on ns':>10}{'off ns':>10}{'on/off':>10}{'cost ns':>10}")
+        for p in ("capture", "cp_size", "module", "rope", "capture_outside"):
             r = result["read_ns"]
-            print(f"{p:<12}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
+            print(f"{p:<16}{r[p + '_on']:>10.1f}{r[p + '_off']:>10.1f}"
                   f"{result['read_check_ratio_on_off'][p]:>10.3f}{result['read_check_cost_ns'][p]:>10.1f}")
         if args.json:
             dump(result, args.json)
@@ -188,6 +225,7 @@ def main():
     ap.add_argument("--number", type=int, default=200_000)
     ap.add_argument("--json", default=None)
     ap.add_argument("--compare-scope", default=None, help="another version's cpscope/scope.py, timed side by side")
+    ap.add_argument("--compare-label", default=None, help="what --compare-scope is (recorded in the JSON)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,12 +12,16 @@ The main API:
 * :func:`new_cp_groups` — a registry of pre-built CP groups (``{1: None, 2: group, 4: group}``);
   :func:`cp_stream` — the lazily created auxiliary CUDA stream.
 * :func:`zigzag_shard` / :func:`zigzag_unshard`, :func:`apply_rotary_pos_emb`, :func:`context_parallel_attention`
-  — sharding, RoPE and ring attention that read the active group (or take ``group=``).
+  — sharding, RoPE and ring attention that read the active group (or take ``group=``; ``None`` means CP1);
+  :func:`zigzag_positions` (also named :func:`zigzag_position_ids`) and :func:`zigzag_indices` — the index math.
+* :func:`clear_caches` — drop every cache cpscope keeps (per-pack metadata, host copies of offsets, cuDNN graphs);
+  tensors cpscope returns never alias a cache.
 * :func:`checkpoint` — activation checkpointing whose recompute re-enters the scope captured in forward;
   :func:`scoped` / :func:`scope_context_fn` plug the same into other checkpointing schemes (module
   :mod:`cpscope.recompute`); :class:`MicrobatchScope` carries a microbatch's scope through 1F1B / interleaved
   schedules.
-* :mod:`cpscope.hybrid` — the hybrid-CP planner and microbatch loop; :mod:`cpscope.integrations` — HF transformers,
+* :mod:`cpscope.hybrid` — the hybrid-CP planner; :mod:`cpscope.train` — its microbatch loop and gradient sync;
+  :mod:`cpscope.integrations` — HF transformers,
   TransformerEngine and Megatron adapters (optional dependencies, imported only when used).
 
 Example::
@@ -30,13 +34,16 @@ Example::
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="bshd")
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
-from .caches import clear_caches
-from .groups import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
-from .scope import (
-    CPScope,
+from ._tensor_cache import clear_caches
+from .backward_check import (
     ScopeReadInBackwardError,
     allow_scope_reads_in_backward,
     backward_read_check_enabled,
+    set_backward_read_check,
+)
+from .groups import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
+from .scope import (
+    CPScope,
     build_time_cp,
     build_time_cp_group,
     build_time_scope,
@@ -47,9 +54,7 @@ from .scope import (
     resolve_scope,
     runtime_cp,
     runtime_scope_or,
-    set_backward_read_check,
     set_build_time_cp_group,
-    set_debug_autograd_reads,
 )
 from .streams import cp_stream
 from .sharding import (
@@ -108,23 +113,9 @@ __all__ = [
     "runtime_scope_or",
     "set_backward_read_check",
     "set_build_time_cp_group",
-    "set_debug_autograd_reads",
     "sentinel",
     "SentinelError",
 ]
 
 from ._version import __version__  # noqa: E402
 
-
-def __getattr__(name: str):
-    if name == "Microbatch":  # renamed: the planner's item is cpscope.hybrid.Microbatch, an unrelated class
-        import warnings
-
-        warnings.warn(
-            "cpscope.Microbatch was renamed cpscope.MicrobatchScope (it carries a microbatch's CP scope); "
-            "cpscope.hybrid.Microbatch is the hybrid planner's item",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return MicrobatchScope
-    raise AttributeError(f"module 'cpscope' has no attribute {name!r}")

@@ -5,17 +5,16 @@ inputs that a kernel would otherwise turn into an illegal memory access, a NaN o
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
-import weakref
+import numbers
+from typing import Any, Optional, Sequence
 
 import torch
 
 __all__ = [
     "QKV_FORMATS",
     "check_qkv_format",
-    "cu_seqlens_list",
-    "host_offsets",
+    "check_int",
+    "offsets_values",
     "check_cu_seqlens",
     "check_divisible_seq",
     "check_local_thd_len",
@@ -31,66 +30,46 @@ def check_qkv_format(qkv_format: str) -> str:
     return qkv_format
 
 
-def cu_seqlens_list(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> list[int]:
-    """``cu_seqlens`` as a Python list of ints, after checking dtype, rank, start at 0 and monotonicity.
-
-    One host copy of a small int tensor; everything else in cpscope works from the list (and caches on it). A
-    device tensor is copied to the host once, not once per layer: the validated values are remembered per tensor
-    object and its in-place version counter, so RoPE and attention in every layer of a forward share one sync.
-    """
-    return list(host_offsets(cu_seqlens, name))
-
-
-def host_offsets(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> tuple[int, ...]:
-    """:func:`cu_seqlens_list` as an immutable tuple; for a tensor, the cached tuple itself (no copy: O(1) on a hit).
+def check_int(value: Any, name: str, *, low: Optional[int] = None) -> int:
+    """``value`` as an ``int``: any integer (``numbers.Integral``: Python's, NumPy's) except a bool, at least ``low``.
 
     Example::
 
-        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
-        host_offsets(cu)            # (0, 4, 12): one host copy, then served from the cache while cu is unchanged
+        check_int(np.int64(2), "cp", low=1)     # 2
+        check_int(2.0, "cp")                     # ValueError: cp must be an integer, got float 2.0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    return value
+
+
+def offsets_values(cu_seqlens: "torch.Tensor | Sequence[int]", name: str = "cu_seqlens") -> tuple[int, ...]:
+    """``cu_seqlens`` (an int tensor or a sequence of integers) as a tuple of ints, after checking dtype, rank, start
+    at 0 and monotonicity. Uncached: one host copy of a tensor each call (``cpscope._pack.host_offsets`` caches it).
+
+    Example::
+
+        offsets_values([0, 4, 12])          # (0, 4, 12)
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        version = _version(cu_seqlens)
-        hit = _CU_LISTS.get(id(cu_seqlens)) if version is not None else None
-        if hit is not None and hit[0]() is cu_seqlens and hit[1] == version:
-            return hit[2]
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an int32 (or int64) tensor, got dtype {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-        values = tuple(_validated(cu_seqlens.tolist(), name))
-        if version is not None:
-            key = id(cu_seqlens)
-            try:
-                ref = weakref.ref(cu_seqlens, lambda _, key=key: _CU_LISTS.pop(key, None))
-            except TypeError:  # pragma: no cover - tensors that refuse weak references (e.g. some subclasses)
-                return values
-            _CU_LISTS[key] = (ref, version, values)
-        return values
+        return _tensor_offsets(cu_seqlens, name)
     if isinstance(cu_seqlens, (str, bytes)) or not hasattr(cu_seqlens, "__iter__"):
         raise ValueError(f"{name} must be an int tensor or a sequence of ints, got {type(cu_seqlens).__name__}")
     values = list(cu_seqlens)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
         raise ValueError(f"{name} must hold integers, got {values}")
-    return tuple(_validated(values, name))
+    return tuple(_validated([int(v) for v in values], name))
 
 
-def clear_host_offsets() -> None:
-    """Forget the cached host copies of offsets tensors (part of :func:`cpscope.clear_caches`)."""
-    _CU_LISTS.clear()
-
-
-# Validated host copies of cu_seqlens tensors: id(tensor) -> (weak ref to it, its _version when copied, values).
-# Keyed by id with an identity check (a WeakKeyDictionary would compare tensors with ==); an entry is dropped by
-# the weak reference's callback when its tensor dies.
-_CU_LISTS: "dict[int, tuple[weakref.ref, int, tuple[int, ...]]]" = {}
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors keep no version counter: never cache them
-        return None
+def _tensor_offsets(cu_seqlens: torch.Tensor, name: str) -> tuple[int, ...]:
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32 (or int64) tensor, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+    return tuple(_validated(cu_seqlens.tolist(), name))
 
 
 def _validated(values: list, name: str) -> list[int]:
@@ -144,14 +123,8 @@ def check_seq_dim(x: torch.Tensor, seq_dim: int) -> int:
     return seq_dim % x.dim()
 
 
-def optional_int(v: Optional[int], name: str) -> Optional[int]:
-    if v is not None and (not isinstance(v, int) or v <= 0):
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return v
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# RoPE checks (added with cpscope/rope.py)
+# RoPE checks
 
 
 def check_rope_freqs(freqs: torch.Tensor, head_dim: int, global_len: int, what: str = "global sequence length") -> int:

@@ -6,10 +6,10 @@ index of the local tokens, their global positions, the padding rows and whatever
 offsets are functions of ``(offsets, cp, rank)`` only: they are computed at the first call of the first layer and
 then looked up, so host time per layer does not grow with the number of documents.
 
-Lifetime. A pack is cached **on its offsets tensor**, weakly, by identity and in-place version: it lives as long as
-that tensor and goes with it, so memory stays flat over a long run with a fresh pack per microbatch. Offsets given
-as Python sequences (or one sequence length, for ``bshd`` / ``sbhd``) go to a small LRU cache instead.
-:func:`cpscope.clear_caches` drops every cache.
+Lifetime. A pack is cached **on its offsets tensor** (:mod:`cpscope._tensor_cache`: weakly, by identity, while the
+tensor keeps its content): it lives as long as that tensor and goes with it, so memory stays flat over a long run
+with a fresh pack per microbatch. Offsets given as Python sequences (or one sequence length, for ``bshd`` /
+``sbhd``) go to a small LRU cache instead. :func:`cpscope.clear_caches` drops every cache.
 
 Example::
 
@@ -19,16 +19,14 @@ Example::
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ._checks import check_cu_seqlens, host_offsets
+from . import _tensor_cache
+from ._checks import check_cu_seqlens, offsets_values
 
-__all__ = ["Pack", "pack_for", "dense_pack", "clear_pack_caches"]
+__all__ = ["Pack", "pack_for", "dense_pack", "host_offsets", "cu_seqlens_list"]
 
 Offsets = Union[torch.Tensor, Sequence[int]]
 _MISSING: Any = object()
@@ -206,31 +204,28 @@ def _real_local(lens: Sequence[int], real_lens: Sequence[int], cp: int, rank: in
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Caches
+# Lookup (cached in cpscope._tensor_cache)
+
+_HOST_OFFSETS = ("host_offsets",)  # the key of a validated host copy in the tensor cache
 
 
-class _Entry:
-    """The packs cached on one layout tensor: valid while the tensor lives and keeps its in-place version."""
+def host_offsets(cu_seqlens: Offsets, name: str = "cu_seqlens") -> tuple[int, ...]:
+    """Validated global offsets as a tuple of ints (``cpscope._checks.offsets_values``); for a tensor, one host
+    copy kept while the tensor lives and keeps its content, so every layer of a forward shares one device sync.
 
-    __slots__ = ("ref", "version", "packs")
+    Example::
 
-    def __init__(self, ref: "weakref.ref[torch.Tensor]", version: int) -> None:
-        self.ref, self.version = ref, version
-        self.packs: "OrderedDict[Any, tuple[Any, Pack]]" = OrderedDict()
-
-
-_BY_TENSOR: dict[int, _Entry] = {}
-_BY_VALUE: "OrderedDict[Any, Pack]" = OrderedDict()
-_PACKS_PER_TENSOR = 8  # (cp, rank, real offsets) combinations remembered per layout tensor
-_VALUE_CACHE_SIZE = 64  # packs remembered for offsets given as Python sequences / lengths
-_LOCK = threading.RLock()
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+        host_offsets(cu)            # (0, 4, 12): one host copy, then served from the cache while cu is unchanged
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        return _tensor_cache.derived(cu_seqlens, _HOST_OFFSETS, lambda: offsets_values(cu_seqlens, name))
+    return offsets_values(cu_seqlens, name)
 
 
-def _version(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors keep no version counter: never cached on
-        return None
+def cu_seqlens_list(cu_seqlens: Offsets, name: str = "cu_seqlens") -> list[int]:
+    """:func:`host_offsets` as a new list (yours to change)."""
+    return list(host_offsets(cu_seqlens, name))
 
 
 def pack_for(cu_seqlens: Offsets, cp: int, rank: int, *, cu_seqlens_padded: Optional[Offsets] = None,
@@ -238,7 +233,9 @@ def pack_for(cu_seqlens: Offsets, cp: int, rank: int, *, cu_seqlens_padded: Opti
     """The :class:`Pack` of global offsets for CP rank ``rank`` of ``cp`` (validated once, then cached).
 
     ``cu_seqlens_padded`` follows TransformerEngine: when given it is the **layout** (where documents sit in the
-    tensors) and ``cu_seqlens`` the **real** offsets (padding excluded); when omitted ``cu_seqlens`` is both.
+    tensors) and ``cu_seqlens`` the **real** offsets (padding excluded); when omitted ``cu_seqlens`` is both. A
+    layout tensor keeps its packs while it lives and keeps its content (:mod:`cpscope._tensor_cache`: also writes
+    that torch does not see, on CPU); offsets given as values go to a small LRU.
 
     Raises:
         ValueError: malformed offsets, a document not divisible by ``2·cp``, real offsets that do not fit the layout.
@@ -250,76 +247,21 @@ def pack_for(cu_seqlens: Offsets, cp: int, rank: int, *, cu_seqlens_padded: Opti
     """
     layout_src = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
     layout_name = name if cu_seqlens_padded is None else "cu_seqlens_padded"
-    real_src = None if cu_seqlens_padded is None else cu_seqlens
-    version = _version(layout_src) if isinstance(layout_src, torch.Tensor) else None
-    if version is None:  # offsets as values: a small LRU
+    real = None if cu_seqlens_padded is None else host_offsets(cu_seqlens, name)
+
+    def by_value() -> Pack:
         layout = host_offsets(layout_src, layout_name)
-        real = None if real_src is None else host_offsets(real_src, name)
-        key = (layout, real, cp, rank)
-        with _LOCK:
-            pack = _BY_VALUE.get(key)
-            if pack is not None:
-                _BY_VALUE.move_to_end(key)
-                return pack
-        pack = Pack(layout, cp, rank, real, layout_name)
-        with _LOCK:
-            _BY_VALUE[key] = pack
-            while len(_BY_VALUE) > _VALUE_CACHE_SIZE:
-                _BY_VALUE.popitem(last=False)
-        return pack
-    entry = _BY_TENSOR.get(id(layout_src))
-    if entry is not None and (entry.ref() is not layout_src or entry.version != version):
-        entry = None
-    real_key: Any = None
-    if real_src is not None:
-        if isinstance(real_src, torch.Tensor) and _version(real_src) is not None:
-            real_key = ("tensor", id(real_src), _version(real_src))
-        else:
-            real_key = ("values", host_offsets(real_src, name))
-    key = (cp, rank, real_key)
-    if entry is not None:
-        hit = entry.packs.get(key)
-        if hit is not None and (real_key is None or real_key[0] == "values" or hit[0]() is real_src):
-            return hit[1]
-    layout = host_offsets(layout_src, layout_name)
-    real = None if real_src is None else host_offsets(real_src, name)
-    pack = Pack(layout, cp, rank, real, layout_name)
-    real_ref = weakref.ref(real_src) if real_key is not None and real_key[0] == "tensor" else None
-    with _LOCK:
-        entry = _BY_TENSOR.get(id(layout_src))
-        if entry is None or entry.ref() is not layout_src or entry.version != version:
-            tid = id(layout_src)
-            entry = _Entry(weakref.ref(layout_src, lambda _, tid=tid: _drop(tid)), version)
-            _BY_TENSOR[tid] = entry
-        entry.packs[key] = (real_ref, pack)
-        while len(entry.packs) > _PACKS_PER_TENSOR:
-            entry.packs.popitem(last=False)
-    return pack
+        return _tensor_cache.by_value(("pack", layout, real, cp, rank),
+                                      lambda: Pack(layout, cp, rank, real, layout_name))
 
-
-def _drop(tid: int) -> None:
-    # A weak-reference callback: it may run inside a garbage collection triggered anywhere, even with _LOCK held
-    # by this thread, so it takes no lock (one dict operation is atomic under the GIL).
-    entry = _BY_TENSOR.get(tid)
-    if entry is not None and entry.ref() is None:
-        _BY_TENSOR.pop(tid, None)
+    if not isinstance(layout_src, torch.Tensor):
+        return by_value()
+    return _tensor_cache.derived(
+        layout_src, ("pack", cp, rank, real),
+        lambda: Pack(host_offsets(layout_src, layout_name), cp, rank, real, layout_name), by_value,
+    )
 
 
 def dense_pack(seqlen: int, cp: int, rank: int) -> Pack:
     """The :class:`Pack` of one sequence of global length ``seqlen`` (``bshd`` / ``sbhd``); cached (LRU)."""
     return pack_for((0, seqlen), cp, rank, name="sequence length")
-
-
-def clear_pack_caches() -> None:
-    """Drop every cached pack (part of :func:`cpscope.clear_caches`)."""
-    with _LOCK:
-        _BY_TENSOR.clear()
-        _BY_VALUE.clear()
-
-
-def cache_stats() -> dict[str, int]:
-    """Number of cached packs, for tests and memory checks: ``{"tensors": …, "packs": …, "values": …}``."""
-    with _LOCK:
-        entries = list(_BY_TENSOR.values())
-        return {"tensors": len(entries), "packs": sum(len(e.packs) for e in entries),
-                "values": len(_BY_VALUE)}

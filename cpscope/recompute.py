@@ -13,10 +13,9 @@ wrong group. The rule is simple: **capture in forward, re-enter the capture in r
   ``CheckpointWithoutOutput``), and for autograd hooks that really need the scope.
 * :func:`scope_context_fn` — a ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
   (and any code that forwards ``context_fn`` to it).
-* :class:`reentered` — the context manager behind all three.
 
-All four are re-exported by the package (``cpscope.checkpoint``, ``cpscope.scoped``, ``cpscope.scope_context_fn``;
-``cpscope.recompute.reentered``). The module is named ``recompute`` so that ``cpscope.checkpoint`` is only ever the
+All three re-enter the capture with :meth:`cpscope.CPScope.bind` (the one way to re-enter a scope) and are
+re-exported by the package (``cpscope.checkpoint``, ``cpscope.scoped``, ``cpscope.scope_context_fn``). The module is named ``recompute`` so that ``cpscope.checkpoint`` is only ever the
 function. Recompute that does *not* re-enter the scope raises :class:`cpscope.ScopeReadInBackwardError` at the
 first scope read (the default backward read check), on every rank at the same point, so nothing hangs.
 
@@ -48,50 +47,18 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from .scope import CPScope, _bind, _unbind, capture_scope
+from .scope import CPScope, capture_scope
 
-__all__ = ["checkpoint", "scoped", "scope_context_fn", "reentered"]
+__all__ = ["checkpoint", "scoped", "scope_context_fn"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 ContextFn = Callable[[], "tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]"]
 
 
-class reentered:
-    """Bind a captured :class:`CPScope` again, e.g. during recompute or in an autograd hook.
-
-    Like ``scope.bind()`` (with a check that ``scope`` is a :class:`CPScope`). Bound inside a backward pass, it
-    marks reads there as deliberate for the backward read check (:func:`cpscope.set_backward_read_check`): they
-    see the scope captured in forward, not whatever the caller's context holds.
-
-    Scope: context-local, like :func:`cpscope.runtime_cp`; re-entrant (each ``with`` keeps its own tokens).
-
-    Example::
-
-        scope = cpscope.capture_scope()            # in forward
-        def hook(grad):
-            with reentered(scope):
-                return grad / cpscope.cp_size()    # the forward's CP size, on any thread
-    """
-
-    __slots__ = ("scope", "_tokens")
-
-    def __init__(self, scope: CPScope) -> None:
-        if not isinstance(scope, CPScope):
-            raise ValueError(
-                f"reentered: expected a CPScope (from cpscope.capture_scope()), got {type(scope).__name__}: {scope!r}"
-            )
-        self.scope = scope
-        self._tokens: list[Any] = []
-
-    def __enter__(self) -> CPScope:
-        self._tokens.append(_bind(self.scope))
-        return self.scope
-
-    def __exit__(self, *exc: Any) -> None:
-        _unbind(self._tokens.pop())
-
-    def __repr__(self) -> str:
-        return f"reentered({self.scope!r})"
+def _checked(scope: Any, who: str) -> CPScope:
+    if not isinstance(scope, CPScope):
+        raise ValueError(f"{who}: expected a CPScope (from cpscope.capture_scope()), got {type(scope).__name__}: {scope!r}")
+    return scope
 
 
 def scoped(fn: F, scope: Optional[CPScope] = None) -> F:
@@ -106,12 +73,11 @@ def scoped(fn: F, scope: Optional[CPScope] = None) -> F:
             out = megatron_checkpoint(scoped(block), False, x)   # recompute sees CP2
             y.register_hook(scoped(lambda g: g / cpscope.cp_size()))
     """
-    bound = capture_scope() if scope is None else scope
-    reentered(bound)  # validate ``scope`` now, not at the first call
+    bound = capture_scope() if scope is None else _checked(scope, "scoped")
 
     @functools.wraps(fn)
     def run_scoped(*args: Any, **kwargs: Any) -> Any:
-        with reentered(bound):  # a fresh binder per call: concurrent calls on several threads keep their own tokens
+        with bound.bind():  # a fresh binder per call: concurrent calls on several threads keep their own tokens
             return fn(*args, **kwargs)
 
     run_scoped.cp_scope = bound  # type: ignore[attr-defined]
@@ -158,9 +124,9 @@ def scope_context_fn(context_fn: Optional[ContextFn] = None) -> ContextFn:
     def cpscope_context_fn() -> tuple[Any, Any]:
         scope = capture_scope()
         if context_fn is None:
-            return contextlib.nullcontext(), reentered(scope)
+            return contextlib.nullcontext(), scope.bind()
         forward_ctx, recompute_ctx = context_fn()
-        return forward_ctx, _Nested(reentered(scope), recompute_ctx)
+        return forward_ctx, _Nested(scope.bind(), recompute_ctx)
 
     return cpscope_context_fn
 

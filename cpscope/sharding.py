@@ -6,7 +6,8 @@ listed in the (global) ``cu_seqlens`` is cut this way on its own, and the local 
 document by document, of each document's local part.
 
 * :func:`zigzag_indices` — the full-tensor token indices a rank holds (pure index math, cached).
-* :func:`zigzag_position_ids` — the global positions of the local tokens (restarting at 0 per document).
+* :func:`zigzag_positions` (also named :func:`zigzag_position_ids`) — the global positions of the local tokens
+  (restarting at 0 per document).
 * :func:`zigzag_shard` / :func:`zigzag_unshard` — cut a full tensor / gather it back (collective, differentiable).
 * :func:`pad_packed_batch` / :func:`pad_to_cp_multiple` — pad documents / sequences so they divide by ``2·cp``.
 
@@ -19,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -26,12 +28,12 @@ import torch.distributed as dist
 
 from ._checks import (
     check_divisible_seq,
+    check_int,
     check_local_thd_len,
     check_seq_dim,
-    cu_seqlens_list,
 )
-from ._pack import Pack, dense_pack, pack_for
-from .scope import _UNSET, CPScope, resolve_scope
+from ._pack import Pack, cu_seqlens_list, dense_pack, pack_for
+from .scope import UNSET, CPScope, resolve_scope
 
 __all__ = [
     "zigzag_indices",
@@ -43,7 +45,6 @@ __all__ = [
     "PaddedPackedBatch",
     "pad_to_cp_multiple",
     "real_offsets",
-    "clear_index_cache",
 ]
 
 SeqlenOrCu = Union[int, torch.Tensor, Sequence[int]]
@@ -53,24 +54,31 @@ SeqlenOrCu = Union[int, torch.Tensor, Sequence[int]]
 # Index math (pure, no process group; cached per pack, see cpscope._pack)
 
 
-def _pack(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, cu_seqlens_padded: Any = None) -> Pack:
+def _pack(seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int) -> Pack:
     """The validated :class:`~cpscope._pack.Pack` of one sequence length or of global offsets (cached)."""
     if isinstance(seqlen_or_cu_seqlens, bool):
         raise ValueError(f"expected a sequence length or cu_seqlens, got {seqlen_or_cu_seqlens!r}")
-    if isinstance(seqlen_or_cu_seqlens, int):
-        seqlen = seqlen_or_cu_seqlens
-        if seqlen < 0:
-            raise ValueError(f"sequence length must be >= 0, got {seqlen}")
+    if isinstance(seqlen_or_cu_seqlens, numbers.Integral):
+        seqlen = check_int(seqlen_or_cu_seqlens, "sequence length", low=0)
         check_divisible_seq(seqlen, cp)
         return dense_pack(seqlen, cp, rank)
-    return pack_for(seqlen_or_cu_seqlens, cp, rank, cu_seqlens_padded=cu_seqlens_padded)
+    return pack_for(seqlen_or_cu_seqlens, cp, rank)
 
 
-def _check_cp_rank(cp: int, rank: int) -> None:
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp must be a positive int, got {cp!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp:
-        raise ValueError(f"rank must be an int in [0, cp={cp}), got {rank!r}")
+def _cp_rank(cp: Optional[int], rank: Optional[int], group: Any) -> tuple[int, int]:
+    """``(cp, rank)``: both given explicitly (any integers), or neither — then the active scope's (or ``group=``)."""
+    if cp is None and rank is None:
+        scope = resolve_scope(group)
+        return scope.size, scope.rank
+    if cp is None or rank is None:
+        raise ValueError(f"pass both cp and rank (got cp={cp!r}, rank={rank!r}), or neither for the active scope")
+    if group is not UNSET:
+        raise ValueError(f"pass either cp and rank (got cp={cp!r}, rank={rank!r}) or group=, not both")
+    cp = check_int(cp, "cp", low=1)
+    rank = check_int(rank, "rank", low=0)
+    if rank >= cp:
+        raise ValueError(f"rank must be an int in [0, cp={cp}), got {rank}")
+    return cp, rank
 
 
 def _device(device: Any) -> torch.device:
@@ -84,14 +92,15 @@ def _device(device: Any) -> torch.device:
 
 @torch.compiler.disable  # host-side index math, cached: opaque to torch.compile (no per-cp recompiles)
 def zigzag_indices(
-    seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
+    seqlen_or_cu_seqlens: SeqlenOrCu, cp: Optional[int] = None, rank: Optional[int] = None,
+    device: Optional[Union[torch.device, str]] = None, *, group: Any = UNSET,
 ) -> torch.Tensor:
     """Indices, in the full (unsharded) tensor, of the tokens CP rank ``rank`` of ``cp`` holds, in local order.
 
     ``seqlen_or_cu_seqlens`` is either one sequence length (``bshd`` / ``sbhd``) or the global ``cu_seqlens`` of a
-    packed ``thd`` batch (each document is cut on its own). The result is a cached int64 tensor: treat it as
-    read-only. ``cp == 1`` gives ``arange(total)``. Cached per pack: on the offsets tensor (as long as it lives), or
-    in a small LRU for lengths and Python sequences.
+    packed ``thd`` batch (each document is cut on its own). ``cp`` and ``rank`` are given together (any integers),
+    or neither: then they are the active scope's (or ``group=``'s). Returns a new int64 tensor (yours to change;
+    the index math behind it is cached per pack). ``cp == 1`` gives ``arange(total)``.
 
     Raises:
         ValueError: a length not divisible by ``2·cp``; malformed ``cu_seqlens``; ``rank`` out of range.
@@ -103,52 +112,33 @@ def zigzag_indices(
         >>> zigzag_indices([0, 4, 12], cp=2, rank=1)
         tensor([ 1,  2,  6,  7,  8,  9])
     """
-    _check_cp_rank(cp, rank)
-    return _pack(seqlen_or_cu_seqlens, cp, rank).indices(_device(device))
+    cp, rank = _cp_rank(cp, rank, group)
+    return _pack(seqlen_or_cu_seqlens, cp, rank).indices(_device(device)).clone()
 
 
 @torch.compiler.disable
 def zigzag_positions(
-    seqlen_or_cu_seqlens: SeqlenOrCu, cp: int, rank: int, device: Optional[Union[torch.device, str]] = None
+    seqlen_or_cu_seqlens: SeqlenOrCu, cp: Optional[int] = None, rank: Optional[int] = None,
+    device: Optional[Union[torch.device, str]] = None, *, group: Any = UNSET,
 ) -> torch.Tensor:
     """Global positions (restarting at 0 in every document) of the tokens CP rank ``rank`` of ``cp`` holds.
 
-    The explicit-``cp``/``rank`` form of :func:`zigzag_position_ids`; int64, cached (read-only).
+    ``cp`` and ``rank`` as in :func:`zigzag_indices`: both, or neither for the active scope (or ``group=``).
+    Under CP1 this is ``arange(seqlen)`` (or the per-document aranges). Returns a new int64 tensor ``[n_local]``.
+    ``zigzag_position_ids`` is this very function (the name reads well without ``cp`` / ``rank``).
 
     Example::
 
         >>> zigzag_positions([0, 4, 12], cp=2, rank=1)
         tensor([1, 2, 2, 3, 4, 5])
-    """
-    _check_cp_rank(cp, rank)
-    return _pack(seqlen_or_cu_seqlens, cp, rank).positions(_device(device))
-
-
-def zigzag_position_ids(
-    seqlen_or_cu_seqlens: SeqlenOrCu,
-    *,
-    group: Any = _UNSET,
-    device: Optional[Union[torch.device, str]] = None,
-) -> torch.Tensor:
-    """Global position ids of this rank's local zigzag tokens under the active CP group (or ``group=``).
-
-    Positions restart at 0 for every document of a packed (``thd``) batch, as in TE. Under CP1 this is
-    ``arange(seqlen)`` (or the per-document aranges). Returns a cached int64 tensor of shape ``[n_local]``.
-
-    Example::
-
         with cpscope.runtime_cp(groups[2]):        # rank 1 of 2
             cpscope.zigzag_position_ids(8)          # tensor([2, 3, 4, 5])
     """
-    scope = resolve_scope(group)
-    return _pack(seqlen_or_cu_seqlens, scope.size, scope.rank).positions(_device(device))
+    cp, rank = _cp_rank(cp, rank, group)
+    return _pack(seqlen_or_cu_seqlens, cp, rank).positions(_device(device)).clone()
 
 
-def clear_index_cache() -> None:
-    """Drop every cached index / position tensor and per-pack state: same as :func:`cpscope.clear_caches`."""
-    from .caches import clear_caches
-
-    clear_caches()
+zigzag_position_ids = zigzag_positions
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,7 +146,7 @@ def clear_index_cache() -> None:
 
 
 def zigzag_shard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = UNSET,
     cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """This rank's zigzag part of the full tensor ``x`` (per document when ``cu_seqlens`` is given).
@@ -218,7 +208,7 @@ class _ZigzagUnshard(torch.autograd.Function):
 
 
 def zigzag_unshard(
-    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = _UNSET,
+    x: torch.Tensor, *, seq_dim: int, cu_seqlens: Optional[SeqlenOrCu] = None, group: Any = UNSET,
     cu_seqlens_padded: Optional[SeqlenOrCu] = None,
 ) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard`: gather every rank's local part and restore the original token order.
@@ -273,16 +263,19 @@ def real_offsets(real_len: Union[int, Sequence[int]], batch: Optional[int] = Non
         real_offsets(5, 3)           # tensor([ 0,  5, 10, 15], dtype=torch.int32)
         real_offsets([5, 8, 0])      # tensor([ 0,  5, 13, 13], dtype=torch.int32)
     """
-    lens = [real_len] * (batch if batch is not None else 1) if isinstance(real_len, int) else list(real_len)
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lens):
+    if batch is not None:
+        batch = check_int(batch, "batch", low=0)
+    one = isinstance(real_len, numbers.Integral) and not isinstance(real_len, bool)
+    lens = [real_len] * (batch if batch is not None else 1) if one else list(real_len)
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in lens):
         raise ValueError(f"real lengths must be non-negative ints, got {real_len!r}")
+    lens = [int(n) for n in lens]
     if batch is not None and len(lens) != batch:
         raise ValueError(f"{len(lens)} real lengths for a batch of {batch} rows")
     out = [0]
     for n in lens:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32)
-
 
 
 class PaddedPackedBatch(NamedTuple):
@@ -312,9 +305,8 @@ class PaddedPackedBatch(NamedTuple):
 def _resolve_cp(cp: Optional[int], group: Any) -> int:
     if cp is None:
         return resolve_scope(group).size
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp must be a positive int, got {cp!r}")
-    if group is not _UNSET and resolve_scope(group).size != cp:
+    cp = check_int(cp, "cp", low=1)
+    if group is not UNSET and resolve_scope(group).size != cp:
         raise ValueError(f"cp={cp} contradicts group= of CP size {resolve_scope(group).size}; pass one of them")
     return cp
 
@@ -324,7 +316,7 @@ def pad_packed_batch(
     cu_seqlens: Union[torch.Tensor, Sequence[int]],
     cp: Optional[int] = None,
     pad_value: Union[float, int, Sequence[Union[float, int]]] = 0,
-    group: Any = _UNSET,
+    group: Any = UNSET,
 ) -> PaddedPackedBatch:
     """Pad every document of a packed ``thd`` batch to a multiple of ``2·cp`` tokens (padding at each end).
 
@@ -387,7 +379,7 @@ def pad_packed_batch(
 
 
 def pad_to_cp_multiple(
-    x: torch.Tensor, *, seq_dim: int, cp: Optional[int] = None, pad_value: Union[float, int] = 0, group: Any = _UNSET
+    x: torch.Tensor, *, seq_dim: int, cp: Optional[int] = None, pad_value: Union[float, int] = 0, group: Any = UNSET
 ) -> tuple[torch.Tensor, int]:
     """Pad ``x`` at the end of ``seq_dim`` to a multiple of ``2·cp`` (``bshd`` / ``sbhd``); returns ``(x, real_len)``.
 

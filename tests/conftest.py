@@ -12,9 +12,10 @@ def _rank_pools():
 @pytest.fixture(autouse=True)
 def _backward_read_check_back_on():
     yield
-    import cpscope.scope
+    from cpscope import backward_check
 
-    cpscope.scope.set_backward_read_check(True)  # the default; a test that opted out must not leak it
+    backward_check.set_backward_read_check(True)  # the default; a test that opted out must not leak it
+    assert backward_check.backward_read_check_enabled(), "a test left an allow_scope_reads_in_backward() active"
 
 
 def pytest_collection_modifyitems(config, items):

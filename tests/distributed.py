@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, backend: str, init_file: str, tasks: Any, res
     dist.init_process_group(
         backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
+    import cpscope.backward_check as backward_check
     import cpscope.scope as scope_mod
 
     while True:
@@ -57,8 +58,8 @@ def _worker(rank: int, world: int, backend: str, init_file: str, tasks: Any, res
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((tid, rank, False, traceback.format_exc()))
         finally:
-            scope_mod._build_time = scope_mod.CP1
-            scope_mod.set_backward_read_check(True)  # back to the default (on) after every task
+            scope_mod.set_build_time_cp_group(None)
+            backward_check.set_backward_read_check(True)  # back to the default (on) after every task
     try:
         dist.destroy_process_group()
     except Exception:

@@ -19,8 +19,9 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import cpscope
 from cpscope.microbatch import MicrobatchScope
-from cpscope.recompute import checkpoint, reentered, scope_context_fn, scoped
-from cpscope.scope import CP1, CPScope, ScopeReadInBackwardError, capture_scope
+from cpscope.backward_check import ScopeReadInBackwardError
+from cpscope.recompute import checkpoint, scope_context_fn, scoped
+from cpscope.scope import CP1, CPScope, capture_scope
 from tests.distributed import run_ranks
 
 # Stand-ins for real groups in pure tests: the scope machinery never calls into them.
@@ -154,8 +155,8 @@ def test_debug_mode_off_and_correct_patterns_pass(debug_reads):
     assert torch.equal(x.grad, torch.ones(3))
 
 
-def test_reentered_binds_restores_and_allows_reads_in_backward(debug_reads):
-    binder = reentered(S2)
+def test_bind_restores_and_allows_reads_in_backward(debug_reads):
+    binder = S2.bind()
     x = torch.ones(3, requires_grad=True)
     seen: list[int] = []
 
@@ -172,8 +173,6 @@ def test_reentered_binds_restores_and_allows_reads_in_backward(debug_reads):
         y.sum().backward()
         assert capture_scope() is S4  # restored after the hook
     assert seen == [2, 2]
-    with pytest.raises(ValueError, match="CPScope"):
-        reentered(None)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -502,7 +501,8 @@ def test_explicit_binding_inside_backward_is_allowed(debug_reads):
                 with s4:
                     sizes.append(cpscope.cp_size())
                 sizes.append(cpscope.cp_size())
-            sizes.append(S2.run(cpscope.cp_size))
+            with S2.bind():
+                sizes.append(cpscope.cp_size())
         with pytest.raises(ScopeReadInBackwardError):
             cpscope.cp_size()  # the hook's own bindings are gone: a read now is a plain read in backward
         return g
@@ -518,7 +518,7 @@ def test_explicit_binding_inside_backward_is_allowed(debug_reads):
         y.sum().backward()
 
 
-def test_backward_read_check_switches_and_deprecated_alias():
+def test_backward_read_check_switches():
     assert cpscope.backward_read_check_enabled()
     assert cpscope.set_backward_read_check(False) is True and not cpscope.backward_read_check_enabled()
     assert cpscope.set_backward_read_check(True) is False
@@ -528,14 +528,9 @@ def test_backward_read_check_switches_and_deprecated_alias():
         return cpscope.backward_read_check_enabled()
 
     assert opted_out() is False and cpscope.backward_read_check_enabled()
-    with pytest.warns(DeprecationWarning, match="turns it OFF"):
-        cpscope.set_debug_autograd_reads(False)
-    assert not cpscope.backward_read_check_enabled()
-    with pytest.warns(DeprecationWarning, match="on by default"):
-        cpscope.set_debug_autograd_reads(True)
-    assert cpscope.backward_read_check_enabled()
-    with pytest.warns(DeprecationWarning, match="MicrobatchScope"):
-        assert cpscope.Microbatch is MicrobatchScope
+    with pytest.raises(ValueError, match="True or False, got str 'no'"):
+        cpscope.set_backward_read_check("no")  # type: ignore[arg-type]
+    assert not hasattr(cpscope, "set_debug_autograd_reads") and not hasattr(cpscope, "Microbatch")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -645,3 +640,111 @@ def test_scoped_wrapper_called_concurrently_from_threads_keeps_each_binding():
     assert not errors, errors
     assert seen["a"] is fake and seen["b"] is fake
     assert seen["a_after"].is_cp1 and seen["b_after"].is_cp1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The switch is thread-safe; torch's recompute is recognised by its hook's code object
+
+
+def test_allowances_exiting_out_of_order_on_two_threads_leave_the_check_on():
+    """Thread A enters, B enters, A exits, B exits: the check must be back on (it stayed off for good before)."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    during: list[bool] = []
+
+    def a() -> None:
+        with cpscope.allow_scope_reads_in_backward():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(5)
+        with cpscope.allow_scope_reads_in_backward():
+            b_in.set()
+            a_out.wait(5)
+            during.append(cpscope.backward_read_check_enabled())  # A left, B still inside: still allowed
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert during == [False]
+    assert cpscope.backward_read_check_enabled()
+    x = torch.ones(3, requires_grad=True)
+    y = _ReadsScopeInBackward.apply(x)
+    with pytest.raises(ScopeReadInBackwardError):
+        y.sum().backward()  # and it really checks again
+
+
+def test_allowance_and_switch_combine():
+    with cpscope.allow_scope_reads_in_backward():
+        assert cpscope.set_backward_read_check(True) is True  # the switch stays on; the allowance still holds
+        assert not cpscope.backward_read_check_enabled()
+    previous = cpscope.set_backward_read_check(False)
+    with cpscope.allow_scope_reads_in_backward():
+        pass
+    assert previous is True and not cpscope.backward_read_check_enabled()  # exiting did not turn the switch on
+    cpscope.set_backward_read_check(True)
+    assert cpscope.backward_read_check_enabled()
+
+
+def _saved_outside_backward(y: torch.Tensor) -> None:
+    """Unpack a saved tensor of ``y``'s node outside every backward: torch's non-reentrant checkpoint recomputes
+    there with no graph task, exactly what autograd's CUDA device thread shows (graph task -1)."""
+    y.grad_fn._saved_self  # MulBackward0 of ``sin(t) * (t * n)``: unpacking ``sin(t)`` runs the recompute
+
+
+def test_torch_recompute_outside_a_graph_task_is_recognised(debug_reads):
+    from cpscope import backward_check
+
+    seen: list[tuple[int, int]] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        task = backward_check.graph_task_id()
+        n = cpscope.cp_size()  # read before the first saved tensor (the recompute stops early after the last)
+        seen.append((task, n))
+        return t.sin() * (t * n)
+
+    x = torch.ones(3, requires_grad=True)
+    with S2.bind():
+        y = torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
+    with pytest.raises(ScopeReadInBackwardError, match="recompute of a non-reentrant torch.utils.checkpoint"):
+        _saved_outside_backward(y)  # plain torch checkpoint, nothing bound: the device-thread bug, caught
+    assert seen == [(-1, 2)] and not backward_check.in_backward()
+    with S2.bind():
+        z = checkpoint(fn, x)  # cpscope.checkpoint re-binds S2 around the recompute: allowed
+    _saved_outside_backward(z)
+    assert seen[1:] == [(-1, 2), (-2, 2)]
+
+
+def _recomputation_hook_lookalike(t: torch.Tensor) -> torch.Tensor:
+    """A user's saved-tensor hook whose name starts like torch's recompute hooks: not a recompute."""
+    return t
+
+
+def test_recompute_detection_uses_the_hook_code_object_and_falls_back_to_names():
+    from cpscope import backward_check as bc
+
+    assert bc._RECOMPUTE_UNPACK is not None and bc._RECOMPUTE_UNPACK.co_name == "unpack_hook"
+    assert bc._resolve_recompute_code(object()) is None  # a torch without the class: the name-based fallback
+
+    lookalike = (_recomputation_hook_lookalike, _recomputation_hook_lookalike)
+    assert not bc._is_torch_recompute(lookalike, bc._RECOMPUTE_UNPACK)
+    assert bc._is_torch_recompute(lookalike, None)  # the fallback matches names (and says so in a warning)
+    with torch.autograd.graph.saved_tensors_hooks(*lookalike):  # in forward: reads are fine
+        assert cpscope.cp_size() == 1 and bc.graph_task_id() == -1
+    captured: list[Any] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        captured.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        return t.sin() * 2
+
+    x = torch.ones(3, requires_grad=True)
+    y = torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
+    y.sum().backward()
+    forward_hooks, recompute_hooks = captured
+    assert bc._is_torch_recompute(recompute_hooks, bc._RECOMPUTE_UNPACK)
+    assert bc._is_torch_recompute(recompute_hooks, None)
+    assert not bc._is_torch_recompute(forward_hooks, bc._RECOMPUTE_UNPACK)  # the checkpointed forward's own hooks
+    assert not bc._is_torch_recompute(None, bc._RECOMPUTE_UNPACK)

@@ -480,8 +480,9 @@ def test_triton_kernel_matches_reference(interpreted_rope_kernel, layout, interl
         idx = torch.tensor(ref_local_tokens(doc_lens, cp, r)[0], dtype=torch.long)
         local = x.index_select(d, idx).float()
         strided = torch.cat([local, torch.zeros_like(local)], dim=-1)[..., :HEAD_DIM].requires_grad_(True)
-        out = fake_scope(cp, r).run(apply_rotary_pos_emb, strided, table.float(), qkv_format=layout, cu_seqlens=cu,
-                                    interleaved=interleaved, impl="triton")
+        with fake_scope(cp, r).bind():
+            out = apply_rotary_pos_emb(strided, table.float(), qkv_format=layout, cu_seqlens=cu,
+                                       interleaved=interleaved, impl="triton")
         want = ref.index_select(d, idx)
         assert out.dtype == torch.float32 and torch.allclose(out.double(), want, atol=1e-5)
         gout = torch.randn(out.shape, generator=g, dtype=torch.float64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,7 +183,7 @@ def _w_build_time_group():
     assert _reads() == (None, 1, 0)
     with snap.bind():
         assert _reads() == _expect(g[2])
-    assert snap.run(cpscope.cp_size) == 2
+    assert not hasattr(snap, "run")  # one way to re-enter a scope: bind()
     return True
 
 
@@ -313,15 +314,86 @@ def test_registry_size_one_is_none():
     assert run_ranks(2, _w_cp1_group_size_one_from_registry_is_cp1) == [(None, 1, 0)] * 2
 
 
-def test_scope_module_imports_nothing_of_cpscope():
+def test_scope_knows_none_of_its_readers():
+    """scope.py imports only the bottom layer, names no attention variant and holds no backward-check internals."""
+    import re
+
     src = open(scope_mod.__file__).read()
-    assert "from ." not in src and "import cpscope" not in src
+    imports = set(re.findall(r"^from \.(\w*) import", src, flags=re.M))
+    assert imports == {"_checks", "_contextlib", "_variants", "backward_check"}, imports
+    assert "import cpscope" not in src
+    for word in ("p2p", "all_gather", "a2a", "graph_task_id()", "saved_tensors", "_checkpoint", "_raise"):
+        assert word not in src, word
 
 
-@pytest.mark.parametrize("bad", [True, 1.0, "1"])
+@pytest.mark.parametrize("bad", [True, 1.0, "1", np.float64(1.0), np.bool_(True)])
 def test_local_cp_size_must_be_an_int(bad):
     with pytest.raises(ValueError, match=r"local_cp_size must be an int.*" + type(bad).__name__):
         cpscope.runtime_cp(None, local_cp_size=bad)
+
+
+@pytest.mark.parametrize("one", [np.int64(1), np.int32(1), np.uint8(1)])
+def test_numpy_integer_local_cp_size_is_accepted(one):
+    with cpscope.runtime_cp(None, local_cp_size=one) as s:
+        assert s.is_cp1
+    assert cpscope.MicrobatchScope.of(None, local_cp_size=one).scope.is_cp1
+    with pytest.raises(ValueError, match=r"local_cp_size=2 contradicts"):
+        cpscope.runtime_cp(None, local_cp_size=np.int64(2))
+
+
+def test_scope_sizes_are_any_integer():
+    s = scope_mod.CPScope(object(), np.int64(2), np.int32(1))
+    assert type(s.size) is int and type(s.rank) is int and (s.size, s.rank) == (2, 1)
+    for size, rank, match in ((2.0, 0, "CPScope size must be an integer, got float 2.0"),
+                              (True, 0, "CPScope size must be an integer, got bool True"),
+                              (2, -1, "CPScope rank must be an integer >= 0, got -1")):
+        with pytest.raises(ValueError, match=match):
+            scope_mod.CPScope(object(), size, rank)
+
+
+def test_scope_cache_hit_needs_the_very_group():
+    """A cache entry serves only the very object it was made for: a new object that reuses the id of a dead one
+    whose entry was never dropped (planted here, with no dropping callback) gets no hit (the old id-keyed cache
+    served the dead object's CPScope(size=4) for an object it never validated)."""
+    import gc
+    import weakref
+
+    class StandIn:  # not a ProcessGroup: validation refuses it
+        pass
+
+    old = StandIn()
+    planted = scope_mod.CPScope(old, 4, 3)
+    scope_mod._SCOPES[weakref.ref(old)] = planted
+    old_id = id(old)
+    del old
+    gc.collect()
+    kept, new = [], StandIn()
+    while id(new) != old_id and len(kept) < 10000:  # CPython hands the freed memory out again soon
+        kept.append(new)
+        new = StandIn()
+    try:
+        assert id(new) == old_id, "could not reuse the id"
+        for bind in (cpscope.runtime_cp, scope_mod.scope_for):
+            with pytest.raises(ValueError, match="expected a torch.distributed.ProcessGroup or None, got StandIn"):
+                bind(new)
+    finally:
+        for key in [k for k, v in scope_mod._SCOPES.items() if v is planted]:
+            del scope_mod._SCOPES[key]
+
+
+def _w_numpy_integer_local_cp_size_with_a_real_group():
+    g = _groups(2)[2]
+    for n in (np.int64(2), np.int32(2)):
+        with cpscope.runtime_cp(g, local_cp_size=n):
+            assert cpscope.cp_size() == 2
+    for bad in (2.0, True, np.float32(2.0)):
+        with pytest.raises(ValueError, match=r"local_cp_size must be an int"):
+            cpscope.runtime_cp(g, local_cp_size=bad)
+    return True
+
+
+def test_numpy_integer_local_cp_size_with_a_real_group():
+    assert all(run_ranks(2, _w_numpy_integer_local_cp_size_with_a_real_group))
 
 
 def _w_new_cp_groups_refuses_non_int_sizes():
@@ -402,13 +474,13 @@ def _w_destroyed_group_is_released():
         assert cpscope.cp_size() == 2 and cpscope.current_cp_group() is group
         snap = cpscope.capture_scope()
     assert scope_mod.scope_for(group) is snap  # cached: one scope per group
-    assert id(group) in scope_mod._SCOPES
+    assert weakref.ref(group) in scope_mod._SCOPES
     ref = weakref.ref(group)
     dist.destroy_process_group(group)
     del group
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())  # neither the cache nor the snapshot kept it alive
-    assert not any(s is snap for _, s in scope_mod._SCOPES.values())  # its cache entry is gone
+    assert not any(s is snap for s in scope_mod._SCOPES.values())  # its cache entry is gone
     with pytest.raises(RuntimeError, match="was destroyed"):
         snap.group  # a kept snapshot of a destroyed group refuses loudly (it never turns into CP1)
     assert snap.size == 2 and "destroyed" in repr(snap)

@@ -2,15 +2,20 @@
 real gloo groups), gradients, padding helpers and bad input."""
 from __future__ import annotations
 
+import re
+import threading
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpscope
+from cpscope import _tensor_cache
+from cpscope._pack import pack_for
 from cpscope.scope import CPScope
 from cpscope.sharding import (
-    clear_index_cache,
     pad_packed_batch,
     pad_to_cp_multiple,
     zigzag_indices,
@@ -52,6 +57,12 @@ def fake_scope(cp: int, rank: int) -> CPScope:
     return CPScope(object(), cp, rank) if cp > 1 else CPScope(None, 1, 0)
 
 
+def as_rank(cp: int, rank: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with a fake scope of rank ``rank`` of ``cp`` bound."""
+    with fake_scope(cp, rank).bind():
+        return fn(*args, **kwargs)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Index math
 
@@ -82,26 +93,35 @@ def test_indices_and_positions_match_reference(cp, mults):
 
 
 def test_index_cache_lives_with_the_offsets():
-    """Index tensors are cached per pack: on the offsets tensor while it lives, else in a bounded LRU."""
-    from cpscope import _pack
-
+    """Packs are cached: on the offsets tensor while it lives, else in a bounded LRU; what is returned is new."""
     cpscope.clear_caches()
     a = zigzag_indices([0, 8, 16], 2, 1)
-    assert zigzag_indices([0, 8, 16], 2, 1) is a  # Python offsets: LRU hit
+    assert pack_for([0, 8, 16], 2, 1) is pack_for((0, 8, 16), 2, 1)  # Python offsets: LRU hit
     t = torch.tensor([0, 8, 16], dtype=torch.int32)
     b = zigzag_indices(t, 2, 1)
-    assert zigzag_indices(t, 2, 1) is b and torch.equal(a, b)  # cached on the tensor
-    for n in range(1, _pack._VALUE_CACHE_SIZE + 10):
+    assert pack_for(t, 2, 1) is pack_for(t, 2, 1) and torch.equal(a, b)  # cached on the tensor
+    assert zigzag_indices(t, 2, 1) is not b  # a fresh tensor every call (never the cached one)
+    for n in range(1, _tensor_cache.VALUE_CACHE_SIZE + 10):
         zigzag_indices(4 * n, 2, 0)
-    assert _pack.cache_stats()["values"] <= _pack._VALUE_CACHE_SIZE
-    assert _pack.cache_stats()["tensors"] == 1
+    assert _tensor_cache.stats()["values"] <= _tensor_cache.VALUE_CACHE_SIZE
+    assert _tensor_cache.stats()["tensors"] == 1
     del t
-    assert _pack.cache_stats()["tensors"] == 0  # gone with its tensor
+    assert _tensor_cache.stats()["tensors"] == 0  # gone with its tensor
     cpscope.clear_caches()
-    assert _pack.cache_stats() == {"tensors": 0, "packs": 0, "values": 0}
-    zigzag_indices([0, 8, 16], 2, 1)
-    clear_index_cache()  # the older name clears everything too
-    assert _pack.cache_stats() == {"tensors": 0, "packs": 0, "values": 0}
+    assert _tensor_cache.stats() == {"tensors": 0, "derived": 0, "values": 0}
+
+
+def test_positions_one_function_two_names():
+    assert cpscope.zigzag_position_ids is cpscope.zigzag_positions
+    cu = [0, 4, 12]
+    with fake_scope(2, 1).bind():
+        assert zigzag_position_ids(cu).tolist() == zigzag_positions(cu, 2, 1).tolist() == [1, 2, 2, 3, 4, 5]
+        assert zigzag_indices(cu).tolist() == [1, 2, 6, 7, 8, 9]  # cp / rank of the active scope
+    assert zigzag_positions(cu, group=None).tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"pass both cp and rank \(got cp=2, rank=None\)"):
+        zigzag_positions(cu, 2)
+    with pytest.raises(ValueError, match=r"either cp and rank.*or group="):
+        zigzag_indices(cu, 2, 1, group=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,7 +152,7 @@ def test_shard_reassemble_roundtrip(cp, layout, mults):
     cu = cu_of(doc_lens) if layout == "thd" else None
     full = torch.full_like(x, float("nan"))
     for r in range(cp):
-        local = fake_scope(cp, r).run(zigzag_shard, x, seq_dim=d, cu_seqlens=cu)
+        local = as_rank(cp, r, zigzag_shard, x, seq_dim=d, cu_seqlens=cu)
         ref_idx, _ = ref_local_tokens(doc_lens, cp, r)
         assert torch.equal(local, x.index_select(d, torch.tensor(ref_idx, dtype=torch.long)))
         full.index_copy_(d, zigzag_indices(cu if cu else doc_lens[0], cp, r), local)
@@ -151,7 +171,7 @@ def test_cp1_is_identity():
 def test_shard_is_differentiable():
     x = torch.randn(16, 3, requires_grad=True)
     cu = [0, 4, 16]
-    local = fake_scope(2, 1).run(zigzag_shard, x, seq_dim=0, cu_seqlens=cu)
+    local = as_rank(2, 1, zigzag_shard, x, seq_dim=0, cu_seqlens=cu)
     w = torch.randn_like(local)
     (local * w).sum().backward()
     ref = torch.zeros(16, 3)
@@ -230,7 +250,7 @@ def test_pad_packed_batch():
     (h_p * 3).sum().backward()
     assert torch.equal(h.grad, torch.full_like(h, 3.0))
     # padded batch shards cleanly with CP2; already-divisible documents are unchanged
-    fake_scope(2, 0).run(zigzag_shard, ids_p, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)
+    as_rank(2, 0, zigzag_shard, ids_p, seq_dim=0, cu_seqlens=b.cu_seqlens_padded)
     same = pad_packed_batch(ids_p, cu_seqlens=b.cu_seqlens_padded, cp=2)
     assert torch.equal(same.tensors[0], ids_p) and bool(same.real_mask.all())
 
@@ -259,14 +279,14 @@ def test_pad_to_cp_multiple():
 
 def test_bad_sequence_not_divisible():
     with pytest.raises(ValueError, match=r"divisible by 2\*cp=4, got 6"):
-        fake_scope(2, 0).run(zigzag_shard, torch.zeros(1, 6), seq_dim=1)
+        as_rank(2, 0, zigzag_shard, torch.zeros(1, 6), seq_dim=1)
     with pytest.raises(ValueError, match=r"divisible by 2\*cp=8, got 12"):
         zigzag_indices(12, 4, 0)
 
 
 def test_bad_document_not_divisible():
     with pytest.raises(ValueError, match=r"document 1 has length 6"):
-        fake_scope(2, 0).run(zigzag_shard, torch.zeros(10), seq_dim=0, cu_seqlens=[0, 4, 10])
+        as_rank(2, 0, zigzag_shard, torch.zeros(10), seq_dim=0, cu_seqlens=[0, 4, 10])
 
 
 def test_bad_cu_seqlens():
@@ -282,7 +302,7 @@ def test_bad_cu_seqlens():
 
 def test_bad_shard_length_vs_cu_seqlens():
     with pytest.raises(ValueError, match=r"x has 12 tokens.*cu_seqlens\[-1\]=8"):
-        fake_scope(2, 0).run(zigzag_shard, torch.zeros(12), seq_dim=0, cu_seqlens=[0, 8])
+        as_rank(2, 0, zigzag_shard, torch.zeros(12), seq_dim=0, cu_seqlens=[0, 8])
 
 
 def test_bad_seq_dim_and_rank():
@@ -290,13 +310,13 @@ def test_bad_seq_dim_and_rank():
         zigzag_shard(torch.zeros(2, 4), seq_dim=3)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, cp=2\), got 2"):
         zigzag_indices(8, 2, 2)
-    with pytest.raises(ValueError, match=r"cp must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"cp must be an integer >= 1, got 0"):
         zigzag_indices(8, 0, 0)
 
 
 def test_cu_seqlens_host_copy_is_cached_per_tensor_and_version():
     """Every layer validating the same cu_seqlens tensor shares one host copy; an in-place change is seen."""
-    from cpscope._checks import cu_seqlens_list
+    from cpscope._pack import cu_seqlens_list
 
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)
     assert cu_seqlens_list(cu) == [0, 4, 12]
@@ -314,13 +334,11 @@ def test_cu_seqlens_host_copy_is_cached_per_tensor_and_version():
         torch.Tensor.tolist = real
     with torch.inference_mode():
         inf = torch.tensor([0, 8], dtype=torch.int32)
-    assert cu_seqlens_list(inf) == [0, 8]  # no version counter: validated every time, never cached
-    from cpscope import _checks
-
+    assert cu_seqlens_list(inf) == [0, 8]  # no version counter: followed by its content (CPU)
     key = id(cu)
-    assert key in _checks._CU_LISTS and id(inf) not in _checks._CU_LISTS
+    assert key in _tensor_cache._BY_TENSOR
     del cu
-    assert key not in _checks._CU_LISTS  # the entry dies with its tensor
+    assert key not in _tensor_cache._BY_TENSOR  # the entry dies with its tensor
 
 
 def test_cp1_shard_and_unshard_still_validate_cu_seqlens():
@@ -339,3 +357,128 @@ def test_pad_helpers_refuse_cp_contradicting_group():
         pad_packed_batch(torch.zeros(6), cu_seqlens=[0, 6], cp=2, group=None)
     with pytest.raises(ValueError, match=r"cp=4 contradicts group= of CP size 1"):
         pad_to_cp_multiple(torch.zeros(1, 6), seq_dim=1, cp=4, group=None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Integers of any kind; cached state never aliased, never stale
+
+
+def test_numpy_integers_are_sizes_and_ranks():
+    i64, i32 = np.int64, np.int32
+    assert zigzag_indices(i64(8), i64(2), i32(1)).tolist() == [2, 3, 4, 5]
+    assert zigzag_positions(np.array([0, 4, 12]), i32(2), i64(1)).tolist() == [1, 2, 2, 3, 4, 5]
+    assert zigzag_positions([i64(0), i64(4), i64(12)], 2, 1).tolist() == [1, 2, 2, 3, 4, 5]
+    assert pad_packed_batch(torch.zeros(5), cu_seqlens=[0, 5], cp=i64(2)).cu_seqlens_padded.tolist() == [0, 8]
+    assert pad_to_cp_multiple(torch.zeros(1, 5), seq_dim=1, cp=i32(2))[0].shape == (1, 8)
+    assert cpscope.sharding.real_offsets(i64(5), i64(2)).tolist() == [0, 5, 10]
+    for bad, name in ((True, "cp"), (2.0, "cp"), (np.float32(2), "cp"), (np.bool_(True), "cp")):
+        with pytest.raises(ValueError, match=rf"{name} must be an integer, got \w+ {re.escape(repr(bad))}"):
+            zigzag_indices(8, bad, 0)
+    with pytest.raises(ValueError, match=r"rank must be an integer, got float 1.0"):
+        zigzag_positions(8, 2, 1.0)
+    with pytest.raises(ValueError, match=r"cp must be an integer, got bool True"):
+        pad_packed_batch(torch.zeros(4), cu_seqlens=[0, 4], cp=True)
+    with pytest.raises(ValueError, match=r"cp must be an integer, got float 2.0"):
+        pad_to_cp_multiple(torch.zeros(1, 4), seq_dim=1, cp=2.0)
+
+
+def _ref_rope(x: torch.Tensor, freqs: torch.Tensor, pos: list[int]) -> torch.Tensor:
+    """Non-interleaved RoPE of ``[t, h, d]`` at ``pos``, float64 (rot_dim == d)."""
+    f = freqs[torch.tensor(pos)].reshape(len(pos), 1, -1).double()
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return x.double() * f.cos() + torch.cat([-x2, x1], -1) * f.sin()
+
+
+def _doc_positions(cu: list[int]) -> list[int]:
+    return [p for a, b in zip(cu[:-1], cu[1:]) for p in range(b - a)]
+
+
+def test_returned_tensors_never_alias_a_cache():
+    """Changing what cpscope returned in place changes nothing it computes later (was: RoPE rotated at the
+    shifted positions, max difference 6.57 on this 16-token pack)."""
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    freqs = cpscope.rotary_freqs(8, 32)
+    x = torch.randn(8, 2, 8, generator=torch.Generator().manual_seed(0))  # [t_local, h, d]
+    with fake_scope(2, 1).bind():
+        want = cpscope.apply_rotary_pos_emb(x, freqs, qkv_format="thd", cu_seqlens=cu)
+        pos = cpscope.zigzag_position_ids(cu)
+        pos += 3
+        idx = cpscope.zigzag_indices(cu)
+        idx.zero_()
+        got = cpscope.apply_rotary_pos_emb(x, freqs, qkv_format="thd", cu_seqlens=cu)
+        assert cpscope.zigzag_position_ids(cu).tolist() == [2, 3, 4, 5, 2, 3, 4, 5]
+        assert cpscope.zigzag_indices(cu).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got.double(), _ref_rope(x, freqs, [2, 3, 4, 5, 2, 3, 4, 5]))
+    for fn in (zigzag_positions, zigzag_indices):
+        first = fn(cu, 2, 0)
+        first.add_(100)
+        assert fn(cu, 2, 0).max() < 16
+        first = fn([0, 16], 2, 0)  # value-keyed offsets
+        first.add_(100)
+        assert fn([0, 16], 2, 0).max() < 16
+
+
+def test_offsets_refilled_in_place_behind_torchs_back_are_seen():
+    """``cu = torch.from_numpy(buf)`` reused while the loader refills ``buf[:]``: the version counter does not
+    move, yet host copies, packs, positions, RoPE and attention masks follow the new boundaries."""
+    from tests.attention._reference import reference_attention
+
+    buf = np.array([0, 8, 16], dtype=np.int32)
+    cu = torch.from_numpy(buf)
+    assert cpscope._pack.host_offsets(cu) == (0, 8, 16)
+    old_pack = pack_for(cu, 2, 1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 2, 8, generator=g, dtype=torch.float64)
+    freqs = cpscope.rotary_freqs(8, 32)
+    cpscope.apply_rotary_pos_emb(x, freqs, qkv_format="thd", cu_seqlens=cu, group=None)
+    version = cu._version
+    buf[:] = [0, 4, 16]  # the loader's next microbatch, into the same memory
+    assert cu._version == version  # torch did not see the write
+    assert cpscope._pack.host_offsets(cu) == (0, 4, 16)
+    new_pack = pack_for(cu, 2, 1)
+    assert new_pack is not old_pack and new_pack.cu == (0, 4, 16)  # what the ring and cuDNN offsets derive from
+    assert zigzag_positions(cu, 2, 1).tolist() == ref_local_tokens([4, 12], 2, 1)[1]
+    rope = cpscope.apply_rotary_pos_emb(x, freqs, qkv_format="thd", cu_seqlens=cu, group=None)
+    torch.testing.assert_close(rope.double(), _ref_rope(x, freqs, _doc_positions([0, 4, 16])))
+    q, k, v = (torch.randn(16, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out = cpscope.context_parallel_attention(q, k, v, qkv_format="thd", causal=True, cu_seqlens=cu, group=None)
+    torch.testing.assert_close(out, reference_attention(q, k, v, causal=True, cu=[0, 4, 16]))
+
+
+def test_clear_caches_calls_every_registered_clear():
+    calls: list[int] = []
+    fn = _tensor_cache.register_clear(lambda: calls.append(1))
+    try:
+        _tensor_cache.register_clear(fn)  # registered once
+        zigzag_indices(torch.tensor([0, 8], dtype=torch.int32), 2, 0)
+        cpscope.clear_caches()
+        assert calls == [1] and _tensor_cache.stats() == {"tensors": 0, "derived": 0, "values": 0}
+    finally:
+        _tensor_cache._CLEARS.remove(fn)
+    from cpscope.attention import _cudnn_thd
+
+    assert _cudnn_thd.clear_cache in _tensor_cache._CLEARS  # the cuDNN graph cache registered itself
+
+
+def test_tensor_cache_from_many_threads():
+    """Concurrent lookups of shared and fresh offsets tensors give the right packs (no lost or mixed entries)."""
+    shared = [torch.tensor([0, 4 * (i + 1), 8 * (i + 1)], dtype=torch.int32) for i in range(4)]
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for step in range(200):
+                i = (seed + step) % 4
+                t = shared[i] if step % 2 else torch.tensor([0, 4 * (i + 1), 8 * (i + 1)], dtype=torch.int32)
+                p = pack_for(t, 2, step % 2)
+                assert p.cu == (0, 4 * (i + 1), 8 * (i + 1)) and p.rank == step % 2
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]

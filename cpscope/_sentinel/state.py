@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..groups import group_ranks
 from ..scope import CPScope
-from ..scope import _current_graph_task_id  # backward_check.graph_task_id once it exists
+from ..backward_check import graph_task_id as _current_graph_task_id
 
 __all__ = ["in_backward", "me", "same_scope", "describe", "group_of", "offsets_list", "fingerprint", "Microbatch",
            "Records"]

@@ -45,6 +45,8 @@ from typing import Any, Optional
 
 import torch
 
+from .._tensor_cache import register_clear
+
 log = logging.getLogger(__name__)
 
 __all__ = ["available", "forward", "backward", "clear_cache"]
@@ -85,6 +87,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@register_clear  # cpscope.clear_caches() drops the graphs too
 def clear_cache() -> None:
     """Drop the cached cuDNN graphs (they are rebuilt on demand)."""
     with _lock:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import _hooks
 from .._pack import Pack, pack_for
 from .._variants import P2P
-from ..scope import _UNSET, CPScope, resolve_scope
+from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
 from .ring import ring_attention
 from .ring_plan import RingPlan, plan_for_pack

@@ -58,9 +58,10 @@ import torch
 from transformers import AttentionInterface
 
 from .. import _hooks
-from .._checks import check_cu_seqlens, check_divisible_seq, cu_seqlens_list
+from .._checks import check_cu_seqlens, check_divisible_seq
+from .._pack import cu_seqlens_list
 from ..attention import context_parallel_attention
-from ..scope import _UNSET, CPScope, resolve_scope
+from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ..sharding import zigzag_positions, zigzag_shard
 from ._hf_recompute import (
     ATTN_IMPLEMENTATION,

@@ -63,12 +63,12 @@ from .._checks import (
     check_divisible_seq,
     check_local_thd_len,
     check_qkv_format,
-    cu_seqlens_list,
 )
+from .._pack import cu_seqlens_list
 from .._variants import VARIANTS, check_comm
 from ..groups import group_ranks
 from ..rope import call_te_rope, checked_rope_inputs, te_rope
-from ..scope import _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
+from ..scope import UNSET as _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
 from ..streams import cp_stream
 from ._swap import ForwardSignature, call_with_attributes, swap_class, unswap_all
 

@@ -47,7 +47,7 @@ from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
-from ..scope import _UNSET, resolve_scope
+from ..scope import UNSET as _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 

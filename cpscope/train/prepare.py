@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .._checks import cu_seqlens_list
+from .._pack import cu_seqlens_list
 from .._variants import check_comm
 from ..groups import group_ranks
 from ..hybrid.plan import Microbatch

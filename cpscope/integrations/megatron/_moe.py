@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..._checks import cu_seqlens_list
+from ..._pack import cu_seqlens_list
 from ...groups import group_ranks
 from ...scope import CPScope
 from ...sharding import zigzag_indices

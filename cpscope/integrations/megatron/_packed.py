@@ -35,7 +35,8 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar, overload
 
 import torch
 
-from ..._checks import check_cu_seqlens, cu_seqlens_list
+from ..._checks import check_cu_seqlens
+from ..._pack import cu_seqlens_list
 from ...scope import CPScope, capture_scope, scope_for
 
 __all__ = ["PackedSeqInfo", "scope_from_packed_seq_params", "read_packed_seq_params", "packed_seq_scope"]

@@ -43,7 +43,8 @@ from typing import Any, NamedTuple, Optional
 
 from torch import nn
 
-from ..._checks import check_divisible_seq, check_local_thd_len, cu_seqlens_list
+from ..._checks import check_divisible_seq, check_local_thd_len
+from ..._pack import cu_seqlens_list
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin

@@ -37,10 +37,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..._checks import cu_seqlens_list
+from ..._pack import cu_seqlens_list
 from ...hybrid.plan import Microbatch
 from ...train.loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
-from ...scope import _UNSET, resolve_scope, scope_for
+from ...scope import UNSET as _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard
 
 __all__ = [
