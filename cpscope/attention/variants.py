@@ -47,7 +47,7 @@ class VariantQuery:
 
     ``heads`` / ``kv_heads``: q and k/v heads of the call (per tensor-parallel rank); ``seq_lens``: global lengths of
     the sequences (``thd``: the documents; dense: one per batch row; empty where unknown, e.g. when the TE adapter
-    binds a module before its forward).
+    binds a module before its forward); ``window``: the call's ``(left, right)`` window, if any.
     """
 
     cp: int
@@ -59,6 +59,7 @@ class VariantQuery:
     seq_lens: tuple[int, ...] = ()
     dtype: Optional[torch.dtype] = None
     device_type: str = "cuda"
+    window: Optional[tuple[int, int]] = None  # (left, right), -1 unbounded; None: no window
 
 
 class Variant(NamedTuple):
@@ -111,18 +112,19 @@ def choose_variant(query: VariantQuery) -> str:
 
 
 def _query(q: torch.Tensor, k: torch.Tensor, *, scope: CPScope, qkv_format: str, causal: bool,
-           cu: Optional[tuple[int, ...]]) -> VariantQuery:
+           cu: Optional[tuple[int, ...]], window: Optional[tuple[int, int]] = None) -> VariantQuery:
     if qkv_format == "thd":
         lens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
     else:
         b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
         lens = (s * scope.size,) * b
     return VariantQuery(scope.size, q.shape[-2], k.shape[-2], q.shape[-1], qkv_format, causal, lens, q.dtype,
-                        q.device.type)
+                        q.device.type, window)
 
 
 def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: torch.Tensor, *, qkv_format: str,
-                    causal: bool, cu: Optional[tuple[int, ...]], padded: bool = False) -> Variant:
+                    causal: bool, cu: Optional[tuple[int, ...]], padded: bool = False,
+                    window: Optional[tuple[int, int]] = None) -> Variant:
     """The variant of this call (after the shared input checks, before any collective).
 
     ``padded``: the call masks padding rows (real offsets that differ from the layout); without a causal mask only
@@ -137,14 +139,15 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
         return Variant(P2P)
     spec = asked
     if spec == AUTO:
-        spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu))
+        spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu, window=window))
         logger.debug("comm='auto' chose %r (cp=%d, heads %d/%d, %s)", spec, scope.size, q.shape[-2], k.shape[-2],
                      qkv_format)
     name, inner = split_comm(spec)
     h, h_kv = q.shape[-2], k.shape[-2]
     if name == A2A:
-        check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size)
-    variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv)) if name == HIERARCHICAL else Variant(name)
+        check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size, replicate=True)
+    variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv, replicate=True)) if name == HIERARCHICAL \
+        else Variant(name)
     if name != P2P and padded and not causal:
         if asked != AUTO:
             raise ValueError(
@@ -156,10 +159,15 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
 
 
 def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, *,
-                qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float) -> torch.Tensor:
-    """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout."""
+                qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float,
+                window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout.
+
+    ``window``: the call's effective window (:func:`cpscope.attention.halo_plan.effective_window`)."""
     qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
-    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale}
+    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale, "window": window,
+                          "softcap": softcap, "sinks": sinks}
     if variant.name == HIERARCHICAL:
         kw["inner"] = variant.inner
     out = _RUNNERS[variant.name](qp, kp, vp, **kw)

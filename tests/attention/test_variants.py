@@ -278,9 +278,10 @@ def test_auto_rule_and_chooser_hook():
 def _bad_choices() -> str:
     groups = cpscope.new_cp_groups([2, 4])
     x, mqa = torch.randn(1, 4, 4, D), torch.randn(1, 4, 1, D)
-    with pytest.raises(ValueError, match=r"k/v heads \(1\) must both divide.*would work for these heads: \[1\]"
-                                         r".*'all_gather'"):
-        context_parallel_attention(x, mqa, mqa, comm="a2a", group=groups[2])
+    three = torch.randn(1, 4, 3, D)
+    with pytest.raises(ValueError, match=r"q heads \(3\) must divide.*replicated.*would work for these heads: "
+                                         r"\[1, 3\].*'all_gather'"):
+        context_parallel_attention(three, mqa, mqa, comm="a2a", group=groups[2])
     six = torch.randn(1, 4, 6, D)
     with pytest.raises(ValueError, match=r"q heads \(6\).*CP size 4.*would work for these heads: \[1, 2, 3, 6\]"):
         context_parallel_attention(six, six, six, comm="a2a", group=groups[4])
@@ -288,8 +289,8 @@ def _bad_choices() -> str:
         context_parallel_attention(x, x, x, comm="a2a+p2p", group=groups[2])
     with pytest.raises(ValueError, match=r"'a2a\+p2p:3'.*must divide the CP size 4"):
         context_parallel_attention(x, x, x, comm="a2a+p2p:3", group=groups[4])
-    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp.*q 4, k/v 1"):
-        context_parallel_attention(x, mqa, mqa, comm="a2a+p2p", group=groups[4])
+    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp.*q 3, k/v 1"):
+        context_parallel_attention(three, mqa, mqa, comm="a2a+p2p", group=groups[4])
     with pytest.raises(ValueError, match="divisible by 2\\*cp=8"):  # the shared checks come first
         context_parallel_attention(x[:, :3], x[:, :3], x[:, :3], comm="all_gather", group=groups[4])
     return str(context_parallel_attention(x, x, x, comm="a2a", group=groups[4]).shape)  # ranks still in step
