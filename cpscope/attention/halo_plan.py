@@ -108,7 +108,8 @@ class HaloBlock:
 
     ``k``: rows of the source's buffer as it arrives (the compacted halo; the local K/V for ``src == rank``);
     ``k_local``: the same keys as rows of the source's local K/V. ``causal`` / ``window``: the block kernel's mask.
-    ``pieces``: (document, query chunk, key chunk) pairs inside; ``area``: (query, key) pairs it computes.
+    ``pieces``: (document, query chunk, key chunk) pairs inside; ``area``: its rectangles' (query, key) pairs (what a
+    kernel without masked-tile skipping computes); ``pairs``: the unmasked ones among them.
     """
 
     src: int
@@ -120,6 +121,23 @@ class HaloBlock:
     window: Window
     pieces: int
     area: int
+    shapes: tuple[torch.Tensor, torch.Tensor]  # the pieces' nq, nk (host)
+
+    @property
+    def pairs(self) -> int:
+        """The unmasked (query, key) pairs of the block (computed when asked: counters, not the hot path)."""
+        lw, rw = self.window if self.window is not None else (-1, -1)
+        return _visible_pairs(*self.shapes, lw, 0 if self.causal else rw)
+
+
+def _visible_pairs(nq: torch.Tensor, nk: torch.Tensor, lw: int, rw: int) -> int:
+    """Unmasked (query, key) pairs of pieces ``nq x nk`` under the aligned window ``(lw, rw)`` (-1: unbounded)."""
+    rows = torch.repeat_interleave(torch.arange(nq.numel()), nq)
+    i = torch.arange(rows.numel()) - (torch.cumsum(nq, 0) - nq)[rows]
+    diag, n = i + (nk - nq)[rows], nk[rows]
+    lo = torch.zeros_like(n) if lw == -1 else (diag - lw).clamp(min=0)
+    hi = n if rw == -1 else torch.minimum(diag + rw + 1, n)
+    return int((hi - lo).clamp(min=0).sum())
 
 
 class _Docs:
@@ -228,7 +246,8 @@ class HaloGeometry:
             causal = rw == 0
             window = None if lw == -1 and rw in (-1, 0) else (lw, 0 if causal else rw)
             self.blocks.setdefault(src, []).append(HaloBlock(src, Rows.of(qs, nq, device), k, k_local, vl, causal,
-                                                             window, int(nq.numel()), int((nq * nk).sum())))
+                                                             window, int(nq.numel()), int((nq * nk).sum()),
+                                                             (nq, nk)))
 
     def rounds(self) -> list[tuple[int, Optional[int], Optional[int]]]:
         """``(distance, src, dest)`` of the exchange rounds this rank takes part in: at distance ``i`` it receives
@@ -243,11 +262,13 @@ class HaloGeometry:
 
     def counters(self) -> dict[str, int]:
         """What one pass sends and computes on this rank: K/V rows sent and received, kernel calls (``blocks``),
-        (document, query chunk, key chunk) ``pieces`` and (query, key) pairs computed (``area``)."""
+        (document, query chunk, key chunk) ``pieces``, the blocks' (query, key) rectangles (``area``) and the
+        unmasked pairs in them (``pairs``)."""
         blocks = [b for bs in self.blocks.values() for b in bs]
         return {"rows_sent": sum(int(x.numel()) for x in self.sends.values()),
                 "rows_received": sum(self.recv_rows.values()), "blocks": len(blocks),
-                "pieces": sum(b.pieces for b in blocks), "area": sum(b.area for b in blocks)}
+                "pieces": sum(b.pieces for b in blocks), "area": sum(b.area for b in blocks),
+                "pairs": sum(b.pairs for b in blocks)}
 
 
 class HaloPlan:
