@@ -13,7 +13,11 @@ it with the same query and must get the same answer. The default rule (:func:`de
 1. heads divide by ``cp`` (q and k/v): ``"a2a"`` — balanced by heads whatever the documents, and its traffic per
    rank does not grow with ``cp``;
 2. else few k/v heads (``h >= 4 * h_kv``, GQA / MQA): ``"all_gather"`` — gathering K/V costs little;
-3. else ``"p2p"``.
+3. else ``"p2p"``;
+
+except that with a sliding window ``"p2p"`` wins when its halo exchange (:func:`cpscope.hybrid.comm_cost.halo_rows`:
+a short window moves only its neighbours' halos) receives at most half of what the whole ring would, and no more
+than the variant the rule would pick.
 
 Example::
 
@@ -30,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .._variants import A2A, ALL_GATHER, AUTO, HIERARCHICAL, P2P, VARIANTS, check_comm, split_comm
+from ..hybrid.comm_cost import halo_rows
 from ..scope import CPScope
 from .allgather import all_gather_attention
 from .hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
@@ -70,14 +75,30 @@ class Variant(NamedTuple):
 
 
 def default_rule(query: VariantQuery) -> str:
-    """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring)."""
+    """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring).
+
+    Example::
+
+        default_rule(VariantQuery(4, 32, 8, 128, "thd", True, (65536,)))                      # 'a2a'
+        default_rule(VariantQuery(4, 32, 8, 128, "thd", True, (65536,), window=(255, 0)))     # 'p2p'
+    """
     if query.cp == 1:
         return P2P
     if query.heads % query.cp == 0 and query.kv_heads % query.cp == 0:
-        return A2A
-    if query.heads >= 4 * query.kv_heads:
-        return ALL_GATHER
-    return P2P
+        pick = A2A
+    elif query.heads >= 4 * query.kv_heads:
+        pick = ALL_GATHER
+    else:
+        return P2P
+    if query.window is not None and query.seq_lens and sum(query.seq_lens):
+        cp, h, g, total = query.cp, query.heads, query.kv_heads, sum(query.seq_lens)
+        lens = [n for n in query.seq_lens if n > 0]
+        halo = 2 * g * halo_rows(lens, cp, query.window, query.causal)  # head-rows one rank receives
+        ring = 2 * g * total * (cp - 1) / cp
+        other = 2 * (h + g) * total * (cp - 1) / cp**2 if pick == A2A else ring
+        if halo <= min(other, ring / 2):
+            return P2P
+    return pick
 
 
 _chooser: Callable[[VariantQuery], str] = default_rule

@@ -78,18 +78,26 @@ def check(group, comm, fmt: str, causal: bool, h: int, h_kv: int, *, batch: int 
 
 @contextlib.contextmanager
 def recording():
-    """Record which variant's forward / backward functions run (``"a2a.forward"``, ...), on this rank."""
-    from cpscope.attention import allgather, ring, ulysses
+    """Record which variant's forward / backward functions run (``"a2a.forward"``, ...), on this rank.
+
+    Windowed calls run the halo functions: ``"p2p"`` or ``"all_gather"`` by their exchange (inside the
+    hierarchical variant, called without one, they are its middle: not recorded)."""
+    from cpscope.attention import allgather, halo, ring, ulysses
+
+    def by_exchange(n):
+        return lambda a: None if len(a) < n else {"p2p": "p2p", "gather": "all_gather"}[a[n - 1]]
 
     seen: list[str] = []
     wrapped = [(allgather, "forward", lambda a: "all_gather"), (allgather, "backward", lambda a: "all_gather"),
                (ulysses, "forward", lambda a: "a2a" if a[5] is None else "a2a+p2p"),
                (ulysses, "backward", lambda a: "a2a" if a[4] is None else "a2a+p2p"),
-               (ring, "ring_forward", lambda a: "p2p"), (ring, "ring_backward", lambda a: "p2p")]
+               (ring, "ring_forward", lambda a: "p2p"), (ring, "ring_backward", lambda a: "p2p"),
+               (halo, "halo_forward", by_exchange(7)), (halo, "halo_backward", by_exchange(9))]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in wrapped]
     for (mod, name, tag), (_, _, orig) in zip(wrapped, saved):
         def wrapper(*a, _orig=orig, _tag=tag, _what=name.rsplit("_", 1)[-1], **kw):
-            seen.append(f"{_tag(a)}.{_what}")
+            if _tag(a) is not None:
+                seen.append(f"{_tag(a)}.{_what}")
             return _orig(*a, **kw)
 
         setattr(mod, name, wrapper)
