@@ -3,7 +3,8 @@ ranks, against an independent float64 full-sequence reference cut per rank.
 
 Hypothesis draws a case in the pytest process (document lengths including 0, exactly 2·cp and long ones; padded
 or not; cp ∈ {1, 2, 4} inside a 4-rank pool; causal or full; MHA, GQA, MQA; bshd, sbhd, thd; every communication
-variant the case allows); every rank of the
+variant the case allows; a sliding window, attention sinks, softcapping and a v head dim of its own, each or
+together); every rank of the
 pool runs it and checks its own slice, so a failing case shrinks like any Hypothesis example. The reference
 imports nothing of cpscope: its own zigzag index, its own RoPE, plain float64 softmax attention per document.
 
@@ -47,6 +48,10 @@ class Case:
     seed: int
     lay: tuple[int, ...] = ()  # thd: layout (padded) document lengths, multiples of 2·cp, >= real
     comm: str = "p2p"  # the communication variant
+    window: Optional[tuple[int, int]] = None  # (left, right), -1 unbounded
+    sinks: bool = False  # draw attention sinks (and check their gradient)
+    softcap: Optional[float] = None
+    dv: int = D  # v's head dim (multi-latent attention when != D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -73,8 +78,9 @@ def ref_rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., ROT:]], dim=-1)
 
 
-def ref_attention(q, k, v, doc_lens, causal):
-    """float64 [t, h, D] attention per document (k/v heads repeated), positions restarting per document."""
+def ref_attention(q, k, v, doc_lens, causal, window=None, sinks=None, softcap=None):
+    """float64 [t, h, D] attention per document (k/v heads repeated), positions restarting per document; a window
+    ``(left, right)`` (-1 unbounded), sinks ``[h]`` (one logit per head, no value) and a tanh softcap."""
     h, hk = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
     doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens, dtype=torch.long))
@@ -82,9 +88,18 @@ def ref_attention(q, k, v, doc_lens, causal):
     allowed = doc[:, None] == doc[None, :]
     if causal:
         allowed &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        if window[0] != -1:
+            allowed &= pos[None, :] >= pos[:, None] - window[0]
+        if window[1] != -1:
+            allowed &= pos[None, :] <= pos[:, None] + window[1]
     s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(h, s.shape[1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :q.shape[0]]
     return torch.einsum("hqk,khd->qhd", p, v), pos
 
 
@@ -108,12 +123,16 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
     lay = _layout_lens(case)
     n_real, n_lay = sum(real), sum(lay)
     # real tokens, float64, one row per token of the concatenated real documents (dense: rows one after another)
-    q, dout = (torch.randn(n_real, h, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(n_real, hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(n_real, h, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(n_real, h, case.dv, generator=g, dtype=torch.float64)
+    k = torch.randn(n_real, hk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(n_real, hk, case.dv, generator=g, dtype=torch.float64)
+    sinks = torch.randn(h, generator=g, dtype=torch.float64) if case.sinks else None
     q_r, k_r, v_r = (t.clone().requires_grad_(True) for t in (q, k, v))
+    s_r = None if sinks is None else sinks.clone().requires_grad_(True)
     pos_real = torch.cat([torch.arange(n) for n in real]) if real else torch.zeros(0, dtype=torch.long)
-    out_ref, _ = ref_attention(ref_rope(q_r, pos_real), ref_rope(k_r, pos_real), v_r, real, case.causal)
-    out_ref.backward(dout)
+    out_ref, _ = ref_attention(ref_rope(q_r, pos_real), ref_rope(k_r, pos_real), v_r, real, case.causal,
+                               case.window, s_r, case.softcap)
 
     # where every real token sits in the padded layout; this rank's local rows in the layout
     where = torch.cat([torch.arange(s, s + n) for s, n in zip([sum(lay[:i]) for i in range(len(lay))], real)]) \
@@ -132,6 +151,8 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
     dout_l = to_layout(dout).float()
     freqs = cpscope.rotary_freqs(ROT, max(lay + [1]))
     kw: dict = {}
+    sk = None if sinks is None else sinks.float().requires_grad_(True)
+    feats = dict(window=case.window, sinks=sk, softcap=case.softcap)
     with cpscope.runtime_cp(group):
         if case.layout == "thd":
             cu_lay = torch.tensor([0] + [sum(lay[: i + 1]) for i in range(len(lay))], dtype=torch.int32)
@@ -145,7 +166,7 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
             rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format="thd", **kw)
             rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format="thd", **kw)
             out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", causal=case.causal,
-                                                     comm=case.comm, **kw)
+                                                     comm=case.comm, **kw, **feats)
             do = cpscope.zigzag_shard(dout_l, seq_dim=0, cu_seqlens=cu_lay)
         else:
             b, S = len(real), case.seq
@@ -159,8 +180,8 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
             rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format=case.layout)
             rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format=case.layout)
             out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format=case.layout, causal=case.causal,
-                                                     comm=case.comm, **kw)
-            dl = dout_l.view(b, S, h, D)
+                                                     comm=case.comm, **kw, **feats)
+            dl = dout_l.view(b, S, h, case.dv)
             do = cpscope.zigzag_shard(dl if sd == 1 else dl.transpose(0, 1).contiguous(), seq_dim=sd)
 
     def rows(x):  # local tensor -> [n_local rows, ...] in the layout's token order of this rank
@@ -177,8 +198,12 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
         per_row = ref_zigzag([S], case.cp, rank)
         idx = torch.cat([i * S + per_row for i in range(b)])
         local_real = of_layout[idx]
-    ref = {"out": out_ref.detach(), "dq": q_r.grad, "dk": k_r.grad, "dv": v_r.grad}
     is_real = local_real >= 0
+    own = local_real[is_real]
+    if s_r is not None:  # the sinks' gradient of this rank's rows: what its sinks receive
+        (ds_ref,) = torch.autograd.grad((out_ref[own] * dout[own]).sum(), s_r, retain_graph=True)
+    out_ref.backward(dout)
+    ref = {"out": out_ref.detach(), "dq": q_r.grad, "dk": k_r.grad, "dv": v_r.grad}
     forward_error = _mismatch("out", rows(out.detach()), ref["out"], local_real, is_real, case, rank)
     # all ranks agree whether to run backward (a rank skipping it alone would leave the others waiting)
     flag = torch.tensor([forward_error is not None], dtype=torch.int32)
@@ -191,6 +216,10 @@ def check_case(case: Case, groups: dict) -> Optional[str]:
         error = _mismatch(name, got[name], ref[name], local_real, is_real, case, rank)
         if error is not None:
             return error
+    if sk is not None:
+        err = (sk.grad.double() - ds_ref).abs().max().item()
+        if not err <= TOL * max(1.0, ds_ref.abs().max().item()) * 4:
+            return f"dsinks: max error {err:.3g} on CP rank {rank} for {case}"
     return None
 
 
@@ -268,12 +297,17 @@ def cases(draw) -> Case:
     comms = ["p2p", "auto"]
     if not (padded and not causal):  # padding without a causal mask: only the ring masks it
         comms.append("all_gather")
-        if heads[0] % cp == 0 and heads[1] % cp == 0:
+        if heads[0] % cp == 0:  # k/v heads replicated as needed
             comms.append("a2a")
-        if cp == 4 and heads[1] % 2 == 0:
+        if cp == 4:
             comms.append("a2a+p2p:2")
     comm = draw(st.sampled_from(comms))
-    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay), comm)
+    side = st.one_of(st.just(-1), st.integers(0, 3 * m), st.integers(0, 2))  # unbounded, within a few chunks, tiny
+    window = draw(st.one_of(st.none(), st.tuples(side, st.just(0) if causal else side)))
+    sinks, softcap = draw(st.booleans()), draw(st.sampled_from([None, None, 1.5, 30.0]))
+    dv = draw(st.sampled_from([D, D, 12]))
+    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay), comm,
+                window, sinks, softcap, dv)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow],

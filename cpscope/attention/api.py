@@ -270,7 +270,11 @@ def run_call(call: AttentionCall) -> torch.Tensor:
         raise call.error
     band = call.band
     if call.variant.name == P2P:
-        return _run_halo(call, band) if band is not None and call.scope.size > 1 else _run_ring(call, band)
+        # a window across ranks, or over padded documents (their compacted keys would shift a kernel's aligned
+        # window): the halo plan's blocks; else the ring (one kernel call under CP1)
+        if band is not None and (call.scope.size > 1 or call.padded):
+            return _run_halo(call, band)
+        return _run_ring(call, band)
     # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so no
     # gradient flows from them
     out = run_variant(call.variant, call.q, call.k, call.v, call.scope, qkv_format=call.qkv_format,

@@ -66,7 +66,8 @@ class HaloExchange:
     """The ``"p2p"`` exchange of a windowed call: rounds of compacted halo rows (see the module docstring)."""
 
     def __init__(self, geo: HaloGeometry, group: Any) -> None:
-        self.geo, self.group, self.ranks = geo, group, group_ranks(group)
+        self.geo, self.group = geo, group
+        self.ranks = group_ranks(group) if geo.cp > 1 else [0]
         self.ahead = geo.cp - 1 if geo.all_at_once else 1
         self._grads: list[tuple[int, _Posted]] = []
 
