@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -92,7 +92,8 @@ class Rows(NamedTuple):
             return lse.narrow(-1, self.start, self.length)
         return lse.index_select(-1, self.index)
 
-    def spec(self):  # noqa: ANN201 - what merge_rows_ takes as rows
+    def spec(self) -> Union[tuple[int, int], torch.Tensor]:
+        """The rows as :func:`~cpscope.attention.merge.merge_rows_` takes them."""
         return (self.start, self.length) if self.index is None else self.index
 
     def add_(self, acc: torch.Tensor, val: torch.Tensor) -> None:
