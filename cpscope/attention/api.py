@@ -302,7 +302,7 @@ def _run_ring(call: AttentionCall, band: Window) -> torch.Tensor:
     feats = {"window": band, "softcap": call.softcap}
     if call.qkv_format == "thd":
         return ring_attention(q, k, v, plan=plan_for_pack(pack, q.device, causal=causal, scale=scale, **feats),
-                              group=scope.group, sinks=call.sinks)
+                              group=scope.group, **_sinks(call))
     if call.qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     b, s = q.shape[0], q.shape[1]
@@ -310,7 +310,7 @@ def _run_ring(call: AttentionCall, band: Window) -> torch.Tensor:
     if pack is not None:  # [b, s, h, d] -> [b*s, h, d] through the varlen ring
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
         plan = plan_for_pack(pack, q.device, causal=causal, scale=scale, **feats)
-        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group, sinks=call.sinks)
+        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group, **_sinks(call))
         out = out.view(b, s, *out.shape[1:])
     elif scope.size == 1 and q.is_cuda and plain:
         # CP1 on CUDA is plain attention: PyTorch's SDPA (cuDNN on Hopper; GQA without expanded K/V) with its own
@@ -321,8 +321,14 @@ def _run_ring(call: AttentionCall, band: Window) -> torch.Tensor:
     else:
         plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s,
                         **feats)
-        out = ring_attention(q, k, v, plan=plan, group=scope.group, sinks=call.sinks)
+        out = ring_attention(q, k, v, plan=plan, group=scope.group, **_sinks(call))
     return out.transpose(0, 1) if call.qkv_format == "sbhd" else out
+
+
+def _sinks(call: AttentionCall) -> dict[str, torch.Tensor]:
+    """``sinks=`` for the ring when the call has them (none otherwise: a plain call stays the plain call, for
+    wrappers of :func:`ring_attention` that take only its plain arguments)."""
+    return {} if call.sinks is None else {"sinks": call.sinks}
 
 
 def _zero_padding_rows(out: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
