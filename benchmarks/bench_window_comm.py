@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -218,8 +218,8 @@ def report(args: argparse.Namespace, cp: int, every: list[dict[str, Any]]) -> No
     if args.out:
         cmd = f"torchrun --nproc_per_node={cp} benchmarks/bench_window_comm.py " + " ".join(sys.argv[1:])
         with open(args.out, "w") as f:
-            json.dump({"command": cmd, "summary": lines, "ranks": every, "env": env_info(torch.device("cpu"))}, f, indent=1,
-                      default=str)
+            json.dump({"command": cmd, "summary": lines, "ranks": every, "env": env_info(torch.device("cpu"))}, f,
+                      indent=1, default=str)
 
 
 if __name__ == "__main__":

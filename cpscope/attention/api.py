@@ -172,8 +172,8 @@ class AttentionCall:
 
     The first fields are the call's arguments as given; ``scale``, ``pack`` and ``variant`` are derived by
     :func:`prepare_call`; ``window`` / ``sinks`` / ``softcap`` (last, with defaults, so that readers of the older
-    fields need no change) are the validated features. ``error`` holds the ``ValueError`` of inputs that failed validation (then the derived
-    fields are ``None`` and :func:`run_call` raises it). ``dataclasses.replace(call, q=..., k=..., v=...)`` gives the
+    fields need no change) are the validated features. ``error`` holds the ``ValueError`` of inputs that failed
+    validation (then the derived fields are ``None`` and :func:`run_call` raises it). ``dataclasses.replace(call, q=..., k=..., v=...)`` gives the
     same call on other (e.g. tapped) tensors of the same shapes.
     """
 
