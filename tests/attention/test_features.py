@@ -174,6 +174,9 @@ def _recompute(world: int) -> None:
         check(group, comm, fmt, causal, 4, 2, feats, seed=40 + i, module=True)
         for name, way in ways.items():
             check(group, comm, fmt, causal, 4, 1 + i % 2, feats, seed=50 + i, wrap=way)
+    # a2a with other GQA ratios: k/v heads replicated to a multiple of the CP size (6/3 at CP2; 12/3, 12/6 at CP4)
+    for h, h_kv in ((6, 3),) if world == 2 else ((12, 3), (12, 6)):
+        check(group, "a2a", "thd", True, h, h_kv, features("all", True, h_kv), seed=h_kv)
 
 
 @pytest.mark.parametrize("world", [2, 4])
