@@ -3,7 +3,8 @@ ranks, against an independent float64 full-sequence reference cut per rank.
 
 Hypothesis draws a case in the pytest process (document lengths including 0, exactly 2·cp and long ones; padded
 or not; cp ∈ {1, 2, 4} inside a 4-rank pool; causal or full; MHA, GQA, MQA; bshd, sbhd, thd; every communication
-variant the case allows); every rank of the
+variant the case allows; a sliding window, attention sinks, softcapping and a v head dim of its own, each or
+together); every rank of the
 pool runs it and checks its own slice, so a failing case shrinks like any Hypothesis example. The reference
 imports nothing of cpscope: its own zigzag index, its own RoPE, plain float64 softmax attention per document.
 
@@ -47,6 +48,10 @@ class Case:
     seed: int
     lay: tuple[int, ...] = ()  # thd: layout (padded) document lengths, multiples of 2·cp, >= real
     comm: str = "p2p"  # the communication variant
+    window: Optional[tuple[int, int]] = None  # (left, right), -1 unbounded
+    sinks: bool = False  # draw attention sinks (and check their gradient)
+    softcap: Optional[float] = None
+    dv: int = D  # v's head dim (multi-latent attention when != D)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -73,8 +78,9 @@ def ref_rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., ROT:]], dim=-1)
 
 
-def ref_attention(q, k, v, doc_lens, causal):
-    """float64 [t, h, D] attention per document (k/v heads repeated), positions restarting per document."""
+def ref_attention(q, k, v, doc_lens, causal, window=None, sinks=None, softcap=None):
+    """float64 [t, h, D] attention per document (k/v heads repeated), positions restarting per document; a window
+    ``(left, right)`` (-1 unbounded), sinks ``[h]`` (one logit per head, no value) and a tanh softcap."""
     h, hk = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
     doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens, dtype=torch.long))
@@ -82,9 +88,18 @@ def ref_attention(q, k, v, doc_lens, causal):
     allowed = doc[:, None] == doc[None, :]
     if causal:
         allowed &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        if window[0] != -1:
+            allowed &= pos[None, :] >= pos[:, None] - window[0]
+        if window[1] != -1:
+            allowed &= pos[None, :] <= pos[:, None] + window[1]
     s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(h, s.shape[1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :q.shape[0]]
     return torch.einsum("hqk,khd->qhd", p, v), pos
 
 
@@ -98,99 +113,117 @@ def _layout_lens(case: Case) -> list[int]:
     return [case.seq] * len(case.real)
 
 
-def check_case(case: Case, groups: dict) -> Optional[str]:
-    """Run ``case`` on this rank; return a description of the first mismatch (None when everything matches)."""
-    rank = dist.get_rank(groups[case.cp]) if case.cp > 1 else 0
-    group = groups[case.cp]
-    h, hk = case.heads
-    g = torch.Generator().manual_seed(case.seed)
-    real = list(case.real)
-    lay = _layout_lens(case)
-    n_real, n_lay = sum(real), sum(lay)
-    # real tokens, float64, one row per token of the concatenated real documents (dense: rows one after another)
-    q, dout = (torch.randn(n_real, h, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(n_real, hk, D, generator=g, dtype=torch.float64) for _ in range(2))
-    q_r, k_r, v_r = (t.clone().requires_grad_(True) for t in (q, k, v))
-    pos_real = torch.cat([torch.arange(n) for n in real]) if real else torch.zeros(0, dtype=torch.long)
-    out_ref, _ = ref_attention(ref_rope(q_r, pos_real), ref_rope(k_r, pos_real), v_r, real, case.causal)
-    out_ref.backward(dout)
+class _Rows:
+    """Where the real tokens sit: in the padded layout (``where``), and which real token each local row holds
+    (``local_real``, -1 at padding) in this rank's local order (thd: per document; dense: per batch row)."""
 
-    # where every real token sits in the padded layout; this rank's local rows in the layout
-    where = torch.cat([torch.arange(s, s + n) for s, n in zip([sum(lay[:i]) for i in range(len(lay))], real)]) \
-        if real else torch.zeros(0, dtype=torch.long)
-    idx = ref_zigzag(lay, case.cp, rank)  # [n_local] layout indices of the local rows
-    of_layout = torch.full((n_lay,), -1, dtype=torch.long)
-    of_layout[where] = torch.arange(n_real)
-    local_real = of_layout[idx]  # real token of each local row, -1 at padding
+    def __init__(self, case: Case, rank: int) -> None:
+        real, lay = list(case.real), _layout_lens(case)
+        self.n_lay = sum(lay)
+        starts = [sum(lay[:i]) for i in range(len(lay))]
+        self.where = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, real)]) if real \
+            else torch.zeros(0, dtype=torch.long)
+        of_layout = torch.full((self.n_lay,), -1, dtype=torch.long)
+        of_layout[self.where] = torch.arange(sum(real))
+        if case.layout == "thd":
+            idx = ref_zigzag(lay, case.cp, rank)  # [n_local] layout indices of the local rows
+        else:  # dense local row (row i, local position j) is layout token i*S + zigzag(j)
+            per_row = ref_zigzag([case.seq], case.cp, rank)
+            idx = torch.cat([i * case.seq + per_row for i in range(len(real))])
+        self.local_real = of_layout[idx]
+        self.is_real = self.local_real >= 0
 
-    def to_layout(x):  # [n_real, ...] -> [n_lay, ...] with zeros at padding
-        out = x.new_zeros((n_lay, *x.shape[1:]))
-        out[where] = x
+    def to_layout(self, x: torch.Tensor) -> torch.Tensor:  # [n_real, ...] -> [n_lay, ...] with zeros at padding
+        out = x.new_zeros((self.n_lay, *x.shape[1:]))
+        out[self.where] = x
         return out
 
-    full = [to_layout(t).float() for t in (q, k, v)]
-    dout_l = to_layout(dout).float()
+
+def _reference(case: Case, rows: _Rows) -> dict:
+    """The case's float64 inputs (real tokens, concatenated) and the reference: out, dq, dk, dv over all rows and
+    the sinks' gradient of this rank's rows."""
+    g = torch.Generator().manual_seed(case.seed)
+    (h, hk), real = case.heads, list(case.real)
+    n = sum(real)
+    q = torch.randn(n, h, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(n, h, case.dv, generator=g, dtype=torch.float64)
+    k = torch.randn(n, hk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(n, hk, case.dv, generator=g, dtype=torch.float64)
+    sinks = torch.randn(h, generator=g, dtype=torch.float64) if case.sinks else None
+    q_r, k_r, v_r = (t.clone().requires_grad_(True) for t in (q, k, v))
+    s_r = None if sinks is None else sinks.clone().requires_grad_(True)
+    pos = torch.cat([torch.arange(m) for m in real]) if real else torch.zeros(0, dtype=torch.long)
+    out, _ = ref_attention(ref_rope(q_r, pos), ref_rope(k_r, pos), v_r, real, case.causal, case.window, s_r,
+                           case.softcap)
+    ref = {"inputs": (q, k, v, dout, sinks), "dsinks": None}
+    own = rows.local_real[rows.is_real]
+    if s_r is not None:  # the sinks' gradient of this rank's rows: what its sinks receive
+        (ref["dsinks"],) = torch.autograd.grad((out[own] * dout[own]).sum(), s_r, retain_graph=True)
+    out.backward(dout)
+    ref.update(out=out.detach(), dq=q_r.grad, dk=k_r.grad, dv=v_r.grad)
+    return ref
+
+
+def _run_cpscope(case: Case, group, full: list, dout_l: torch.Tensor, sk) -> tuple:
+    """Shard, rotate and attend under ``group``: ``(out, local q/k/v leaves, local dout)``."""
+    real, lay = list(case.real), _layout_lens(case)
     freqs = cpscope.rotary_freqs(ROT, max(lay + [1]))
-    kw: dict = {}
+    feats = dict(window=case.window, sinks=sk, softcap=case.softcap, causal=case.causal, comm=case.comm)
     with cpscope.runtime_cp(group):
         if case.layout == "thd":
             cu_lay = torch.tensor([0] + [sum(lay[: i + 1]) for i in range(len(lay))], dtype=torch.int32)
             cu_real = torch.tensor([0] + [sum(real[: i + 1]) for i in range(len(real))], dtype=torch.int32)
-            shard_kw = dict(cu_seqlens=cu_lay)
-            if case.padded:
-                kw = dict(cu_seqlens=cu_real, cu_seqlens_padded=cu_lay)
-            else:
-                kw = dict(cu_seqlens=cu_lay)
-            loc = [cpscope.zigzag_shard(t, seq_dim=0, **shard_kw).requires_grad_(True) for t in full]
-            rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format="thd", **kw)
-            rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format="thd", **kw)
-            out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", causal=case.causal,
-                                                     comm=case.comm, **kw)
-            do = cpscope.zigzag_shard(dout_l, seq_dim=0, cu_seqlens=cu_lay)
-        else:
-            b, S = len(real), case.seq
-            dense = [t.view(b, S, *t.shape[1:]) for t in full]  # [b, S, h, D]
-            if case.layout == "sbhd":
-                dense = [t.transpose(0, 1).contiguous() for t in dense]
-            sd = 1 if case.layout == "bshd" else 0
-            loc = [cpscope.zigzag_shard(t, seq_dim=sd).requires_grad_(True) for t in dense]
-            if case.padded:
-                kw = dict(cu_seqlens=torch.tensor([0] + [sum(real[: i + 1]) for i in range(b)], dtype=torch.int32))
-            rq = cpscope.apply_rotary_pos_emb(loc[0], freqs, qkv_format=case.layout)
-            rk = cpscope.apply_rotary_pos_emb(loc[1], freqs, qkv_format=case.layout)
-            out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format=case.layout, causal=case.causal,
-                                                     comm=case.comm, **kw)
-            dl = dout_l.view(b, S, h, D)
-            do = cpscope.zigzag_shard(dl if sd == 1 else dl.transpose(0, 1).contiguous(), seq_dim=sd)
+            kw = dict(cu_seqlens=cu_real, cu_seqlens_padded=cu_lay) if case.padded else dict(cu_seqlens=cu_lay)
+            loc = [cpscope.zigzag_shard(t, seq_dim=0, cu_seqlens=cu_lay).requires_grad_(True) for t in full]
+            rq, rk = (cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="thd", **kw) for t in loc[:2])
+            out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format="thd", **kw, **feats)
+            return out, loc, cpscope.zigzag_shard(dout_l, seq_dim=0, cu_seqlens=cu_lay)
+        b, S = len(real), case.seq
+        dense = [t.view(b, S, *t.shape[1:]) for t in (*full, dout_l)]  # [b, S, h, D]
+        if case.layout == "sbhd":
+            dense = [t.transpose(0, 1).contiguous() for t in dense]
+        sd = 1 if case.layout == "bshd" else 0
+        loc = [cpscope.zigzag_shard(t, seq_dim=sd).requires_grad_(True) for t in dense[:3]]
+        kw = {}
+        if case.padded:
+            kw = dict(cu_seqlens=torch.tensor([0] + [sum(real[: i + 1]) for i in range(b)], dtype=torch.int32))
+        rq, rk = (cpscope.apply_rotary_pos_emb(t, freqs, qkv_format=case.layout) for t in loc[:2])
+        out = cpscope.context_parallel_attention(rq, rk, loc[2], qkv_format=case.layout, **kw, **feats)
+        return out, loc, cpscope.zigzag_shard(dense[3], seq_dim=sd)
 
-    def rows(x):  # local tensor -> [n_local rows, ...] in the layout's token order of this rank
-        if case.layout == "thd":
-            return x
+
+def check_case(case: Case, groups: dict) -> Optional[str]:
+    """Run ``case`` on this rank; return a description of the first mismatch (None when everything matches)."""
+    rank = dist.get_rank(groups[case.cp]) if case.cp > 1 else 0
+    rows = _Rows(case, rank)
+    ref = _reference(case, rows)
+    q, k, v, dout, sinks = ref["inputs"]
+    sk = None if sinks is None else sinks.float().requires_grad_(True)
+    out, loc, do = _run_cpscope(case, groups[case.cp], [rows.to_layout(t).float() for t in (q, k, v)],
+                                rows.to_layout(dout).float(), sk)
+
+    def local_rows(x):  # local tensor -> [n_local rows, ...] in this rank's local order
         if case.layout == "sbhd":
             x = x.transpose(0, 1)
-        b, s = x.shape[:2]
-        # dense local row (row i, local position j) is layout token i*S + zigzag(j)
-        return x.reshape(b * s, *x.shape[2:])
+        return x if case.layout == "thd" else x.reshape(-1, *x.shape[2:])
 
-    if case.layout != "thd":  # dense local order: per batch row, this rank's zigzag positions
-        b, S = len(real), case.seq
-        per_row = ref_zigzag([S], case.cp, rank)
-        idx = torch.cat([i * S + per_row for i in range(b)])
-        local_real = of_layout[idx]
-    ref = {"out": out_ref.detach(), "dq": q_r.grad, "dk": k_r.grad, "dv": v_r.grad}
-    is_real = local_real >= 0
-    forward_error = _mismatch("out", rows(out.detach()), ref["out"], local_real, is_real, case, rank)
+    check = (rows.local_real, rows.is_real, case, rank)
+    forward_error = _mismatch("out", local_rows(out.detach()), ref["out"], *check)
     # all ranks agree whether to run backward (a rank skipping it alone would leave the others waiting)
     flag = torch.tensor([forward_error is not None], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         return forward_error or "forward mismatch on another rank"
     out.backward(do)
-    got = {"dq": rows(loc[0].grad), "dk": rows(loc[1].grad), "dv": rows(loc[2].grad)}
-    for name in ("dq", "dk", "dv"):
-        error = _mismatch(name, got[name], ref[name], local_real, is_real, case, rank)
+    for name, leaf in zip(("dq", "dk", "dv"), loc):
+        error = _mismatch(name, local_rows(leaf.grad), ref[name], *check)
         if error is not None:
             return error
+    if sk is not None:
+        want = ref["dsinks"]
+        err = (sk.grad.double() - want).abs().max().item()
+        if not err <= TOL * max(1.0, want.abs().max().item()) * 4:
+            return f"dsinks: max error {err:.3g} on CP rank {rank} for {case}"
     return None
 
 
@@ -268,12 +301,17 @@ def cases(draw) -> Case:
     comms = ["p2p", "auto"]
     if not (padded and not causal):  # padding without a causal mask: only the ring masks it
         comms.append("all_gather")
-        if heads[0] % cp == 0 and heads[1] % cp == 0:
+        if heads[0] % cp == 0:  # k/v heads replicated as needed
             comms.append("a2a")
-        if cp == 4 and heads[1] % 2 == 0:
+        if cp == 4:
             comms.append("a2a+p2p:2")
     comm = draw(st.sampled_from(comms))
-    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay), comm)
+    side = st.one_of(st.just(-1), st.integers(0, 3 * m), st.integers(0, 2))  # unbounded, within a few chunks, tiny
+    window = draw(st.one_of(st.none(), st.tuples(side, st.just(0) if causal else side)))
+    sinks, softcap = draw(st.booleans()), draw(st.sampled_from([None, None, 1.5, 30.0]))
+    dv = draw(st.sampled_from([D, D, 12]))
+    return Case(cp, layout, causal, heads, tuple(real), padded, seq, draw(st.integers(0, 2**16)), tuple(lay), comm,
+                window, sinks, softcap, dv)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow],

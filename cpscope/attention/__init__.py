@@ -2,12 +2,15 @@
 
 :func:`context_parallel_attention` takes this rank's **zigzag** shards of q/k/v (see ``cpscope.zigzag_shard``) and
 returns this rank's rows of full attention over the whole sequences — document-masked in ``thd``, causal or not,
-with grouped-query attention — over one of four communication variants. Under CP1 it is plain local attention.
+with grouped-query attention, sliding windows, attention sinks, softcapping and a v head dim of its own — over one
+of four communication variants. Under CP1 it is plain local attention.
 
 Modules, top down: :mod:`.api` (validate once, prepare the call, run it), :mod:`.module` (the ``nn.Module``),
 :mod:`.variants` (``comm=`` and the ``"auto"`` chooser), one algorithm each — :mod:`.ring` (the zigzag ring; its
 plan of blocks and rows per step in :mod:`.ring_plan`), :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hierarchical` —
-and their pieces: :mod:`.blocks` (one block and its kernels; :mod:`._cudnn_thd` for packed blocks on cuDNN),
+the windowed form of ``p2p`` / ``all_gather`` — :mod:`.halo` over :mod:`.halo_plan` (which blocks a window leaves,
+which K/V rows each rank needs from whom) — and their pieces: :mod:`.blocks` (one block and its kernels;
+:mod:`._cudnn_thd` for packed blocks on cuDNN),
 :mod:`.merge` (log-sum-exp merging), :mod:`.comm` (the exchange between ranks), :mod:`.layout` (the packed form of
 the collective variants), :mod:`._inputs` (validation).
 

@@ -36,11 +36,14 @@ from typing import Any, Optional
 
 import torch
 
+from .._pack import pack_for
 from ..scope import CPScope
-from .blocks import Varlen, acc_dtype, block_backward, block_forward
+from .blocks import Varlen, Window, acc_dtype, block_backward, block_forward
 from .comm import GroupCollectives, Pending
+from .halo import halo_attention
+from .halo_plan import halo_plan_for
 from .layout import Packed
-from .merge import merge_rows_
+from .merge import merge_rows_, merge_sinks_, sinks_grad
 from .ring_plan import DiagPart, RingPlan
 
 __all__ = ["AllGatherPlan", "all_gather_attention"]
@@ -85,8 +88,9 @@ class AllGatherPlan:
     """
 
     def __init__(self, *, causal: bool, scale: float, rank: int, size: int, cu: tuple[int, ...], dense: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, softcap: Optional[float] = None) -> None:
         self.causal, self.scale, self.rank, self.size, self.cu, self.dense = causal, scale, rank, size, cu, dense
+        self.softcap = softcap
         self.ring = RingPlan(varlen=not dense, causal=causal, scale=scale, rank=rank, size=size,
                              cu=None if dense else cu, local_len=cu[-1] // size, device=device)
         r = rank
@@ -98,10 +102,11 @@ class AllGatherPlan:
         self.blocks = [b for b in blocks if b.hi > b.lo]
 
     @classmethod
-    def of(cls, how: Packed, *, rank: int, size: int, causal: bool, scale: float,
-           device: torch.device) -> "AllGatherPlan":
+    def of(cls, how: Packed, *, rank: int, size: int, causal: bool, scale: float, device: torch.device,
+           softcap: Optional[float] = None) -> "AllGatherPlan":
         """The plan for packed tensors (``how``): the dense kernels for one dense row, else varlen."""
-        return cls(causal=causal, scale=scale, rank=rank, size=size, cu=how.cu, dense=how.rows == 1, device=device)
+        return cls(causal=causal, scale=scale, rank=rank, size=size, cu=how.cu, dense=how.rows == 1, device=device,
+                   softcap=softcap)
 
     def inner(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[t, h, d]`` as this plan computes on it (``[1, t, h, d]`` when dense; a view)."""
@@ -149,9 +154,10 @@ def _post_gathers(k: torch.Tensor, v: torch.Tensor, plan: AllGatherPlan, coll: A
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AllGatherPlan, coll: Any
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AllGatherPlan, coll: Any,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the local rows; ``out`` in q's dtype, ``lse`` in the accumulation dtype."""
+    """``(out, lse)`` of the local rows; ``out`` in q's dtype, ``lse`` in the accumulation dtype; sinks merged."""
     gathered = _post_gathers(k, v, plan, coll)  # before any kernel
     out = lse = None
     for j, blk in enumerate(plan.blocks):
@@ -160,7 +166,7 @@ def forward(
         else:
             kk, vv = (plan.keys(p.wait(), blk) for p in gathered[blk.src])
         o, l = block_forward(plan.rows(q, blk), kk, vv, scale=plan.scale, causal=blk.src == "local",
-                             varlen=plan.varlen(blk, q.device))
+                             varlen=plan.varlen(blk, q.device), softcap=plan.softcap)
         if out is None:  # the first block covers all rows
             out, lse = o.to(acc_dtype(q.dtype)), l.to(acc_dtype(q.dtype))
         else:
@@ -171,6 +177,8 @@ def forward(
                 p.wait()
     for p in (p for ps in gathered.values() for p in ps):  # a source without blocks on this rank
         p.wait()
+    if sinks is not None:
+        merge_sinks_(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -188,7 +196,7 @@ def backward(
 
     def local_piece(p: DiagPart) -> None:
         g = block_backward(p.take_q(dout), p.take_q(q), p.take_kv(k), p.take_kv(v), p.take_q(out), p.take_lse(lse),
-                           scale=plan.scale, causal=True, varlen=p.varlen)
+                           scale=plan.scale, causal=True, varlen=p.varlen, softcap=plan.softcap)
         p.take_q(dq).add_(g[0])
         p.take_kv(dk).copy_(g[1])
         p.take_kv(dv).copy_(g[2])
@@ -203,7 +211,7 @@ def backward(
             kg, vg = (p.wait() for p in gathered[src])
             g = block_backward(plan.rows(dout, blk), plan.rows(q, blk), plan.keys(kg, blk), plan.keys(vg, blk),
                                plan.rows(out, blk), plan.lse_rows(lse, blk), scale=plan.scale, causal=False,
-                               varlen=plan.varlen(blk, q.device))
+                               varlen=plan.varlen(blk, q.device), softcap=plan.softcap)
             if blk.back:
                 rp.add_q_back(dq, g[0])
             else:
@@ -231,30 +239,40 @@ def backward(
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AllGatherPlan,
-                coll: Any) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                plan: AllGatherPlan, coll: Any) -> torch.Tensor:
         k, v = k.detach().contiguous(), v.detach().contiguous()
-        out, lse = forward(q.detach(), k, v, plan, coll)
-        ctx.save_for_backward(q, k, v, out, lse)
+        sk = None if sinks is None else sinks.detach()
+        out, lse = forward(q.detach(), k, v, plan, coll, sk)
+        ctx.save_for_backward(q, k, v, out, lse, sk)
         ctx.plan, ctx.coll = plan, coll  # resolved in forward; backward never reads the ContextVar
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(dout.contiguous(), q.detach(), k, v, out, lse, ctx.plan, ctx.coll)
-        return dq.to(q.dtype), dk, dv, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = backward(dout, q.detach(), k, v, out, lse, ctx.plan, ctx.coll)
+        return dq.to(q.dtype), dk, dv, sinks_grad(dout, out, lse, sinks, ctx.needs_input_grad[3]), None, None
 
 
 @torch.compiler.disable  # collectives and a custom Function: always eager
 def all_gather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
+    window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention.layout`).
 
-    Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than calling this directly.
+    With a ``window`` the gathered K/V feed the window's blocks only (:mod:`cpscope.attention.halo`, its
+    ``"gather"`` exchange). Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than
+    calling this directly.
     """
-    plan = AllGatherPlan.of(how, rank=scope.rank, size=scope.size, causal=causal, scale=scale, device=q.device)
+    if window is not None:
+        hp = halo_plan_for(pack_for(tuple(how.cu), scope.size, scope.rank), q.device, window=window, causal=causal,
+                           scale=scale, softcap=softcap)
+        return halo_attention(q, k, v, plan=hp, group=scope.group, sinks=sinks, exchange="gather")
+    plan = AllGatherPlan.of(how, rank=scope.rank, size=scope.size, causal=causal, scale=scale, device=q.device,
+                            softcap=softcap)
     q, k, v = (plan.inner(x) for x in (q, k, v))
-    out = _AllGatherAttention.apply(q, k, v, plan, GroupCollectives(scope.group, scope.size, scope.rank))
+    out = _AllGatherAttention.apply(q, k, v, sinks, plan, GroupCollectives(scope.group, scope.size, scope.rank))
     return plan.outer(out)

@@ -18,7 +18,8 @@ Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups fo
 cached).
 
 Inner size: ``comm="a2a+p2p:N"`` names it; plain ``"a2a+p2p"`` takes :func:`default_inner_size` (the largest
-proper divisor of ``cp`` that divides both head counts, at most 8 — one node of 8 GPUs).
+proper divisor of ``cp`` that divides both head counts, at most 8 — one node of 8 GPUs; else one that divides the q
+heads, the k/v heads then replicated over the inner group).
 
 Example::
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from ..groups import group_ranks
 from ..scope import CPScope
+from .blocks import Window
 from .comm import GroupCollectives
 from .layout import Packed
 from .ulysses import UlyssesPlan, check_heads, run
@@ -47,23 +49,29 @@ _GROUPS: dict[tuple[int, int], tuple[Any, tuple[dist.ProcessGroup, dist.ProcessG
 _LOCK = threading.Lock()
 
 
-def default_inner_size(cp: int, heads: int, kv_heads: int) -> Optional[int]:
+def default_inner_size(cp: int, heads: int, kv_heads: int, replicate: bool = False) -> Optional[int]:
     """The largest ``n`` with ``1 < n < cp``, ``n | cp``, ``n | heads``, ``n | kv_heads`` and ``n <= 8``; else None.
+
+    ``replicate`` (cpscope's own a2a, which replicates k/v heads): when no such ``n`` divides the k/v heads, the
+    largest that divides the q heads.
 
     Example::
 
-        default_inner_size(8, 32, 8)     # 4
-        default_inner_size(4, 16, 1)     # None: MQA has one k/v head to shard
+        default_inner_size(8, 32, 8)                    # 4
+        default_inner_size(4, 16, 1)                    # None: MQA has one k/v head to shard
+        default_inner_size(4, 16, 1, replicate=True)    # 2: the k/v head replicated over the pair
     """
-    ok = [n for n in range(2, min(cp - 1, _MAX_DEFAULT_INNER) + 1)
-          if cp % n == 0 and heads % n == 0 and kv_heads % n == 0]
+    sizes = [n for n in range(2, min(cp - 1, _MAX_DEFAULT_INNER) + 1) if cp % n == 0 and heads % n == 0]
+    ok = [n for n in sizes if kv_heads % n == 0] or (sizes if replicate else [])
     return max(ok) if ok else None
 
 
-def check_inner_size(inner: Optional[int], cp: int, heads: int, kv_heads: int) -> int:
-    """The inner size to use (``inner`` or the default), or ``ValueError`` naming the sizes that would work."""
+def check_inner_size(inner: Optional[int], cp: int, heads: int, kv_heads: int, replicate: bool = False) -> int:
+    """The inner size to use (``inner`` or the default), or ``ValueError`` naming the sizes that would work.
+
+    ``replicate``: k/v heads are replicated over the inner group as needed (cpscope's own a2a+p2p)."""
     if inner is None:
-        inner = default_inner_size(cp, heads, kv_heads)
+        inner = default_inner_size(cp, heads, kv_heads, replicate)
         if inner is None:
             divisors = [n for n in range(2, cp) if cp % n == 0]
             raise ValueError(
@@ -77,7 +85,7 @@ def check_inner_size(inner: Optional[int], cp: int, heads: int, kv_heads: int) -
             f"comm='a2a+p2p:{inner}': the inner size must divide the CP size {cp} and lie strictly between 1 and "
             f"{cp} (use comm='a2a' for an all-to-all over the whole group, 'p2p' for the ring alone)"
         )
-    check_heads(heads, kv_heads, inner, variant="a2a+p2p", cp=cp)
+    check_heads(heads, kv_heads, inner, variant="a2a+p2p", cp=cp, replicate=replicate)
     return inner
 
 
@@ -125,12 +133,15 @@ def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.Proc
 @torch.compiler.disable  # collectives and a custom Function: always eager
 def hierarchical_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
-    inner: int,
+    inner: int, window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``a2a+p2p`` attention on validated packed ``[t, h, d]`` tensors (``inner`` checked by
-    :func:`check_inner_size`). Use :func:`cpscope.context_parallel_attention` with ``comm="a2a+p2p"``."""
+    :func:`check_inner_size`). Use :func:`cpscope.context_parallel_attention` with ``comm="a2a+p2p"``.
+
+    With a ``window`` the ring across the outer groups is the halo exchange (:mod:`cpscope.attention.halo`)."""
     inner_g, outer_g = hierarchical_groups(scope.group, inner)
     o, i = divmod(scope.rank, inner)
     outer = scope.size // inner
-    plan = UlyssesPlan(causal=causal, scale=scale, how=how, inner=(i, inner), outer=(o, outer), device=q.device)
-    return run(q, k, v, plan, GroupCollectives(inner_g, inner, i), outer_g)
+    plan = UlyssesPlan(causal=causal, scale=scale, how=how, inner=(i, inner), outer=(o, outer), device=q.device,
+                       window=window, softcap=softcap)
+    return run(q, k, v, plan, GroupCollectives(inner_g, inner, i), outer_g, sinks)

@@ -13,6 +13,9 @@ Triton is imported lazily, on the first CUDA tensor (the module imports without 
 other devices the torch fallback runs with the same semantics. ``_FORCE_TRITON = True`` (tests only) sends CPU tensors
 through the Triton kernels too, for Triton's interpreter (``TRITON_INTERPRET=1``).
 
+* :func:`merge_sinks_` merges attention sinks (one logit per head, no value) into final ``(out, lse)``, and
+  :func:`sink_terms` gives each row's share of their gradient.
+
 Example::
 
     merge_rows_(out, lse, o_back, l_back, rows=plan.back)      # varlen: rows listed by index
@@ -27,7 +30,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["merge_rows_", "rows_add_"]
+__all__ = ["merge_rows_", "rows_add_", "merge_sinks_", "sink_terms", "sinks_grad"]
 
 _FORCE_TRITON = False  # private: tests run the Triton kernels on CPU tensors under TRITON_INTERPRET=1
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,3 +287,52 @@ def rows_add_(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.
     # low-precision accumulator, higher-precision value: add in the higher precision, round once
     sub = acc.index_select(0, idx.long()).to(val.dtype).add_(val)
     return acc.index_copy_(0, idx.long(), sub.to(acc.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention sinks: one more "block" per head with lse = sinks[h] and out = 0
+
+
+def _head_major(x: torch.Tensor) -> torch.Tensor:
+    """A q-like ``[b, s, h]`` / ``[t, h]`` per-row-per-head tensor in the lse layout ``[b, h, s]`` / ``[h, t]``."""
+    return x.transpose(-1, -2)
+
+
+def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Merge sinks into the final ``(out, lse)`` in place: ``lse' = logaddexp(lse, sink[h])``,
+    ``out' = out * exp(lse - lse')`` (fp32 math, fp64 for fp64; one rounding to ``out``'s dtype).
+
+    ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``, or ``[t, h, d]`` with ``[h, t]``; ``sinks`` ``[h]``. A row
+    that saw no key gets ``out = 0`` and ``lse = sinks[h]``.
+
+    Example::
+
+        out, lse = ring_forward(q, k, v, plan, group)
+        merge_sinks_(out, lse, sinks)          # the block backward then takes this out and lse
+    """
+    dt = _acc_dtype(out, lse)
+    new = torch.logaddexp(lse.to(dt), sinks.detach().to(device=lse.device, dtype=dt).unsqueeze(-1))
+    w = torch.exp(lse.to(dt) - torch.where(torch.isneginf(new), 0.0, new))  # 0 where lse is -inf
+    out.copy_(out.to(dt) * _head_major(w).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def sink_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Each row's share of d loss / d sinks: ``-exp(sinks[h] - lse) * (dout . out)``, ``[b, s, h]`` / ``[t, h]``.
+
+    ``out`` / ``lse`` are the final ones (sinks merged); summing over rows gives the sinks' gradient of those rows.
+    """
+    dt = _acc_dtype(out, lse)
+    delta = (dout.to(dt) * out.to(dt)).sum(-1)  # [b, s, h] / [t, h]
+    lse = lse.to(dt)
+    w = torch.exp(sinks.detach().to(device=lse.device, dtype=dt).unsqueeze(-1) - lse.masked_fill(lse.isneginf(), 0))
+    return -(_head_major(w.masked_fill(lse.isneginf(), 0)) * delta)
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+               wanted: bool) -> Optional[torch.Tensor]:
+    """The gradient of ``sinks`` from these rows, in the sinks' dtype (``None`` without sinks or when not wanted)."""
+    if sinks is None or not wanted:
+        return None
+    terms = sink_terms(dout, out, lse, sinks)
+    return terms.reshape(-1, terms.shape[-1]).sum(0).to(sinks.dtype)

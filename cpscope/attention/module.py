@@ -30,6 +30,7 @@ from torch import nn
 from .._checks import check_qkv_format
 from .._variants import check_comm
 from ..scope import CPScope, build_time_scope, runtime_scope_or
+from ._inputs import check_softcap, check_window
 from .api import attention_with_scope
 
 __all__ = ["ContextParallelAttention"]
@@ -44,23 +45,29 @@ class ContextParallelAttention(nn.Module):
         softmax_scale: default ``1 / sqrt(d)``.
         comm: communication variant (see :func:`cpscope.context_parallel_attention`); ``None``: the scope's. A
             call's own ``comm=`` overrides it.
+        window: ``(left, right)`` sliding window of every call (``-1``: unbounded side); ``None``: none.
+        softcap: tanh soft-capping of the scaled scores (finite > 0); ``None``: none.
 
     Raises:
-        ValueError: an unknown ``qkv_format`` or ``comm``.
+        ValueError: an unknown ``qkv_format`` or ``comm``, a bad ``window`` or ``softcap``.
 
     Example::
 
         attn = ContextParallelAttention(qkv_format="thd", causal=True)
         with cpscope.runtime_cp(groups[2]):
             out = attn(q, k, v, cu_seqlens=cu)     # local zigzag [t_local, h, d]; cu: global offsets
+        swa = ContextParallelAttention(window=(127, 0))   # gpt-oss's sliding layers; sinks per call
+        out = swa(q, k, v, sinks=layer_sinks)
     """
 
     def __init__(self, *, qkv_format: str = "bshd", causal: bool = True, softmax_scale: Optional[float] = None,
-                 comm: Optional[str] = None) -> None:
+                 comm: Optional[str] = None, window: Optional[tuple[int, int]] = None,
+                 softcap: Optional[float] = None) -> None:
         super().__init__()
         self.qkv_format = check_qkv_format(qkv_format)
         self.causal, self.softmax_scale = causal, softmax_scale
         self.comm = check_comm(comm)
+        self.window, self.softcap = check_window(window), check_softcap(softcap)
         self._build_scope: CPScope = build_time_scope()  # never the runtime binding active now
 
     @property
@@ -80,6 +87,7 @@ class ContextParallelAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any] = None,
         max_seqlen: Optional[int] = None, cu_seqlens_padded: Optional[Any] = None, comm: Optional[str] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention over the scope of this call (:meth:`active_scope`), resolved once here.
 
@@ -92,6 +100,8 @@ class ContextParallelAttention(nn.Module):
             cu_seqlens_padded: ``thd`` only: the layout offsets of padded documents (TransformerEngine's
                 convention, see :func:`cpscope.context_parallel_attention`).
             comm: this call's communication variant; ``None``: the module's (else the scope's).
+            sinks: ``[h]`` attention sinks of this call (one logit per q head; see
+                :func:`cpscope.context_parallel_attention`).
 
         Returns:
             This rank's rows of full attention, same shape and dtype as ``q``.
@@ -104,9 +114,10 @@ class ContextParallelAttention(nn.Module):
         return attention_with_scope(
             q, k, v, scope, qkv_format=self.qkv_format, causal=self.causal, cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, softmax_scale=self.softmax_scale,
-            comm=self.comm if comm is None else comm,
+            comm=self.comm if comm is None else comm, window=self.window, sinks=sinks, softcap=self.softcap,
         )
 
     def extra_repr(self) -> str:
-        comm = "" if self.comm is None else f", comm={self.comm!r}"
-        return f"qkv_format={self.qkv_format!r}, causal={self.causal}{comm}, build_scope={self._build_scope!r}"
+        extra = "".join(f", {name}={value!r}" for name, value in
+                        (("comm", self.comm), ("window", self.window), ("softcap", self.softcap)) if value is not None)
+        return f"qkv_format={self.qkv_format!r}, causal={self.causal}{extra}, build_scope={self._build_scope!r}"

@@ -30,16 +30,18 @@ import torch.distributed as dist
 
 from .blocks import acc_dtype, block_backward, block_forward
 from .comm import RingComm, is_dense
-from .merge import merge_rows_
+from .merge import merge_rows_, merge_sinks_, sinks_grad
 from .ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
 
 __all__ = ["RingGeometry", "RingPlan", "ring_attention", "ring_forward", "ring_backward"]
 
 
 def ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group: Any
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group: Any,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype.
+    """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype; ``sinks``
+    (``[h]``, optional) are merged into both (what :func:`ring_backward` then takes).
 
     ``k`` / ``v`` are the send buffers (dense: gap-free, see :class:`~cpscope.attention.comm.RingComm`). Merges run
     in fp32 (fp64) through :func:`merge_rows_`. With CP2 there is exactly one merge, so the remote block merges
@@ -54,8 +56,11 @@ def ring_forward(
             # the next step's K/V travel while this step computes
             comm.send_recv([kc, vc], recv_shapes=plan.recv_shapes(plan.rank - step - 1, [kc, vc]))
         st = plan.step(step)
-        o, l = block_forward(*plan.block_rows(st, q, kc, vc), scale=plan.scale, causal=st.causal, varlen=st.varlen)
+        o, l = block_forward(*plan.block_rows(st, q, kc, vc), scale=plan.scale, causal=st.causal, varlen=st.varlen,
+                             window=plan.window, softcap=plan.softcap)
         if plan.size == 1:  # CP1: one plain kernel call, nothing to merge
+            if sinks is not None:
+                merge_sinks_(o, l, sinks)
             return plan.zero_pad_rows(o), l
         if out_acc is None:  # step 0 always covers all of Q
             acc = acc_dtype(q.dtype)
@@ -65,6 +70,8 @@ def ring_forward(
         del o, l
         if comm is not None and step + 1 < plan.size:
             kc, vc = comm.wait()
+    if sinks is not None:
+        merge_sinks_(out_acc, lse_acc, sinks)
     return plan.zero_pad_rows(out_acc.to(q.dtype)), lse_acc
 
 
@@ -119,7 +126,7 @@ class _BackwardRing:
         if size == 1:  # CP1: one plain kernel call
             st = plan.step(0)
             dq, dk, dv = block_backward(self.dout, self.q, self.k, self.v, self.out, self.lse, scale=plan.scale,
-                                        causal=st.causal, varlen=st.varlen)
+                                        causal=st.causal, varlen=st.varlen, window=plan.window, softcap=plan.softcap)
             return dq, plan.expand_kv(dk, self.k_full), plan.expand_kv(dv, self.v_full)
         kv_comm, self.dkv_comm = RingComm(self.group, rank, size), RingComm(self.group, rank, size)
         # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
@@ -146,7 +153,7 @@ class _BackwardRing:
         """One piece of the diagonal block: returns the piece's dQ, keeps its dK/dV."""
         g = block_backward(p.take_q(self.dout), p.take_q(self.q), p.take_kv(self.k), p.take_kv(self.v),
                            p.take_q(self.out), p.take_lse(self.lse), scale=self.plan.scale, causal=self.plan.causal,
-                           varlen=p.varlen)
+                           varlen=p.varlen, softcap=self.plan.softcap)
         self.dks.append(g[1].to(self.k.dtype))
         self.dvs.append(g[2].to(self.v.dtype))
         return g[0]
@@ -156,7 +163,8 @@ class _BackwardRing:
         plan, rank, size = self.plan, self.plan.rank, self.plan.size
         qq, kk, vv = plan.block_rows(st, self.q, kc, vc)
         g = block_backward(plan.q_rows(self.dout, st), qq, kk, vv, plan.q_rows(self.out, st),
-                           plan.lse_rows(self.lse, st), scale=plan.scale, causal=st.causal, varlen=st.varlen)
+                           plan.lse_rows(self.lse, st), scale=plan.scale, causal=st.causal, varlen=st.varlen,
+                           softcap=plan.softcap)
         del qq, kk, vv
         self._add_remote_dq(g[0], st)
         gk, gv, front = g[1].to(self.k.dtype), g[2].to(self.v.dtype), st.kv_front
@@ -171,9 +179,10 @@ class _BackwardRing:
         del gk, gv
         # the previous rank's buffer for the next step (or, after the last step, our own dK/dV) has its shape
         self.recv_front = plan.sends_front(st.index, (rank - 1) % size)
-        shape = plan.front_shape(kc) if self.recv_front else (plan.recv_shape(rank - 1 - st.index, kc) or kc.shape)
+        shapes = [plan.front_shape(x) if self.recv_front else (plan.recv_shape(rank - 1 - st.index, x) or x.shape)
+                  for x in (kc, vc)]  # k and v may differ in head dim
         assert front == plan.sends_front(st.index, rank)  # what the next rank expects from us
-        self.dkv_comm.send_recv([bk, bv], recv_shapes=[shape, shape])  # after the last step: to the owner
+        self.dkv_comm.send_recv([bk, bv], recv_shapes=shapes)  # after the last step: to the owner
 
     def _add_remote_dq(self, gq: torch.Tensor, st: RingStep) -> None:
         """Add a remote step's dQ, holding dQ once: the first remote dQ decides what becomes the accumulator."""
@@ -260,28 +269,33 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group: Any
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], plan: RingPlan,
+        group: Any,
     ) -> torch.Tensor:
         k, v = _dense(k.detach()), _dense(v.detach())  # send buffers (no copy for dense views)
-        out, lse = ring_forward(q.detach(), k, v, plan, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+        sk = None if sinks is None else sinks.detach()
+        out, lse = ring_forward(q.detach(), k, v, plan, group, sk)
+        ctx.save_for_backward(q, k, v, out, lse, sk)
         ctx.plan, ctx.group = plan, group  # the scope resolved in forward; backward never reads the ContextVar
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(_dense(dout), q.detach(), k, v, out, lse, ctx.plan, ctx.group)
-        return dq.to(q.dtype), dk, dv, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = _dense(dout)
+        dq, dk, dv = ring_backward(dout, q.detach(), k, v, out, lse, ctx.plan, ctx.group)
+        return dq.to(q.dtype), dk, dv, sinks_grad(dout, out, lse, sinks, ctx.needs_input_grad[3]), None, None
 
 
 @torch.compiler.disable  # point-to-point collectives and a custom Function: always eager
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, group: Optional[dist.ProcessGroup]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, group: Optional[dist.ProcessGroup],
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Differentiable zigzag ring attention on validated local tensors (dense ``[b, s, h, d]`` or varlen ``[t, h, d]``).
 
     ``plan`` carries rank/size of ``group`` (resolved once by the caller); ``group`` may be ``None`` only when
-    ``plan.size == 1``. Use :func:`cpscope.context_parallel_attention` rather than calling this directly.
+    ``plan.size == 1``. ``sinks`` (``[h]``) get the gradient of this rank's rows. Use
+    :func:`cpscope.context_parallel_attention` rather than calling this directly.
     """
-    return _RingAttention.apply(q, k, v, plan, group)
+    return _RingAttention.apply(q, k, v, sinks, plan, group)

@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack, pack_for
-from .blocks import Varlen
+from .blocks import Varlen, Window
 from .merge import rows_add_
 
 __all__ = ["DiagPart", "RingGeometry", "RingPlan", "RingStep", "plan_for_pack"]
@@ -171,10 +171,11 @@ def _geometry(pack: Pack, device: torch.device) -> RingGeometry:
     return pack.memo(("ring", device), lambda: RingGeometry(pack, device))
 
 
-def plan_for_pack(pack: Pack, device: torch.device, *, causal: bool, scale: float) -> RingPlan:
+def plan_for_pack(pack: Pack, device: torch.device, *, causal: bool, scale: float, window: Window = None,
+                  softcap: Optional[float] = None) -> RingPlan:
     """The varlen ring plan of a pack (its :class:`RingGeometry` cached on the pack, per device)."""
     return RingPlan(varlen=True, causal=causal, scale=scale, rank=pack.rank, size=pack.cp,
-                    geometry=_geometry(pack, device))
+                    geometry=_geometry(pack, device), window=window, softcap=softcap)
 
 
 class RingStep(NamedTuple):
@@ -202,13 +203,20 @@ class RingPlan:
     Step kinds: ``"diag"`` (local block, causal), ``"full"`` (all Q vs all K/V, no mask), ``"kv_front"`` (all Q vs
     front half of K/V) and ``"q_back"`` (back half of Q vs all K/V). Varlen plans take their per-pack facts from a
     :class:`RingGeometry` (built from ``cu`` when none is given); the plan itself is cheap.
+
+    ``softcap`` applies to every block; a ``window`` only to a plan of one rank (whole sequences: the block's aligned
+    window is the global one) — a windowed call across ranks runs :mod:`cpscope.attention.halo` instead.
     """
 
     def __init__(
         self, *, varlen: bool, causal: bool, scale: float, rank: int, size: int, cu: Optional[tuple[int, ...]] = None,
         local_len: int = 0, device: Optional[torch.device] = None, geometry: Optional[RingGeometry] = None,
+        window: Window = None, softcap: Optional[float] = None,
     ) -> None:
+        if window is not None and size > 1:
+            raise RuntimeError(f"a ring of {size} ranks with window={window}: windowed calls run the halo exchange")
         self.varlen, self.causal, self.scale, self.rank, self.size = varlen, causal, scale, rank, size
+        self.window, self.softcap = window, softcap
         # Halves are slices along `dim` (dense: dim 1; varlen holding ONE sequence: dim 0, zero-copy) or, for
         # several packed documents, index gathers/scatters (`dim` None).
         self.dim: Optional[int] = 1

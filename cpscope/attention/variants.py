@@ -13,7 +13,11 @@ it with the same query and must get the same answer. The default rule (:func:`de
 1. heads divide by ``cp`` (q and k/v): ``"a2a"`` — balanced by heads whatever the documents, and its traffic per
    rank does not grow with ``cp``;
 2. else few k/v heads (``h >= 4 * h_kv``, GQA / MQA): ``"all_gather"`` — gathering K/V costs little;
-3. else ``"p2p"``.
+3. else ``"p2p"``;
+
+except that with a sliding window ``"p2p"`` wins when its halo exchange (:func:`cpscope.hybrid.comm_cost.halo_rows`:
+a short window moves only its neighbours' halos) receives at most half of what the whole ring would, and no more
+than the variant the rule would pick.
 
 Example::
 
@@ -30,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .._variants import A2A, ALL_GATHER, AUTO, HIERARCHICAL, P2P, VARIANTS, check_comm, split_comm
+from ..hybrid.comm_cost import halo_rows
 from ..scope import CPScope
 from .allgather import all_gather_attention
 from .hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
@@ -47,7 +52,7 @@ class VariantQuery:
 
     ``heads`` / ``kv_heads``: q and k/v heads of the call (per tensor-parallel rank); ``seq_lens``: global lengths of
     the sequences (``thd``: the documents; dense: one per batch row; empty where unknown, e.g. when the TE adapter
-    binds a module before its forward).
+    binds a module before its forward); ``window``: the call's ``(left, right)`` window, if any.
     """
 
     cp: int
@@ -59,6 +64,7 @@ class VariantQuery:
     seq_lens: tuple[int, ...] = ()
     dtype: Optional[torch.dtype] = None
     device_type: str = "cuda"
+    window: Optional[tuple[int, int]] = None  # (left, right), -1 unbounded; None: no window
 
 
 class Variant(NamedTuple):
@@ -69,14 +75,30 @@ class Variant(NamedTuple):
 
 
 def default_rule(query: VariantQuery) -> str:
-    """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring)."""
+    """The documented rule of ``"auto"`` until a calibrated cost model replaces it (see the module docstring).
+
+    Example::
+
+        default_rule(VariantQuery(4, 32, 8, 128, "thd", True, (65536,)))                      # 'a2a'
+        default_rule(VariantQuery(4, 32, 8, 128, "thd", True, (65536,), window=(255, 0)))     # 'p2p'
+    """
     if query.cp == 1:
         return P2P
     if query.heads % query.cp == 0 and query.kv_heads % query.cp == 0:
-        return A2A
-    if query.heads >= 4 * query.kv_heads:
-        return ALL_GATHER
-    return P2P
+        pick = A2A
+    elif query.heads >= 4 * query.kv_heads:
+        pick = ALL_GATHER
+    else:
+        return P2P
+    if query.window is not None and query.seq_lens and sum(query.seq_lens):
+        cp, h, g, total = query.cp, query.heads, query.kv_heads, sum(query.seq_lens)
+        lens = [n for n in query.seq_lens if n > 0]
+        halo = 2 * g * halo_rows(lens, cp, query.window, query.causal)  # head-rows one rank receives
+        ring = 2 * g * total * (cp - 1) / cp
+        other = 2 * (h + g) * total * (cp - 1) / cp**2 if pick == A2A else ring
+        if halo <= min(other, ring / 2):
+            return P2P
+    return pick
 
 
 _chooser: Callable[[VariantQuery], str] = default_rule
@@ -111,18 +133,19 @@ def choose_variant(query: VariantQuery) -> str:
 
 
 def _query(q: torch.Tensor, k: torch.Tensor, *, scope: CPScope, qkv_format: str, causal: bool,
-           cu: Optional[tuple[int, ...]]) -> VariantQuery:
+           cu: Optional[tuple[int, ...]], window: Optional[tuple[int, int]] = None) -> VariantQuery:
     if qkv_format == "thd":
         lens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
     else:
         b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
         lens = (s * scope.size,) * b
     return VariantQuery(scope.size, q.shape[-2], k.shape[-2], q.shape[-1], qkv_format, causal, lens, q.dtype,
-                        q.device.type)
+                        q.device.type, window)
 
 
 def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: torch.Tensor, *, qkv_format: str,
-                    causal: bool, cu: Optional[tuple[int, ...]], padded: bool = False) -> Variant:
+                    causal: bool, cu: Optional[tuple[int, ...]], padded: bool = False,
+                    window: Optional[tuple[int, int]] = None) -> Variant:
     """The variant of this call (after the shared input checks, before any collective).
 
     ``padded``: the call masks padding rows (real offsets that differ from the layout); without a causal mask only
@@ -137,14 +160,15 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
         return Variant(P2P)
     spec = asked
     if spec == AUTO:
-        spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu))
+        spec = choose_variant(_query(q, k, scope=scope, qkv_format=qkv_format, causal=causal, cu=cu, window=window))
         logger.debug("comm='auto' chose %r (cp=%d, heads %d/%d, %s)", spec, scope.size, q.shape[-2], k.shape[-2],
                      qkv_format)
     name, inner = split_comm(spec)
     h, h_kv = q.shape[-2], k.shape[-2]
     if name == A2A:
-        check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size)
-    variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv)) if name == HIERARCHICAL else Variant(name)
+        check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size, replicate=True)
+    variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv, replicate=True)) if name == HIERARCHICAL \
+        else Variant(name)
     if name != P2P and padded and not causal:
         if asked != AUTO:
             raise ValueError(
@@ -156,10 +180,15 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
 
 
 def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, *,
-                qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float) -> torch.Tensor:
-    """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout."""
+                qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float,
+                window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout.
+
+    ``window``: the call's effective window (:func:`cpscope.attention.halo_plan.effective_window`)."""
     qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
-    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale}
+    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale, "window": window,
+                          "softcap": softcap, "sinks": sinks}
     if variant.name == HIERARCHICAL:
         kw["inner"] = variant.inner
     out = _RUNNERS[variant.name](qp, kp, vp, **kw)

@@ -18,7 +18,9 @@ and ``e`` bytes per element, the time of one call on each rank of a CP group of 
                a2a+p2p (a − 1) + (r − 1)
     call     = 1
 
-(backward moves about twice what forward does; the fitted coefficients absorb such constant factors). ``attn``,
+(backward moves about twice what forward does; the fitted coefficients absorb such constant factors).
+A sliding ``window`` (:meth:`CommCostModel.time`'s ``window=``) changes two terms: ``attn`` counts the pairs the
+window leaves, and ``p2p`` receives only the halo rows of :func:`halo_rows` instead of the ring's K/V. ``attn``,
 ``tokens`` and ``bytes`` add up over the documents of a microbatch, ``rounds`` and ``call`` do not: the
 planner reads the first part as each document's own cost and the second as the microbatch's fixed cost. At
 ``cp = 1`` no variant communicates and all run the same local kernel: the model uses the ``"local"`` fit
@@ -69,6 +71,7 @@ __all__ = [
     "cache_path",
     "default_inner",
     "dtype_name",
+    "halo_rows",
     "load_cached",
     "variant_allowed",
 ]
@@ -193,6 +196,40 @@ def _padded(lengths: npt.ArrayLike, cp: int) -> np.ndarray:
     return (-(-lp // step) * step).astype(np.float64)
 
 
+def halo_rows(lengths: npt.ArrayLike, cp: int, window: tuple[int, int], causal: bool = True) -> float:
+    """The most K/V rows one rank receives in one pass of the windowed ``p2p`` exchange: for zigzag rank ``t``
+    holding chunks ``t`` and ``2cp-1-t`` (``c`` tokens) of each document, the keys its chunks' queries see
+    (``[x·c - left, (x+1)·c + right)``) that are not its own. ``window``: ``(left, right)``, ``-1`` unbounded.
+
+    Example::
+
+        >>> halo_rows([65536], 4, (256, 0))       # two neighbours' 256-token halos
+        512.0
+    """
+    lp = _padded(lengths, cp)
+    c = lp / (2 * cp)
+    left = math.inf if window[0] == -1 else float(window[0])
+    right = 0.0 if causal else (math.inf if window[1] == -1 else float(window[1]))
+    worst = 0.0
+    for t in range(cp):
+        (a0, a1), (b0, b1) = ((np.maximum(0.0, x * c - left), np.minimum(lp, (x + 1) * c + right))
+                              for x in (t, 2 * cp - 1 - t))
+        both = np.maximum(0.0, np.minimum(a1, b1) - np.maximum(a0, b0))
+        worst = max(worst, float(np.sum((a1 - a0) + (b1 - b0) - both - 2 * c)))
+    return worst
+
+
+def _window_pairs(lp: np.ndarray, window: tuple[int, int], causal: bool) -> float:
+    """Σ over documents of the (query, key) pairs a window leaves, in units of ``Lp²`` (what ``attn`` counts)."""
+    left = math.inf if window[0] == -1 else float(window[0])
+    right = 0.0 if causal else (math.inf if window[1] == -1 else float(window[1]))
+    total = 0.0
+    for n in lp:
+        i = np.arange(n)
+        total += float(np.sum(np.minimum(n - 1, i + right) - np.maximum(0, i - left) + 1))
+    return total
+
+
 def _features(sample: Sample) -> np.ndarray:
     w2, w1, fixed = _parts(sample.variant, sample.cp, sample.heads, sample.kv_heads, sample.head_dim,
                            _BYTES[sample.dtype], sample.causal, sample.inner)
@@ -266,9 +303,10 @@ class CommCostModel:
         return float(w2 @ coef), float(w1 @ coef), float(fixed @ coef)
 
     def time(self, variant: str, lengths: npt.ArrayLike, *, cp: int, heads: int, kv_heads: int, head_dim: int,
-             dtype: Any, causal: bool = True, inner: Optional[int] = None) -> float:
+             dtype: Any, causal: bool = True, inner: Optional[int] = None,
+             window: Optional[tuple[int, int]] = None) -> float:
         """Predicted seconds of one call (forward + backward) on a microbatch of documents ``lengths`` (global,
-        unpadded) at ``cp``.
+        unpadded) at ``cp``; ``window`` (``(left, right)``) prices a sliding window (see the module docstring).
 
         Raises:
             ValueError: bad shapes, a dtype or variant the model was not fitted for, or a variant that cannot
@@ -277,7 +315,14 @@ class CommCostModel:
         q2, q1, fixed = self.split(variant, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                    dtype=dtype, causal=causal, inner=inner)
         lp = _padded(lengths, cp)
-        return float(q2 * np.sum(lp * lp) + q1 * np.sum(lp) + fixed)
+        if window is None:
+            return float(q2 * np.sum(lp * lp) + q1 * np.sum(lp) + fixed)
+        dt = dtype_name(dtype)
+        w2, w1, base = _parts(LOCAL if cp == 1 else variant, cp, heads, kv_heads, head_dim, _BYTES[dt], causal, inner)
+        feats = w2 / (0.5 if causal else 1.0) * _window_pairs(lp, window, causal) + w1 * float(np.sum(lp)) + base
+        if cp > 1 and variant == "p2p":
+            feats[2] = 2.0 * kv_heads * head_dim * _BYTES[dt] * halo_rows(lp, cp, window, causal)
+        return float(feats @ self._coef(variant, dt, cp))
 
     # -- fitting --------------------------------------------------------------------------------------------
     @classmethod

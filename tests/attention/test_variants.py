@@ -78,18 +78,26 @@ def check(group, comm, fmt: str, causal: bool, h: int, h_kv: int, *, batch: int 
 
 @contextlib.contextmanager
 def recording():
-    """Record which variant's forward / backward functions run (``"a2a.forward"``, ...), on this rank."""
-    from cpscope.attention import allgather, ring, ulysses
+    """Record which variant's forward / backward functions run (``"a2a.forward"``, ...), on this rank.
+
+    Windowed calls run the halo functions: ``"p2p"`` or ``"all_gather"`` by their exchange (inside the
+    hierarchical variant, called without one, they are its middle: not recorded)."""
+    from cpscope.attention import allgather, halo, ring, ulysses
+
+    def by_exchange(n):
+        return lambda a: None if len(a) < n else {"p2p": "p2p", "gather": "all_gather"}[a[n - 1]]
 
     seen: list[str] = []
     wrapped = [(allgather, "forward", lambda a: "all_gather"), (allgather, "backward", lambda a: "all_gather"),
                (ulysses, "forward", lambda a: "a2a" if a[5] is None else "a2a+p2p"),
                (ulysses, "backward", lambda a: "a2a" if a[4] is None else "a2a+p2p"),
-               (ring, "ring_forward", lambda a: "p2p"), (ring, "ring_backward", lambda a: "p2p")]
+               (ring, "ring_forward", lambda a: "p2p"), (ring, "ring_backward", lambda a: "p2p"),
+               (halo, "halo_forward", by_exchange(7)), (halo, "halo_backward", by_exchange(9))]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in wrapped]
     for (mod, name, tag), (_, _, orig) in zip(wrapped, saved):
         def wrapper(*a, _orig=orig, _tag=tag, _what=name.rsplit("_", 1)[-1], **kw):
-            seen.append(f"{_tag(a)}.{_what}")
+            if _tag(a) is not None:
+                seen.append(f"{_tag(a)}.{_what}")
             return _orig(*a, **kw)
 
         setattr(mod, name, wrapper)
@@ -278,9 +286,10 @@ def test_auto_rule_and_chooser_hook():
 def _bad_choices() -> str:
     groups = cpscope.new_cp_groups([2, 4])
     x, mqa = torch.randn(1, 4, 4, D), torch.randn(1, 4, 1, D)
-    with pytest.raises(ValueError, match=r"k/v heads \(1\) must both divide.*would work for these heads: \[1\]"
-                                         r".*'all_gather'"):
-        context_parallel_attention(x, mqa, mqa, comm="a2a", group=groups[2])
+    three = torch.randn(1, 4, 3, D)
+    with pytest.raises(ValueError, match=r"q heads \(3\) must divide.*replicated.*would work for these heads: "
+                                         r"\[1, 3\].*'all_gather'"):
+        context_parallel_attention(three, mqa, mqa, comm="a2a", group=groups[2])
     six = torch.randn(1, 4, 6, D)
     with pytest.raises(ValueError, match=r"q heads \(6\).*CP size 4.*would work for these heads: \[1, 2, 3, 6\]"):
         context_parallel_attention(six, six, six, comm="a2a", group=groups[4])
@@ -288,8 +297,8 @@ def _bad_choices() -> str:
         context_parallel_attention(x, x, x, comm="a2a+p2p", group=groups[2])
     with pytest.raises(ValueError, match=r"'a2a\+p2p:3'.*must divide the CP size 4"):
         context_parallel_attention(x, x, x, comm="a2a+p2p:3", group=groups[4])
-    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp.*q 4, k/v 1"):
-        context_parallel_attention(x, mqa, mqa, comm="a2a+p2p", group=groups[4])
+    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp.*q 3, k/v 1"):
+        context_parallel_attention(three, mqa, mqa, comm="a2a+p2p", group=groups[4])
     with pytest.raises(ValueError, match="divisible by 2\\*cp=8"):  # the shared checks come first
         context_parallel_attention(x[:, :3], x[:, :3], x[:, :3], comm="all_gather", group=groups[4])
     return str(context_parallel_attention(x, x, x, comm="a2a", group=groups[4]).shape)  # ranks still in step
