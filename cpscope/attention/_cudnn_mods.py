@@ -1,0 +1,164 @@
+"""What one attention block asks of a cuDNN SDPA graph beyond plain attention: a diagonal band (sliding window,
+causal) and a softcap on the scores.
+
+cpscope's convention (flash-attention's): query ``i`` of a sequence with ``n_q`` queries and ``n_k`` keys sees key
+``j`` iff ``-left <= j - (i + n_k - n_q) <= right`` (``-1``: unbounded; ``right`` is 0 when causal), i.e. the band
+is relative to the bottom-right-aligned diagonal.
+
+Two ways to tell cuDNN:
+
+* **no softcap** — the graph's own band options (``diagonal_band_left_bound`` / ``_right_bound`` with the
+  diagonal alignment): cuDNN skips the tiles outside the band, so a window costs O(rows x window). cuDNN's left
+  bound counts the diagonal (keys ``i - L + 1 .. i``), hence ``L = left + 1``.
+* **softcap** — a score modifier (``score_mod`` / ``score_mod_bprop``): ``s -> softcap * tanh(s / softcap)``, and
+  its gradient ``dS * (1 - tanh^2)``. The frontend disables its band and padding options once a score modifier is
+  set, so the modifier builds the band (and, for packed sequences, the padding mask) itself from index arithmetic:
+  ``gen_index`` rows / columns, comparisons against per-sequence bounds, ``binary_select`` to a large negative.
+
+Masked scores become ``-1e9``, not ``-inf`` (as in the frontend's own score-modifier samples): softcapped scores are
+bounded by ``softcap``, so this is exact for every row that sees a key; rows that see none are the caller's to fix
+(:meth:`Band.masked_prefix` says which rows of a block those are).
+
+Example::
+
+    band = band_of(causal=True, window=(255, 0))
+    kwargs = sdpa_options(cudnn, graph, band, softcap=None, square=True)   # -> the graph's diagonal options
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["Band", "band_of", "sdpa_options", "ScoreMod", "MASKED"]
+
+MASKED = -1e9  # the score given to masked (query, key) pairs inside a score modifier
+
+
+@dataclass(frozen=True)
+class Band:
+    """Keys seen around the bottom-right-aligned diagonal: ``-left <= j - (i + n_k - n_q) <= right``; -1 unbounded."""
+
+    left: int
+    right: int
+
+    def masked_prefix(self, n_q: int, n_k: int) -> int:
+        """How many leading query rows of an ``n_q x n_k`` block see no key at all (only rows before the diagonal's
+        start can: row ``i`` sees nothing iff ``i + n_k - n_q + right < 0``)."""
+        if n_k == 0:
+            return n_q
+        if self.right == -1:
+            return 0
+        return max(0, min(n_q, n_q - n_k - self.right))
+
+    def bounds(self, n_q: int, n_k: int) -> tuple[int, int]:
+        """``(lo, hi)``: key ``j`` of query ``i`` is seen iff ``lo <= j - i <= hi`` (sides unbounded are kept as
+        they are and not used)."""
+        shift = n_k - n_q
+        return shift - self.left, shift + self.right
+
+
+def band_of(causal: bool, window: Optional[tuple[int, int]]) -> Optional[Band]:
+    """The block's band, or ``None`` when no key is masked by position (full attention)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right == -1 else min(right, 0)
+    if left == -1 and right == -1:
+        return None
+    return Band(int(left), int(right))
+
+
+def _flags(cudnn: Any, band: Optional[Band], square: bool) -> dict:
+    """The graph's own band options. ``square`` (every sequence has as many queries as keys): the top-left and
+    bottom-right diagonals coincide, and top-left is what the frontend supports most widely."""
+    if band is None:
+        return {}
+    align = cudnn.diagonal_alignment.TOP_LEFT if square else cudnn.diagonal_alignment.BOTTOM_RIGHT
+    kw: dict[str, Any] = {"diagonal_alignment": align}
+    if band.right != -1:
+        kw["diagonal_band_right_bound"] = band.right
+    if band.left != -1:
+        kw["diagonal_band_left_bound"] = band.left + 1
+    return kw
+
+
+class ScoreMod:
+    """The softcap (and the mask it displaces) as a cuDNN score modifier pair.
+
+    ``lens``: the graph's ``(seq_len_q, seq_len_kv)`` tensors for packed sequences (the padding mask), else None.
+    ``bounds``: graph tensors ``(lo, hi)`` int32 ``[B or 1, 1, 1, 1]`` with :meth:`Band.bounds` per sequence (not
+    needed for the square causal band, which uses the ``row >= col`` form of the frontend's causal sample).
+    The same object serves the forward graph (:meth:`forward`) and the backward graph (:meth:`forward` for the
+    recomputed scores, then :meth:`bprop`): the backward reuses the ``tanh`` its forward part made.
+    """
+
+    def __init__(self, cudnn: Any, graph: Any, softcap: float, band: Optional[Band], square: bool,
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None) -> None:
+        def const(x: float) -> Any:
+            return graph.tensor_scalar(float(x), cudnn.scalar_type.COMPILE_TIME_CONST)
+
+        self.cudnn, self.band, self.square, self.lens, self.bounds = cudnn, band, square, lens, bounds
+        self.cap, self.inv_cap, self.masked = const(softcap), const(1.0 / softcap), const(MASKED)
+        self.tanh: Any = None
+
+    def _typed(self, t: Any, dtype: Any) -> Any:
+        t.set_data_type(dtype)
+        return t
+
+    def _keep(self, g: Any, ref: Any) -> Optional[Any]:
+        """Boolean graph tensor: which (query, key) pairs the block sees (None: all)."""
+        dt = self.cudnn.data_type
+        band, conds = self.band, []
+        if band is None and self.lens is None:
+            return None
+        row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=dt.INT32), dt.INT32)
+        col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=dt.INT32), dt.INT32)
+
+        def cmp(op: str, a: Any, b: Any) -> Any:
+            return self._typed(getattr(g, op)(input=a, comparison=b, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
+
+        if band is not None and self.square and band == Band(-1, 0):
+            conds.append(cmp("cmp_ge", row, col))
+        elif band is not None:
+            diff = self._typed(g.sub(col, row, compute_data_type=dt.INT32), dt.INT32)
+            lo, hi = self.bounds
+            if band.left != -1:
+                conds.append(cmp("cmp_ge", diff, lo))
+            if band.right != -1:
+                conds.append(cmp("cmp_le", diff, hi))
+        if self.lens is not None:
+            conds += [cmp("cmp_lt", row, self.lens[0]), cmp("cmp_lt", col, self.lens[1])]
+        keep = conds[0]
+        for c in conds[1:]:
+            keep = self._typed(g.logical_and(keep, c, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
+        return keep
+
+    def forward(self, g: Any, scores: Any) -> Any:
+        """``softcap * tanh(scores / softcap)``, masked (``scores`` are already scaled by the softmax scale)."""
+        self.tanh = g.tanh(g.mul(scores, self.inv_cap))
+        capped = g.mul(self.tanh, self.cap)
+        keep = self._keep(g, capped)
+        return capped if keep is None else g.binary_select(input0=capped, input1=self.masked, mask=keep)
+
+    def bprop(self, g: Any, d_scores: Any) -> Any:
+        """The gradient through the softcap: ``dS * (1 - tanh^2)`` (masked pairs have ``dS = 0`` already: their
+        probabilities are 0)."""
+        return g.sub(d_scores, g.mul(d_scores, g.mul(self.tanh, self.tanh)))
+
+
+def sdpa_options(cudnn: Any, graph: Any, band: Optional[Band], softcap: Optional[float], square: bool,
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False) -> dict:
+    """Keyword arguments for ``graph.sdpa`` / ``graph.sdpa_backward``: the band options without a softcap, else the
+    score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``). Packed blocks without a softcap turn the
+    padding mask on with ``lens``."""
+    if softcap is None:
+        kw = _flags(cudnn, band, square)
+        if lens is not None:
+            kw.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
+        return kw
+    mod = ScoreMod(cudnn, graph, softcap, band, square, lens, bounds)
+    kw = {"score_mod": mod.forward}
+    if backward:
+        kw["score_mod_bprop"] = mod.bprop
+    if lens is not None:
+        kw.update(seq_len_q=lens[0], seq_len_kv=lens[1])
+    return kw
