@@ -29,7 +29,7 @@ from . import _cudnn_thd as _thd
 
 __all__ = ["forward", "backward"]
 
-_consts: dict[tuple, torch.Tensor] = {}  # small int32 device tensors (sequence lengths, band bounds), never written
+_consts: dict[tuple, torch.Tensor] = {}  # small int32 device tensors (the padding mask's lengths), never written
 
 
 def _const(values: tuple, device: torch.device) -> torch.Tensor:
@@ -71,13 +71,10 @@ class _Plan:
         return (self.rows, self.n_k, self.band, self.softcap, self.padded)
 
     def extras(self, b: int, device: torch.device) -> dict:
-        """Device tensors the graph reads besides q/k/v...: padding lengths and the score modifier's band bounds."""
+        """Device tensors the graph reads besides q/k/v...: the padding mask's lengths."""
         ex = {}
         if self.padded:
             ex["seq_q"], ex["seq_k"] = _const((self.rows,) * b, device), _const((self.n_k,) * b, device)
-        if self.softcap is not None and self.band is not None and not (self.square and self.band == _mods.Band(-1, 0)):
-            lo, hi = self.band.bounds(self.rows, self.n_k)
-            ex["lo"], ex["hi"] = _const((lo,), device), _const((hi,), device)
         return ex
 
     def options(self, cudnn: Any, g: Any, named: dict, extras: dict, backward: bool) -> dict:
@@ -85,8 +82,8 @@ class _Plan:
         for n, t in extras.items():
             named[n] = g.tensor(name=n, dim=list(t.shape), stride=list(t.stride()), data_type=cudnn.data_type.INT32)
         lens = (named["seq_q"], named["seq_k"]) if "seq_q" in named else None
-        bounds = (named["lo"], named["hi"]) if "lo" in named else None
-        return _mods.sdpa_options(cudnn, g, self.band, self.softcap, self.square, lens, bounds, backward)
+        return _mods.sdpa_options(cudnn, g, self.band, self.softcap, self.square, lens, backward=backward,
+                                  shape=(self.rows, self.n_k))
 
 
 def _input(g: Any, named: dict, name: str, t: torch.Tensor, dtype: Any) -> None:

@@ -13,7 +13,7 @@ Two ways to tell cuDNN:
 * **softcap** — a score modifier (``score_mod`` / ``score_mod_bprop``): ``s -> softcap * tanh(s / softcap)``, and
   its gradient ``dS * (1 - tanh^2)``. The frontend disables its band and padding options once a score modifier is
   set, so the modifier builds the band (and, for packed sequences, the padding mask) itself from index arithmetic:
-  ``gen_index`` rows / columns, comparisons against per-sequence bounds, ``binary_select`` to a large negative.
+  ``gen_index`` rows / columns, comparisons against the bounds, ``binary_select`` to a large negative.
 
 Masked scores become ``-1e9``, not ``-inf`` (as in the frontend's own score-modifier samples): softcapped scores are
 bounded by ``softcap``, so this is exact for every row that sees a key; rows that see none are the caller's to fix
@@ -51,8 +51,8 @@ class Band:
         return max(0, min(n_q, n_q - n_k - self.right))
 
     def bounds(self, n_q: int, n_k: int) -> tuple[int, int]:
-        """``(lo, hi)``: key ``j`` of query ``i`` is seen iff ``lo <= j - i <= hi`` (sides unbounded are kept as
-        they are and not used)."""
+        """``(lo, hi)``: key ``j`` of query ``i`` is seen iff ``lo <= j - i <= hi`` (an unbounded side's value is
+        meaningless and unused)."""
         shift = n_k - n_q
         return shift - self.left, shift + self.right
 
@@ -82,62 +82,70 @@ def _flags(cudnn: Any, band: Optional[Band], square: bool) -> dict:
 
 
 class ScoreMod:
-    """The softcap (and the mask it displaces) as a cuDNN score modifier pair.
+    """The softcap (and the masks it displaces) as a cuDNN score modifier pair.
 
-    ``lens``: the graph's ``(seq_len_q, seq_len_kv)`` tensors for packed sequences (the padding mask), else None.
-    ``bounds``: graph tensors ``(lo, hi)`` int32 ``[B or 1, 1, 1, 1]`` with :meth:`Band.bounds` per sequence (not
-    needed for the square causal band, which uses the ``row >= col`` form of the frontend's causal sample).
+    The masks take the forms the frontend itself used to build them from pointwise ops (before cuDNN had a band
+    operation): padding ``row < seq_q and col < seq_kv``; the right bound ``row + hi >= col`` (``row >= col`` for the
+    square causal mask); the left bound ``col + wl > row``; each applied with its own ``binary_select``.
+
+    ``lens``: the graph's ``(seq_len_q, seq_len_kv)`` tensors for packed sequences, else None (dense).
+    ``bounds``: ``(wl, hi)`` per sequence as graph tensors int32 ``[B, 1, 1, 1]`` (packed blocks), or None (dense
+    blocks: constants from ``n_q``/``n_k``); ``hi = n_k - n_q + right`` and ``wl = left + 1 - (n_k - n_q)``.
     The same object serves the forward graph (:meth:`forward`) and the backward graph (:meth:`forward` for the
     recomputed scores, then :meth:`bprop`): the backward reuses the ``tanh`` its forward part made.
     """
 
     def __init__(self, cudnn: Any, graph: Any, softcap: float, band: Optional[Band], square: bool,
-                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None) -> None:
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None,
+                 shape: Optional[tuple[int, int]] = None) -> None:
         def const(x: float) -> Any:
             return graph.tensor_scalar(float(x), cudnn.scalar_type.COMPILE_TIME_CONST)
 
-        self.cudnn, self.band, self.square, self.lens, self.bounds = cudnn, band, square, lens, bounds
+        self.cudnn, self.band, self.square, self.lens = cudnn, band, square, lens
         self.cap, self.inv_cap, self.masked = const(softcap), const(1.0 / softcap), const(MASKED)
         self.tanh: Any = None
+        self.bounds, self.index_type = bounds, cudnn.data_type.INT32
+        if band is not None and bounds is None and shape is not None:  # dense: the same bounds for every sequence
+            lo, hi = band.bounds(*shape)
+            self.bounds, self.index_type = (const(1 - lo), const(hi)), cudnn.data_type.FLOAT
 
     def _typed(self, t: Any, dtype: Any) -> Any:
         t.set_data_type(dtype)
         return t
 
-    def _keep(self, g: Any, ref: Any) -> Optional[Any]:
-        """Boolean graph tensor: which (query, key) pairs the block sees (None: all)."""
-        dt = self.cudnn.data_type
-        band, conds = self.band, []
+    def _masks(self, g: Any, ref: Any) -> list:
+        """Boolean graph tensors, each a condition for a (query, key) pair to be seen (none: all are)."""
+        dt, band, it = self.cudnn.data_type, self.band, self.index_type
         if band is None and self.lens is None:
-            return None
+            return []
         row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=dt.INT32), dt.INT32)
         col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=dt.INT32), dt.INT32)
 
         def cmp(op: str, a: Any, b: Any) -> Any:
             return self._typed(getattr(g, op)(input=a, comparison=b, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
 
-        if band is not None and self.square and band == Band(-1, 0):
-            conds.append(cmp("cmp_ge", row, col))
-        elif band is not None:
-            diff = self._typed(g.sub(col, row, compute_data_type=dt.INT32), dt.INT32)
-            lo, hi = self.bounds
-            if band.left != -1:
-                conds.append(cmp("cmp_ge", diff, lo))
-            if band.right != -1:
-                conds.append(cmp("cmp_le", diff, hi))
+        def add(a: Any, b: Any) -> Any:
+            return self._typed(g.add(a, b, compute_data_type=it), it)
+
+        masks = []
         if self.lens is not None:
-            conds += [cmp("cmp_lt", row, self.lens[0]), cmp("cmp_lt", col, self.lens[1])]
-        keep = conds[0]
-        for c in conds[1:]:
-            keep = self._typed(g.logical_and(keep, c, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
-        return keep
+            pad = g.logical_and(cmp("cmp_lt", row, self.lens[0]), cmp("cmp_lt", col, self.lens[1]),
+                                compute_data_type=dt.BOOLEAN)
+            masks.append(self._typed(pad, dt.BOOLEAN))
+        if band is not None and band.right != -1:
+            causal = self.square and band.right == 0
+            masks.append(cmp("cmp_ge", row, col) if causal else cmp("cmp_ge", add(row, self.bounds[1]), col))
+        if band is not None and band.left != -1:
+            masks.append(cmp("cmp_gt", add(col, self.bounds[0]), row))
+        return masks
 
     def forward(self, g: Any, scores: Any) -> Any:
         """``softcap * tanh(scores / softcap)``, masked (``scores`` are already scaled by the softmax scale)."""
         self.tanh = g.tanh(g.mul(scores, self.inv_cap))
-        capped = g.mul(self.tanh, self.cap)
-        keep = self._keep(g, capped)
-        return capped if keep is None else g.binary_select(input0=capped, input1=self.masked, mask=keep)
+        out = g.mul(self.tanh, self.cap)
+        for keep in self._masks(g, out):
+            out = g.binary_select(input0=out, input1=self.masked, mask=keep)
+        return out
 
     def bprop(self, g: Any, d_scores: Any) -> Any:
         """The gradient through the softcap: ``dS * (1 - tanh^2)`` (masked pairs have ``dS = 0`` already: their
@@ -146,16 +154,17 @@ class ScoreMod:
 
 
 def sdpa_options(cudnn: Any, graph: Any, band: Optional[Band], softcap: Optional[float], square: bool,
-                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False) -> dict:
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False,
+                 shape: Optional[tuple[int, int]] = None) -> dict:
     """Keyword arguments for ``graph.sdpa`` / ``graph.sdpa_backward``: the band options without a softcap, else the
-    score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``). Packed blocks without a softcap turn the
-    padding mask on with ``lens``."""
+    score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``; ``shape``: a dense block's
+    ``(n_q, n_k)``). Packed blocks without a softcap turn the padding mask on with ``lens``."""
     if softcap is None:
         kw = _flags(cudnn, band, square)
         if lens is not None:
             kw.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
         return kw
-    mod = ScoreMod(cudnn, graph, softcap, band, square, lens, bounds)
+    mod = ScoreMod(cudnn, graph, softcap, band, square, lens, bounds, shape)
     kw = {"score_mod": mod.forward}
     if backward:
         kw["score_mod_bprop"] = mod.bprop

@@ -181,15 +181,16 @@ def _lens(meta: dict) -> list[tuple[int, int]]:
 
 
 def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float], device: torch.device) -> dict:
-    """The score modifier's per-sequence band bounds (``lo``/``hi`` int32 ``[B, 1, 1, 1]``, see
-    :meth:`~cpscope.attention._cudnn_mods.Band.bounds`); empty where the graph needs none."""
+    """The score modifier's per-sequence band bounds (``wl``/``hi`` int32 ``[B, 1, 1, 1]``, see
+    :class:`~cpscope.attention._cudnn_mods.ScoreMod`); empty where the graph needs none."""
     if softcap is None or band is None or (meta["square"] and band == _mods.Band(-1, 0)):
         return {}
     key = ("bounds", band)
     got = meta["derived"].get(key)
     if got is None:
         lo, hi = zip(*(band.bounds(lq, lk) for lq, lk in _lens(meta)))
-        got = {n: torch.tensor(x, dtype=torch.int32).view(-1, 1, 1, 1).to(device) for n, x in (("lo", lo), ("hi", hi))}
+        wl = tuple(1 - x for x in lo)
+        got = {n: torch.tensor(x, dtype=torch.int32).view(-1, 1, 1, 1).to(device) for n, x in (("wl", wl), ("hi", hi))}
         got = meta["derived"].setdefault(key, got)
     return got
 
@@ -210,7 +211,7 @@ def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[_mods.B
     """The sdpa options of a packed block (padding mask or score modifier, band); declares ``extras`` in ``named``."""
     for n in extras:
         named[n] = _int_tensor(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.INT32, n)
-    bounds = (named["lo"], named["hi"]) if "lo" in extras else None
+    bounds = (named["wl"], named["hi"]) if "wl" in extras else None
     return _mods.sdpa_options(cudnn, g, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
                               bounds=bounds, backward=backward)
 
