@@ -92,7 +92,7 @@ def _time_mb(model: GPT, mbs: list, n_targets: int, device: torch.device) -> lis
     out = []
     for mb in mbs:
         t0 = time.perf_counter()
-        run_microbatches(model, [mb], num_targets=n_targets)
+        run_microbatches(model, [mb], num_targets=n_targets, dp_group=dist.group.WORLD)
         _sync(device)
         out.append((mb.cp, time.perf_counter() - t0))
     return out
@@ -124,7 +124,7 @@ def _run_mode(name: str, plan: Any, model: GPT, docs: list[torch.Tensor], groups
               steps: int) -> dict[str, Any]:
     rank = dist.get_rank()
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
-    n_targets = global_num_targets(mbs, device=device)
+    n_targets = global_num_targets(mbs, dp_group=dist.group.WORLD, device=device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -144,7 +144,7 @@ def _run_mode(name: str, plan: Any, model: GPT, docs: list[torch.Tensor], groups
         if flag.item():
             return {"mode": name, "oom": True}
         busy = time.perf_counter() - t0
-        allreduce_gradients(model)
+        allreduce_gradients(model, dp_group=dist.group.WORLD)
         _sync(device)
         wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)

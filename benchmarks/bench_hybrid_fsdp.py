@@ -98,7 +98,7 @@ def _run_mode(name: str, plan: Any, model: GPT, sync: _TimedFSDPSync, docs: list
               device: torch.device, steps: int) -> dict[str, Any]:
     rank = dist.get_rank()
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
-    n_targets = global_num_targets(mbs, group=sync.group, device=device)
+    n_targets = global_num_targets(mbs, dp_group=sync.dp_group, device=device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -108,7 +108,7 @@ def _run_mode(name: str, plan: Any, model: GPT, sync: _TimedFSDPSync, docs: list
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        run_step(model, mbs, sync=sync, num_targets=n_targets)
+        run_step(model, mbs, dp_group=sync.dp_group, sync=sync, num_targets=n_targets)
         _sync(device)
         wall = torch.tensor([time.perf_counter() - t0, sync.unshard_s], dtype=torch.float64, device=device)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"cost model ({'fitted in %.1f s' % fit_s if samples else 'defaults'}): {cost}")
 
     model = _shard(_build(c, device, torch.float32), device, mp, not args.no_reshard_after_forward)
-    sync = _TimedFSDPSync(model)
+    sync = _TimedFSDPSync(model, dp_group=dist.group.WORLD)
     static_cp = min(2, world)
     plans = {"hybrid": plan_hybrid(lengths, world, c["capacity"], cost),
              f"static{static_cp}": plan_static(lengths, world, c["capacity"], cost, cp=static_cp)}

@@ -34,18 +34,13 @@ def pack_lengths(rng: random.Random, tokens: int, unit: int) -> list[int]:
 
 def step(cu: torch.Tensor, cp: int) -> None:
     import cpscope
-    from cpscope.attention import ring
 
     cpscope.zigzag_indices(cu, cp, 0)
     cpscope.zigzag_positions(cu, cp, 0)
-    try:  # this commit: the geometry is cached on the pack, as attention_with_scope does it
-        from cpscope._pack import pack_for
-        from cpscope.attention import _varlen_plan
+    from cpscope._pack import pack_for
+    from cpscope.attention.ring_plan import plan_for_pack
 
-        _varlen_plan(pack_for(cu, cp, 0), torch.device("cpu"), True, 1.0)
-    except ImportError:  # older commits: RingPlan cached its tensors by cu tuples
-        ring.RingPlan(varlen=True, causal=True, scale=1.0, rank=0, size=cp, cu=tuple(cu.tolist()),
-                      device=torch.device("cpu"))
+    plan_for_pack(pack_for(cu, cp, 0), torch.device("cpu"), causal=True, scale=1.0)  # cached on the pack
 
 
 def main() -> None:

@@ -38,45 +38,49 @@ MODES = ("off", "every=100", "every=1")
 def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
     """Per-call cost (µs) of each hook when the sentinel is on but the microbatch is not sampled, minus off.
 
-    Timed on the hooks themselves (attention: its hook line at the top of a function that does nothing else;
-    RoPE: the hook call), so that the figure is not buried in the noise of the kernels it wraps. Min over
-    ``repeats``. Off, each hook is one global lookup and a ``None`` check.
+    Timed on the observer slots themselves, the way the core calls them (attention: a prepared call whose run does
+    no work; RoPE: the slot call; a microbatch marker), so that the figure is not buried in the noise of the
+    kernels they wrap. Min over ``repeats``. Off, each slot is one attribute read and a ``None`` check.
     """
     import timeit
 
     import cpscope
-    from cpscope import _sentinel
+    from cpscope import _hooks
+    from cpscope.attention.api import prepare_call
     from cpscope.scope import CP1
 
     q = torch.randn(8, 2, 8)
-    cu = [0, 8]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    call = prepare_call(q, q, q, CP1, "thd", True, cu, None, None, None, None)
+    pack_cu = call.pack.cu
 
-    def attention_like(q, k, v, scope, *, qkv_format="thd", cu_seqlens=None):  # the hook line, then no work
-        if _sentinel.ACTIVE is not None and not _sentinel.busy(): return _sentinel.attention(attention_like, locals())  # noqa
-        return q
+    def run(c):  # the attention itself: no work
+        return c.q
 
-    def attention():
-        attention_like(q, q, q, CP1, qkv_format="thd", cu_seqlens=cu)
+    def attention():  # what attention_with_scope does around a prepared call
+        observer = _hooks.attention
+        return run(call) if observer is None else observer(call, run)
 
     def rope():
-        if _sentinel.ACTIVE is not None:
-            _sentinel.ACTIVE.on_rope(CP1, cu, "thd", q)
+        if _hooks.rope is not None:
+            _hooks.rope(CP1, pack_cu, "thd", q)
 
     def marker():
-        s = _sentinel.ACTIVE
+        s = cpscope.sentinel.active()
         if s is not None:
-            s.end_microbatch(s.begin_microbatch(CP1))
+            with s.microbatch(None):
+                pass
 
     def best(fn):
         return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
     off = {name: best(fn) for name, fn in (("attention", attention), ("rope", rope), ("microbatch", marker))}
     s = cpscope.sentinel(every=10**9)
-    s.begin_microbatch(CP1)  # counter 0: the one sampled microbatch; everything timed below is unsampled
-    s.begin_microbatch(CP1)
     try:
-        on = {"attention": best(attention), "rope": best(rope)}
-        s._mb = None
+        with s.microbatch(None):  # index 0: the one sampled microbatch; everything timed below is unsampled
+            pass
+        with s.microbatch(None):
+            on = {"attention": best(attention), "rope": best(rope)}
         on["microbatch"] = best(marker)
     finally:
         s.stop()
@@ -112,11 +116,11 @@ def _run_rank(args: argparse.Namespace) -> None:
             docs = th.make_documents(cfg, step)
             plan = th.make_plan(cfg, [d.numel() for d in docs], world)
             mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-            n = global_num_targets(mbs)
+            n = global_num_targets(mbs, dp_group=dist.group.WORLD)
             t1 = time.perf_counter()
             st["opt"].zero_grad(set_to_none=True)
-            run_microbatches(st["model"], mbs, num_targets=n)
-            allreduce_gradients(st["model"])
+            run_microbatches(st["model"], mbs, num_targets=n, dp_group=dist.group.WORLD)
+            allreduce_gradients(st["model"], dp_group=dist.group.WORLD)
             st["opt"].step()
             c2 = time.process_time()
             dist.barrier()

@@ -113,7 +113,7 @@ __all__ = [
     "SentinelError",
 ]
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
@@ -24,23 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import cpscope  # noqa: E402
+from cpscope.hybrid import Microbatch  # noqa: E402
 from cpscope.train.loop import prepare_microbatch, token_loss_sum  # noqa: E402
 from _check import check_microbatch, grad_snapshot  # noqa: E402
 from _launch import launch, print_rank_reports  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
-class Planned(NamedTuple):
-    cp: int
-    docs: tuple[int, ...]  # indices into the global batch
+def _planned(cp: int, block: int, seqs: tuple[int, ...]) -> Microbatch:
+    """A planned microbatch: documents ``seqs`` (indices into the global batch) on ranks ``block·cp … +cp-1``."""
+    return Microbatch(cp=cp, block=block, seqs=seqs, tokens_per_rank=0, cost=0.0)
 
 
-# Per rank, in execution order (what cpscope.hybrid.plan_hybrid would hand out).
+# Per rank, in execution order: what cpscope.hybrid.plan_hybrid would hand out (plan.microbatches_for_rank(rank)).
 SCHEDULE = {
-    0: [Planned(4, (0,)), Planned(2, (1,)), Planned(1, (3, 4))],
-    1: [Planned(4, (0,)), Planned(2, (1,)), Planned(1, (5,))],
-    2: [Planned(4, (0,)), Planned(2, (2,)), Planned(1, (6,))],
-    3: [Planned(4, (0,)), Planned(2, (2,)), Planned(1, (7, 8))],
+    0: [_planned(4, 0, (0,)), _planned(2, 0, (1,)), _planned(1, 0, (3, 4))],
+    1: [_planned(4, 0, (0,)), _planned(2, 0, (1,)), _planned(1, 1, (5,))],
+    2: [_planned(4, 0, (0,)), _planned(2, 1, (2,)), _planned(1, 2, (6,))],
+    3: [_planned(4, 0, (0,)), _planned(2, 1, (2,)), _planned(1, 3, (7, 8))],
 }
 LENGTHS = [203, 96, 77, 30, 12, 41, 25, 18, 9]
 
@@ -55,7 +54,8 @@ def main() -> None:
     lines = []
     for mb in SCHEDULE[rank]:
         group = groups[mb.cp]
-        local = prepare_microbatch([docs[i] for i in mb.docs], cp=mb.cp, group=group)  # pack, pad, shard
+        assert dist.get_rank() in mb.ranks  # the planned block of ranks holds this rank
+        local = prepare_microbatch([docs[i] for i in mb.seqs], cp=mb.cp, group=group)  # pack, pad, shard
         before = grad_snapshot(model)  # for the check below
         with cpscope.runtime_cp(group):  # RoPE and attention inside the model read this group
             seen = (cpscope.cp_size(), cpscope.cp_rank())
@@ -63,9 +63,9 @@ def main() -> None:
             loss_sum = token_loss_sum(logits, local.labels)
         loss_sum.backward()  # outside the scope: the attention kept its group from forward
         # Check: the group's summed loss and gradients equal the same documents without CP (raises if not).
-        result = check_microbatch(model, [docs[i] for i in mb.docs], group, loss_sum, before)
+        result = check_microbatch(model, [docs[i] for i in mb.seqs], group, loss_sum, before)
         lines.append(
-            f"  bound CP{seen[0]} (cp rank {seen[1]}) for docs {list(mb.docs)}: {local.input_ids.numel()} local "
+            f"  bound CP{seen[0]} (cp rank {seen[1]}) for docs {list(mb.seqs)}: {local.input_ids.numel()} local "
             f"tokens of {int(local.cu_seqlens[-1])}, group {result}"
         )
     assert cpscope.cp_size() == 1  # outside every scope: back to the build-time group (CP1)

@@ -2,9 +2,10 @@
 
 Every step draws a global batch of documents with a long-tail length distribution; the planner
 (:func:`cpscope.hybrid.plan_hybrid`) gives each document a CP size and each rank its ordered microbatches; the
-loop (:mod:`cpscope.train.loop`) packs, pads, shards and binds each microbatch's group with ``runtime_cp``; the
-loss is normalised by the global number of targets and gradients are summed over the world, so every mode
-computes the same update as one process training on the whole batch.
+loop (:mod:`cpscope.train.prepare`, :mod:`cpscope.train.loop`) packs, pads, shards and binds each microbatch's group
+with ``runtime_cp``; the loss is normalised by the global number of targets and gradients are summed over the
+data-parallel group (here the world, ``dp_group=dist.group.WORLD``), so every mode computes the same update as one
+process training on the whole batch.
 
 Each step is one :func:`cpscope.train.loop.run_step`: the model may be a plain module (gradients summed by hand),
 wrapped in ``DistributedDataParallel`` (``--ddp``) or sharded by FSDP2 (``--fsdp``); the ranks run different numbers
@@ -222,9 +223,12 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
         raise ValueError(f"wrap={cfg.wrap!r} needs torch.distributed (a world of 1 is fine)")
     device = device or torch.device("cpu")
     groups = cpscope.new_cp_groups([1, 2, 4]) if world > 1 else {1: None}  # collective, once
+    # The data-parallel group: the ranks holding different tokens — here every rank (no tensor parallelism); one
+    # process without torch.distributed is None, this rank alone. Always named: None never means the world.
+    dp_group = dist.group.WORLD if dist.is_initialized() else None
     model = wrap_model(cfg, build_model(cfg, device), device)
     opt = build_optimizer(cfg, model)
-    sync = gradient_sync(model)  # ManualSync / DDPSync / FSDPSync: gradients synchronised once per step
+    sync = gradient_sync(model, dp_group=dp_group)  # ManualSync / DDPSync / FSDPSync: synchronised once per step
 
     seen_step: list[dict[str, Any]] = []
     empty_step = [0]
@@ -251,9 +255,9 @@ def train(cfg: TrainConfig, *, device: Optional[torch.device] = None, progress: 
         mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
         opt.zero_grad(set_to_none=True)
         seen_step, empty_step[0] = [], 0
-        # Loss / (real targets of the whole global batch); gradients summed over the world once, after the last
+        # Loss / (real targets of the whole global batch); gradients summed over dp_group once, after the last
         # microbatch, whatever the wrapper.
-        step_result = run_step(model, mbs, sync=sync, forward=forward)
+        step_result = run_step(model, mbs, dp_group=dp_group, sync=sync, forward=forward)
         opt.step()
         loss = step_result.global_loss()
         result.losses.append(loss)

@@ -55,8 +55,10 @@ def test_hierarchical_blocks_orders():
     inner, outer = hierarchical_blocks([1, 3, 5, 7, 9, 11], 2)  # CP ranks 0..5 are global ranks 1, 3, ..., 11
     assert inner == ((1, 3), (5, 7), (9, 11))  # consecutive CP ranks; inner rank = cp_rank % 2
     assert outer == ((1, 5, 9), (3, 7, 11))  # same inner index; outer rank = cp_rank // 2
-    with pytest.raises(ValueError, match=r"inner_size 4 does not divide the CP size 6"):
+    with pytest.raises(ValueError, match=r"inner 4 does not divide the CP size 6; use a divisor of 6 \(\[1, 2, 3, 6\]\)"):
         hierarchical_blocks([1, 3, 5, 7, 9, 11], 4)
+    inner, outer = hierarchical_blocks([0, 1, 2, 3, 4, 5], 3)  # any divisor: 3 of 6
+    assert inner == ((0, 1, 2), (3, 4, 5)) and outer == ((0, 3), (1, 4), (2, 5))
     with pytest.raises(ValueError, match=r"must ascend.*got \[3, 1\]"):
         hierarchical_blocks([3, 1], 1)
 
@@ -277,21 +279,32 @@ def test_hierarchical_calls_stay_among_the_cp_groups_members(simulated):
 
     layer = simulated(4096, 1029)
     cp = SimGroup(range(1024, 1032))  # a CP8 group inside a 4096-rank job
+    assert G.lookup_hierarchical(cp, 4) is None and layer.calls == []  # not created: None, and no call at all
     inner, outer = G.hierarchical_cp_groups(cp, 4)
     assert inner.ranks == [1028, 1029, 1030, 1031] and outer.ranks == [1025, 1029]
     assert layer.calls == [("gather", tuple(range(1024, 1032)), False), ("new_group", (1028, 1029, 1030, 1031), True),
                            ("new_group", (1025, 1029), True)]
     assert G.hierarchical_cp_groups(cp, 4) == (inner, outer) and len(layer.calls) == 3  # cached
+    assert G.lookup_hierarchical(cp, 4) == (inner, outer) and len(layer.calls) == 3  # found, no call
+    assert G.lookup_hierarchical(cp, 2) is None  # another inner size: not created
     layer = simulated(4096, 1029, split=True, bound=True)
     inner, outer = G.hierarchical_cp_groups(cp, 4)
+    assert G.lookup_hierarchical(cp, 4) == (inner, outer)  # whichever method created it
     # split from the CP group, in its group ranks: inner blocks then outer blocks
     assert [c for c in layer.calls if c[0] == "split"] == [
         ("split", ((1024, 1025, 1026, 1027), (1028, 1029, 1030, 1031)), False),
         ("split", ((1024, 1028), (1025, 1029), (1026, 1030), (1027, 1031)), False)]
     assert (inner.ranks, outer.ranks) == ([1028, 1029, 1030, 1031], [1025, 1029])
     assert G.hierarchical_cp_groups(cp, 8) == (cp, None) and G.hierarchical_cp_groups(cp, 1) == (None, cp)
-    with pytest.raises(ValueError, match=r"inner_size 3 does not divide the CP size 8"):
+    n = len(layer.calls)
+    assert G.lookup_hierarchical(cp, 8) == (cp, None) and G.lookup_hierarchical(cp, 1) == (None, cp)
+    assert G.lookup_hierarchical(None, 1) == (None, None) and len(layer.calls) == n  # nothing to create: answered
+    with pytest.raises(ValueError, match=r"inner 3 does not divide the CP size 8"):
         G.hierarchical_cp_groups(cp, 3)
+    with pytest.raises(ValueError, match=r"lookup_hierarchical: inner 3 does not divide the CP size 8"):
+        G.lookup_hierarchical(cp, 3)
+    with pytest.raises(ValueError, match=r"lookup_hierarchical: inner 2 does not divide the CP size 1"):
+        G.lookup_hierarchical(None, 2)
     with pytest.raises(ValueError, match=r"method='global' needs every rank"):
         G.hierarchical_cp_groups(cp, 2, method="global")
 
@@ -306,6 +319,11 @@ def test_destroyed_cached_groups_are_never_returned(simulated):
     G.clear_cp_group_cache()
     again = G.new_cp_groups([2, 4])
     assert again[2] is not got[2] and again[2].alive and again[2].ranks == [0, 1]
+    inner, outer = G.hierarchical_cp_groups(again[4], 2)
+    outer.alive = False
+    with pytest.raises(RuntimeError, match=r"lookup_hierarchical: the cached group 'outer' \(global ranks \[0, 2\]\) "
+                                           r"has been destroyed"):
+        G.lookup_hierarchical(again[4], 2)  # never a destroyed group, never a silent None
 
 
 def test_a_new_world_starts_the_registry_afresh(simulated):
@@ -410,17 +428,68 @@ def _hierarchy():
     dist.all_gather(whole, torch.cat(part), group=outer)
     assert torch.cat(whole).tolist() == [0.0, 1.0, 2.0, 3.0]
     assert cpscope.groups.hierarchical_cp_groups(cp, 2) == (inner, outer)  # cached
+    assert cpscope.groups.lookup_hierarchical(cp, 2) == (inner, outer)  # what a forward may call
     pairs = cpscope.new_cp_groups([2])[2]
     assert inner is pairs  # the same member set: one group, shared with the registry
     assert cpscope.groups.hierarchical_cp_groups(cp, 4) == (cp, None)
     assert cpscope.groups.hierarchical_cp_groups(None, 1) == (None, None)
-    with pytest.raises(ValueError, match=r"inner_size 3 does not divide the CP size 4"):
+    with pytest.raises(ValueError, match=r"inner 3 does not divide the CP size 4"):
         cpscope.groups.hierarchical_cp_groups(cp, 3)
     return True
 
 
 def test_hierarchical_groups_on_four_ranks():
     assert run_ranks(4, _hierarchy) == [True] * 4
+
+
+def _any_size(sizes: list[int]) -> dict:
+    """Groups of CP sizes that are not powers of two (3, 6): members, a collective, ring attention against the
+    float64 reference, and the hierarchical pairs of every divisor — created up front, then looked up."""
+    cpscope.set_backward_read_check(True)
+    me, world = dist.get_rank(), dist.get_world_size()
+    got = cpscope.new_cp_groups(sizes)
+    assert got[1] is None
+    for s in sizes[1:]:
+        members = cpscope.group_ranks(got[s])
+        assert members == list(range(me - me % s, me - me % s + s))  # aligned contiguous blocks, ascending
+        t = torch.tensor([float(dist.get_rank(got[s]))])
+        dist.all_reduce(t, group=got[s])
+        assert t.item() == s * (s - 1) / 2
+        for i, fmt in enumerate(("bshd", "thd")):
+            _ring_check(got[s], fmt, seed=10 * s + i)
+    cp = got[world]
+    c = dist.get_rank(cp)
+    pairs = {}
+    for m in range(1, world + 1):
+        if world % m:
+            with pytest.raises(ValueError, match=rf"inner {m} does not divide the CP size {world}"):
+                cpscope.groups.hierarchical_cp_groups(cp, m)
+            continue
+        inner, outer = pairs[m] = cpscope.groups.hierarchical_cp_groups(cp, m)
+        assert cpscope.groups.lookup_hierarchical(cp, m) == (inner, outer)  # found later without a collective
+        if m in (1, world):
+            assert (inner, outer) == ((None, cp) if m == 1 else (cp, None))
+            continue
+        assert cpscope.group_ranks(inner) == list(range(c - c % m, c - c % m + m))
+        assert cpscope.group_ranks(outer) == list(range(c % m, world, m))
+        assert dist.get_rank(inner) == c % m and dist.get_rank(outer) == c // m
+        if m in got:
+            assert inner is got[m]  # the same members as a registry block: one group
+        part = [torch.zeros(1) for _ in range(m)]  # gathering inside, then across: the CP order back
+        dist.all_gather(part, torch.tensor([float(c)]), group=inner)
+        whole = [torch.zeros(m) for _ in range(world // m)]
+        dist.all_gather(whole, torch.cat(part), group=outer)
+        assert torch.cat(whole).tolist() == [float(i) for i in range(world)]
+    bad = [s for s in (2, 3, 4, 5) if world % s]
+    with pytest.raises(ValueError, match=rf"CP sizes \[{bad[0]}\] do not divide the {world} ranks"):
+        cpscope.new_cp_groups([1, bad[0]])
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("world,sizes", [(3, [1, 3]), (6, [1, 2, 3, 6])])
+def test_cp_sizes_that_are_not_powers_of_two(world, sizes):
+    divisors = [m for m in range(1, world + 1) if world % m == 0]
+    assert run_ranks(world, _any_size, sizes) == [divisors] * world
 
 
 def _destroyed_group():

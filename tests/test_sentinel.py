@@ -49,11 +49,13 @@ def _summary(e_or_reports) -> list[tuple]:
 # ---------------------------------------------------------------------------------------------------------------
 # A tiny bshd model whose RoPE group can be pinned (the Megatron pattern: a group captured at construction)
 
+_ACTIVE = object()  # RoPE follows the active scope (no group= argument)
+
 
 class TinyBshd(nn.Module):
     """Embedding → q/k/v → RoPE (cpscope, ``rope_group`` when pinned) → ring attention → head. x: [b, s_local, e]."""
 
-    def __init__(self, rope_group=cpscope.scope._UNSET, e: int = 16, h: int = 2, h_kv: int = 1, max_len: int = 64):
+    def __init__(self, rope_group=_ACTIVE, e: int = 16, h: int = 2, h_kv: int = 1, max_len: int = 64):
         super().__init__()
         self.h, self.h_kv, self.d = h, h_kv, e // h
         self.qkv = nn.Linear(e, (h + 2 * h_kv) * self.d, bias=False)
@@ -65,7 +67,7 @@ class TinyBshd(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).split([self.h * self.d, self.h_kv * self.d, self.h_kv * self.d], dim=-1)
         q, k, v = q.view(b, s, self.h, self.d), k.view(b, s, self.h_kv, self.d), v.view(b, s, self.h_kv, self.d)
-        kw = {} if self.rope_group is cpscope.scope._UNSET else {"group": self.rope_group}
+        kw = {} if self.rope_group is _ACTIVE else {"group": self.rope_group}
         q = cpscope.apply_rotary_pos_emb(q, self.freqs, qkv_format="bshd", **kw)
         k = cpscope.apply_rotary_pos_emb(k, self.freqs, qkv_format="bshd", **kw)
         o = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
@@ -75,7 +77,7 @@ class TinyBshd(nn.Module):
         return self.block(x)
 
 
-def _tiny(rope_group=cpscope.scope._UNSET, dtype=torch.float32) -> TinyBshd:
+def _tiny(rope_group=_ACTIVE, dtype=torch.float32) -> TinyBshd:
     torch.manual_seed(0)
     return TinyBshd(rope_group).to(dtype)
 
@@ -122,6 +124,23 @@ def test_reference_rows_match_autograd_of_full_attention(causal, h_kv):
     torch.testing.assert_close(dq1, gq[rows], rtol=1e-11, atol=1e-11)
 
 
+def test_reference_rows_with_a_value_head_dim_of_its_own():
+    """Multi-latent attention: v's head dim differs from q/k's; the reference's output and gradients follow it."""
+    torch.manual_seed(2)
+    cu = [0, 12, 32]
+    t, h, h_kv, d, dv = cu[-1], 4, 2, 12, 8
+    q, k = (torch.randn(t, n, d, dtype=torch.float64, requires_grad=True) for n in (h, h_kv))
+    v = torch.randn(t, h_kv, dv, dtype=torch.float64, requires_grad=True)
+    ref = reference_attention(q, k, v, causal=True, cu=cu, scale=0.2)
+    dout = torch.randn_like(ref)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), dout)
+    out, _, dq, dk, dvv, terms = reference_rows(q.detach(), torch.arange(t), k.detach(), v.detach(), cu, causal=True,
+                                                scale=0.2, dtype=torch.float64, dout=dout)
+    assert out.shape == (t, h, dv) and dvv.shape == (t, h_kv, dv) and terms[2].shape == (t, h_kv, dv)
+    for got, want in ((out, ref.detach()), (dq, gq), (dk, gk), (dvv, gv)):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+
+
 def test_switch_and_context_manager_restore_what_was_active():
     assert cpscope.sentinel.active() is None
     outer = cpscope.sentinel(every=5)  # a switch: on at construction
@@ -134,6 +153,80 @@ def test_switch_and_context_manager_restore_what_was_active():
         summary = outer.stop()
     assert cpscope.sentinel.active() is None and summary.mismatches == 0
     outer.stop()  # idempotent
+
+
+def test_sentinels_stopped_out_of_order_are_never_active_again_and_the_slots_follow():
+    from cpscope import _hooks
+
+    assert _hooks.attention is None and _hooks.rope is None
+    a = cpscope.sentinel(every=1, on_mismatch="log")
+    b = cpscope.sentinel(every=2, on_mismatch="log")
+    c = cpscope.sentinel(every=3, on_mismatch="log")
+    try:
+        assert cpscope.sentinel.active() is c and _hooks.attention == c.on_attention
+        b.stop()  # out of order: c stays active, and b never comes back
+        assert cpscope.sentinel.active() is c
+        c.stop()
+        assert cpscope.sentinel.active() is a and _hooks.attention == a.on_attention
+        assert _hooks.microbatches == a.watch_loop and _hooks.hf_positions == a.on_hf_positions
+    finally:
+        a.stop()
+        b.stop()
+        c.stop()
+    assert cpscope.sentinel.active() is None
+    assert all(getattr(_hooks, name) is None for name in _hooks.SLOTS)
+    assert not hasattr(cpscope._sentinel, "ACTIVE")  # the active sentinel is read through sentinel.active() only
+
+
+def test_sampling_is_decided_per_group_and_per_kind_in_one_place():
+    from cpscope._sentinel.sampling import Sampler
+
+    s = Sampler(every=3)
+    g1, g2 = object(), object()
+    assert [s.microbatch(g1) for _ in range(4)] == [(0, True), (1, False), (2, False), (3, True)]
+    assert s.microbatch(g2) == (0, True)  # each group counts its own microbatches
+    assert [s.call("rope", g1) for _ in range(2)] == [(0, True), (1, False)]  # and each kind its own calls
+    assert s.call("attention", g1) == (0, True)
+    assert [s.step() for _ in range(4)] == [(0, True), (1, False), (2, False), (3, True)]
+
+
+def test_the_package_is_a_client_of_the_core():
+    """Inside cpscope/_sentinel: imports point one way (no cycle), private names of the core only where documented
+    (the observer slots, the one list of variant names, the graph-task probe in state.py), files <= 500 lines,
+    functions <= 80 lines."""
+    import ast
+
+    pkg = Path(cpscope.__file__).parent / "_sentinel"
+    allowed = {("cpscope", "_hooks"), ("cpscope._variants", "COMM_CHOICES"),
+               ("cpscope.scope", "_current_graph_task_id")}
+    edges: dict[str, set] = {}
+    for f in sorted(pkg.glob("*.py")):
+        text = f.read_text()
+        assert len(text.splitlines()) <= 500, f.name
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 80, (f.name, node.name)
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 1:
+                targets = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+                edges.setdefault(f.stem, set()).update(targets)
+            elif node.level >= 2 or (node.module or "").startswith("cpscope"):
+                mod = "cpscope" + ("." + node.module if node.module else "") if node.level >= 2 else node.module
+                for a in node.names:
+                    if a.name.startswith("_") or any(p.startswith("_") for p in mod.split(".")[1:]):
+                        assert (mod, a.name) in allowed, (f.name, mod, a.name)
+
+    def reach(start, node, seen):
+        for nxt in edges.get(node, ()):
+            assert nxt != start, f"import cycle through {start}"
+            if nxt not in seen:
+                seen.add(nxt)
+                reach(start, nxt, seen)
+
+    for mod in edges:
+        reach(mod, mod, set())
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
@@ -250,10 +343,10 @@ def _foreign_sharder(foreign: bool):
         ids_l, labels_l = (_contiguous(t, cu_p, 2, rank) for t in padded.tensors)
         mb = dataclasses.replace(mb, input_ids=ids_l, labels=labels_l, num_targets=int((labels_l != -100).sum()))
     model = _small_gpt()
-    n = global_num_targets([mb])
+    n = global_num_targets([mb], dp_group=dist.group.WORLD)
     with cpscope.sentinel(every=1) as s:
         try:
-            run_microbatches(model, [mb], num_targets=n)
+            run_microbatches(model, [mb], num_targets=n, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e), e.mismatches[0].message
     return _summary(s.reports), s.summary().checks
@@ -320,7 +413,7 @@ def _offsets_in_the_loop():
     mb = prepare_microbatch([docs[i] for i in seqs], cp=4, group=groups[4], seqs=seqs)
     with cpscope.sentinel(every=1):
         try:
-            run_microbatches(_small_gpt(), [mb], num_targets=100)
+            run_microbatches(_small_gpt(), [mb], num_targets=100, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e)
     return []
@@ -395,14 +488,14 @@ def _loss_normalisation(mode):
     docs = _docs([12, 20, 40, 14])
     mbs = [prepare_microbatch([docs[rank]], cp=1, group=None, seqs=(rank,)),
            prepare_microbatch([docs[2], docs[3]], cp=2, group=groups[2], seqs=(2, 3))]
-    n = global_num_targets(mbs)
+    n = global_num_targets(mbs, dp_group=dist.group.WORLD)
     if mode == "local":  # per-rank normalisation
         n = sum(m.num_targets for m in mbs)
     elif mode == "unsharded":  # the CP2 microbatch's targets counted on both of its ranks
         n = n + mbs[1].num_targets * 2
     with cpscope.sentinel(every=1):
         try:
-            run_microbatches(_small_gpt(), mbs, num_targets=n)
+            run_microbatches(_small_gpt(), mbs, num_targets=n, dp_group=dist.group.WORLD)
         except cpscope.SentinelError as e:
             return _summary(e), e.mismatches[0].figures
     return [], None
@@ -443,9 +536,13 @@ def _planted(bug, layout):
         attn.ring_attention = lambda q, k, v, *, plan, group: orig(q, _ScaleGrad.apply(k), v, plan=plan, group=group)
     try:
         gen = torch.Generator().manual_seed(2 + 100 * dist.get_rank())  # each rank its own shards
-        shape = (24, 4, 8) if layout == "thd" else (2, 12, 4, 8)
+        shape = (24, 4, 8) if layout.startswith("thd") else (2, 12, 4, 8)
         q, k, v = (torch.randn(*shape[:-2], n, 8, generator=gen, requires_grad=True) for n in (4, 2, 2))
-        kw = {"cu_seqlens": torch.tensor([0, 8, 48], dtype=torch.int32)} if layout == "thd" else {}
+        cu = torch.tensor([0, 8, 48], dtype=torch.int32)
+        kw = {"cu_seqlens": cu} if layout.startswith("thd") else {}
+        if layout == "thd+padded":  # Megatron always passes both offsets: equal ones mean no padding, checked fully
+            kw["cu_seqlens_padded"] = cu.clone()
+        layout = layout.split("+")[0]
         with cpscope.sentinel(every=1) as s, cpscope.runtime_cp(groups[2]):
             try:
                 out = cpscope.context_parallel_attention(q, k, v, qkv_format=layout, **kw)
@@ -457,7 +554,7 @@ def _planted(bug, layout):
         attn.ring_attention = orig
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd"])
+@pytest.mark.parametrize("layout", ["thd", "bshd", "thd+padded"])
 def test_planted_output_bug_is_reported(layout):
     for ms, figs in run_ranks(2, _planted, "out", layout):
         assert ms == [("attention", "out", 0, None), ("attention", "out", 1, None)]
@@ -491,6 +588,39 @@ def test_member_order_disagreeing_with_cp_rank_is_caught_before_the_ring():
         assert what in ("refused", "caught", "ran"), detail
         if what == "caught":  # a registry keeping the caller's order [1, 0] while torch's group ranks ascend
             assert detail == [("agreement", "members", 0, None), ("agreement", "members", 1, None)]
+
+
+def _with_window(windows):
+    """A prepared call carrying a sliding window (an attribute the reference does not implement), per rank."""
+    from cpscope.attention.api import AttentionCall, prepare_call, run_call
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class WindowedCall(AttentionCall):
+        window: object = None
+
+    groups = cpscope.new_cp_groups([1, 2])
+    with cpscope.runtime_cp(groups[2]):
+        scope = cpscope.capture_scope()
+    q = torch.randn(16, 2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    call = prepare_call(q, q, q, scope, "thd", True, torch.tensor([0, 32], dtype=torch.int32), None, None, None, None)
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(AttentionCall)}
+    windowed = WindowedCall(**fields, window=windows[dist.get_rank()])
+    with cpscope.sentinel(every=1) as s:
+        try:
+            s.on_attention(windowed, run_call)
+        except cpscope.SentinelError as e:
+            return _summary(e), s.summary().checks
+    return _summary(s.reports), s.summary().checks
+
+
+def test_a_call_the_reference_does_not_cover_is_checked_for_agreement_only():
+    """A window (or softcap, sinks, padding) is in the digest — ranks with different windows are named — and is not
+    compared numerically against a reference that does not implement it (no false alarm)."""
+    for ms, checks in run_ranks(2, _with_window, [(4, 0), (4, 0)]):
+        assert ms == [] and checks == {"agreement": 1,
+                                       "attention: agreement only (padding, window, softcap or sinks)": 1}
+    for ms, _ in run_ranks(2, _with_window, [(4, 0), (8, 0)]):
+        assert ms == [("agreement", "window", 0, None), ("agreement", "window", 1, None)]
 
 
 def _zero_cost():

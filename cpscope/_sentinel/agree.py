@@ -3,9 +3,10 @@
 Every rank encodes what it is about to run — group size, members and their order, its own global and CP rank,
 offsets (a hash of ``cu_seqlens``), local lengths, layout, ``causal``, the communication variant, dtype, heads,
 softmax scale, which microbatch and which call — as a fixed-length int64 vector. The vectors are all-gathered
-over the group (the size never depends on the inputs, so the collective cannot hang on a disagreement) and every
-rank compares them identically, so every rank reaches the same verdict. Only when something differs does a
-second collective fetch the details (the offsets themselves, an error message) for the report.
+over the group (``comm.exchange``: the size never depends on the inputs, so the collective cannot hang on a
+disagreement) and every rank compares them identically, so every rank reaches the same verdict. Only when
+something differs does a second collective fetch the details (the offsets themselves, an error message) for the
+report. This module encodes and compares; :mod:`.comm` runs the collectives.
 
 Example::
 
@@ -21,14 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["hash64", "float_bits", "exchange", "exchange_objects", "disagreements", "Disagreement",
-           "collective_device", "FORMATS", "DTYPES", "comm_code"]
+from .._variants import COMM_CHOICES
+
+__all__ = ["hash64", "float_bits", "disagreements", "Disagreement", "FORMATS", "DTYPES", "comm_code", "LABELS"]
 
 FORMATS = {"bshd": 1, "sbhd": 2, "thd": 3}
 DTYPES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
-_COMMS = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
+_COMMS = COMM_CHOICES  # codes 1.. in the order of cpscope's one list of variant names
 
 # Human names of the fields, for the reports.
 LABELS = {
@@ -52,6 +53,9 @@ LABELS = {
     "docs": "documents",
     "scale": "softmax scale",
     "seqs": "documents of the microbatch (seqs)",
+    "window": "sliding window",
+    "softcap": "softcap",
+    "sinks": "attention sinks given",
 }
 
 
@@ -67,41 +71,15 @@ def float_bits(x: float) -> int:
 
 
 def comm_code(comm: Optional[str]) -> int:
+    """A communication variant as an int64 digest field (small codes for the known names)."""
     name = "p2p" if comm is None else str(comm)
     return _COMMS.index(name) + 1 if name in _COMMS else hash64(name)
 
 
-def collective_device(group: Optional[dist.ProcessGroup], hint: Optional[torch.device] = None) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live: a CUDA device under NCCL, else the CPU."""
-    backend = dist.get_backend(group)
-    if str(backend).lower() == "nccl":
-        if hint is not None and hint.type == "cuda":
-            return hint
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def exchange(
-    group: Optional[dist.ProcessGroup], values: dict[str, int], device: torch.device
-) -> list[dict[str, int]]:
-    """All-gather one int64 vector per rank (``values`` in insertion order; same keys on every rank)."""
-    names = list(values)
-    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine, group=group)
-    return [dict(zip(names, p.tolist())) for p in parts]
-
-
-def exchange_objects(group: Optional[dist.ProcessGroup], obj: Any) -> list[Any]:
-    """All-gather a small picklable object (only on the rare path where a mismatch needs its details)."""
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 @dataclass(frozen=True)
 class Disagreement:
+    """One field that differs across the gathered rows, and the ranks off the majority."""
+
     field: str
     ranks: tuple[int, ...]  # global ranks that differ from the majority (all, when there is no majority)
     message: str
@@ -115,11 +93,13 @@ def _show(name: str, value: int) -> str:
         return next((str(k).replace("torch.", "") for k, v in DTYPES.items() if v == value), str(value))
     if name == "comm":
         return _COMMS[value - 1] if 1 <= value <= len(_COMMS) else f"{value & 0xFFFFFFFFFFFFFFFF:#018x}"
-    if name == "scale":
+    if name in ("window", "softcap") and value == -1:
+        return "none"
+    if name in ("scale", "softcap") and value != -1:
         return f"{struct.unpack('<d', struct.pack('<q', value))[0]:.6g}"
-    if name in ("members", "offsets", "seqs"):
+    if name in ("members", "offsets", "seqs", "window") and value != -1:
         return f"#{value & 0xFFFFFFFFFFFFFFFF:016x}"
-    if name == "causal":
+    if name in ("causal", "sinks"):
         return str(bool(value))
     return str(value)
 

@@ -15,10 +15,13 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .report import Mismatch
-from .state import describe, group_of
-from .agree import collective_device, disagreements, exchange, exchange_objects, hash64
 from ..scope import CPScope, scope_for
+from .agree import disagreements, hash64
+from .comm import collective_device, exchange, exchange_objects, gather_zigzag
+from .reference import segment_ids
+from .report import Mismatch
+from .state import Microbatch, describe, group_of, me, offsets_list
+from .tracker import Tracker
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 
@@ -26,53 +29,47 @@ _FIELDS = ("members", "cp_size", "step", "microbatch", "local_len", "offsets", "
 _STRUCTURAL = {"members", "cp_size", "local_len"}
 
 
-def _me() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def watch(s: Any, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
+def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
     """Yield the microbatches of one ``run_microbatches`` call, each marked and (when sampled) checked."""
-    step = s.next_step()
-    step_sampled = s.check_loss and step % s.every == 0
+    step, step_sampled = t.sampler.step()
+    step_sampled = step_sampled and t.opts.loss
     used = 0
     device: Optional[torch.device] = None
     for mb in microbatches:
         scope = scope_for(getattr(mb, "group", None))
-        state = s.begin_microbatch(scope, step=step)
+        state = t.begin_microbatch(scope, step=step)
         try:
             if state.sampled:
-                check_microbatch(s, mb, scope, state)
+                check_microbatch(t, mb, scope, state)
             if step_sampled:
                 labels = mb.labels
-                used += int((labels != s.ignore_index).sum())
+                used += int((labels != t.opts.ignore_index).sum())
                 device = labels.device
         except BaseException:
-            s.end_microbatch(state, flush=False)
+            t.end_microbatch(state, flush=False)
             raise
         try:
             yield mb
         except GeneratorExit:  # the loop stopped (an exception in forward / backward): no collectives now
-            s.end_microbatch(state, flush=False)
+            t.end_microbatch(state, flush=False)
             raise
-        s.end_microbatch(state)
+        t.end_microbatch(state)
     if step_sampled:
-        check_loss(s, used, num_targets, device, step)
+        check_loss(t, used, num_targets, device, step)
 
 
-def check_microbatch(s: Any, mb: Any, scope: CPScope, state: Any) -> None:
+def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> None:
     """Agreement on the pack over the microbatch's group, then the labels' layout."""
-    from .._checks import cu_seqlens_list
-
-    cu = cu_seqlens_list(mb.cu_seqlens)
+    cu = offsets_list(mb.cu_seqlens)
     n_local = int(mb.input_ids.numel())
     where = dict(step=state.step, microbatch=state.index)
     if scope.size > 1:
         members = list(group_of(scope))
         seqs = tuple(int(x) for x in getattr(mb, "seqs", ()))
-        vals = {"global_rank": _me(), "cp_rank": scope.rank, "cp_size": scope.size, "members": hash64(tuple(members)),
+        vals = {"global_rank": me(), "cp_rank": scope.rank, "cp_size": scope.size, "members": hash64(tuple(members)),
                 "step": state.step, "microbatch": state.index, "local_len": n_local, "offsets": hash64(tuple(cu)),
                 "docs": len(cu) - 1, "seqs": hash64(seqs)}
-        s._summary.count("agreement")
+        t.verdicts.count("agreement")
         rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device))
         problems = disagreements(rows, members=members, fields=_FIELDS)
         if problems:
@@ -85,41 +82,30 @@ def check_microbatch(s: Any, mb: Any, scope: CPScope, state: Any) -> None:
                     text = p.message if ms else f"{p.message} — the packs: {shown}"
                     ms.append(Mismatch("agreement", p.field, r, text, {**p.figures, "details": details},
                                        group=tuple(members), **where))
-            s.emit(ms, consistent=True, force_raise=any(p.field in _STRUCTURAL for p in problems))
+            t.verdicts.emit(ms, consistent=True, force_raise=any(p.field in _STRUCTURAL for p in problems))
             return  # (log policy) the labels check needs an agreed pack
-    if s.labels == "next_token":
-        check_labels(s, mb, scope, cu, state)
+    if t.opts.labels == "next_token":
+        check_labels(t, mb, scope, cu, state)
 
 
-def check_labels(s: Any, mb: Any, scope: CPScope, cu: list, state: Any) -> None:
+def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatch) -> None:
     """The labels must be the next token of the same document in the zigzag-ordered microbatch."""
-    from .reference import segment_ids
-    from ..sharding import zigzag_indices
-
     cp = scope.size
     ids = mb.input_ids.reshape(-1).to(torch.int64)
     labels = mb.labels.reshape(-1).to(torch.int64)
     if ids.numel() != labels.numel() or cu[-1] != ids.numel() * cp:
-        s.emit([Mismatch("layout", "lengths", _me(),
+        t.verdicts.emit([Mismatch("layout", "lengths", me(),
                          f"the microbatch holds {ids.numel()} local tokens and {labels.numel()} labels, but "
                          f"cu_seqlens[-1]={cu[-1]} at {describe(scope)} means {cu[-1] // cp} local tokens",
                          {}, step=state.step, microbatch=state.index, group=group_of(scope))],
                consistent=cp == 1)
         return
-    s._summary.count("layout")
+    t.verdicts.count("layout")
     dev = collective_device(scope.group, ids.device) if cp > 1 else ids.device
-    mine = torch.stack([ids, labels]).to(dev)  # [2, n]
-    if cp > 1:
-        parts = [torch.empty_like(mine) for _ in range(cp)]
-        dist.all_gather(parts, mine, group=scope.group)
-        full = mine.new_empty((2, cu[-1]))
-        for r, part in enumerate(parts):
-            full[:, zigzag_indices(cu, cp, r, device=dev)] = part
-    else:
-        full = mine
+    full = gather_zigzag(torch.stack([ids, labels]).to(dev), cu, scope, dim=1)  # [2, T]
     fid, flab = full[0], full[1]
     seg = segment_ids(cu, dev)
-    target = flab != s.ignore_index
+    target = flab != t.opts.ignore_index
     ok = torch.zeros_like(target)
     ok[:-1] = (seg[1:] == seg[:-1]) & (fid[1:] == flab[:-1])
     bad = target & ~ok
@@ -129,7 +115,7 @@ def check_labels(s: Any, mb: Any, scope: CPScope, cu: list, state: Any) -> None:
     first = int(torch.nonzero(bad)[0])
     doc = int(seg[first])
     nxt = int(fid[first + 1]) if first + 1 < fid.numel() and int(seg[first + 1]) == doc else None
-    s.emit([Mismatch(
+    t.verdicts.emit([Mismatch(
         "layout", "labels", -1,
         f"{n_bad} of {int(target.sum())} targets are not the next token of their document once the group's tokens "
         f"are put back in zigzag order (first: document {doc}, position {first - cu[doc]}: target {int(flab[first])}, "
@@ -139,17 +125,15 @@ def check_labels(s: Any, mb: Any, scope: CPScope, cu: list, state: Any) -> None:
         step=state.step, microbatch=state.index, group=group_of(scope))], consistent=True)
 
 
-def check_loss(s: Any, used: int, num_targets: int, device: Optional[torch.device], step: Optional[int]) -> None:
+def check_loss(t: Tracker, used: int, num_targets: int, device: Optional[torch.device], step: Optional[int]) -> None:
     """World collective: Σ_ranks targets used == the ``num_targets`` each rank divides its loss sum by."""
     if not dist.is_initialized():
         world, rows = 1, [[used, num_targets]]
     else:
         world = dist.get_world_size()
-        mine = torch.tensor([used, num_targets], dtype=torch.int64, device=collective_device(None, device))
-        parts = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(parts, mine)
-        rows = [p.tolist() for p in parts]
-    s._summary.count("loss-normalisation")
+        gathered = exchange(None, {"used": used, "num_targets": num_targets}, collective_device(None, device))
+        rows = [[r["used"], r["num_targets"]] for r in gathered]
+    t.verdicts.count("loss-normalisation")
     total = sum(r[0] for r in rows)
     bad = [r for r in range(world) if rows[r][1] != total]
     if not bad:
@@ -163,4 +147,4 @@ def check_loss(s: Any, used: int, num_targets: int, device: Optional[torch.devic
         "the global batch once (hybrid.loop.global_num_targets)",
         {"num_targets": rows[r][1], "world_targets": total, "per_rank": per_rank}, step=step)
         for r in bad]
-    s.emit(ms, consistent=True)
+    t.verdicts.emit(ms, consistent=True)

@@ -11,24 +11,20 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .report import Mismatch
-from .state import describe, fingerprint, group_of, in_backward, same_scope
-from .agree import hash64
 from ..scope import CPScope
+from ..sharding import zigzag_positions
+from . import recompute
+from .agree import hash64
+from .report import Mismatch
+from .state import Microbatch, describe, group_of, in_backward, me, offsets_list, same_scope
+from .tracker import Tracker
 
 __all__ = ["on_rope", "on_hf_positions", "check_user_positions", "compare_positions"]
 
 
-def _me() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _expected(cu_or_len: Any, scope: CPScope, n_local: int, device: torch.device) -> tuple[Optional[torch.Tensor], str]:
     """The zigzag positions ``scope`` expects for this layout, or ``(None, why)`` when it cannot hold it at all."""
-    from ..sharding import zigzag_positions
-
     try:
         pos = zigzag_positions(cu_or_len, scope.size, scope.rank, device=device)
     except ValueError as e:
@@ -66,63 +62,56 @@ def _figures_text(f: dict) -> str:
             f"{f['got']}, expected {f['expected']} (max |Δ| {f['max_delta']})")
 
 
-def on_rope(s: Any, scope: CPScope, cu: list, qkv_format: str, t: torch.Tensor) -> None:
+def on_rope(t: Tracker, scope: CPScope, cu: tuple, qkv_format: str, x: torch.Tensor) -> None:
     """Hook in ``apply_rotary_pos_emb`` (after validation): ``scope`` is what RoPE rotates with, ``cu`` the offsets."""
-    shape = tuple(t.shape)
-
-    def signature() -> tuple:  # dense layouts: cu = [0, s·cp] depends on the scope; thd offsets do not
-        return ("rope", qkv_format, shape, str(t.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
-
+    shape = tuple(x.shape)
     if in_backward():  # recompute: the forward of this call recorded its scope
-        sig = signature()
-        if s.records.has_signature(sig):
-            hit = s.records.get(sig, fingerprint(t))
-            if hit is not None:
-                fwd, where = hit
-                s._summary.count("recompute")
-                if not same_scope(fwd, scope):
-                    s.emit([Mismatch(
-                        "recompute", "rope scope", _me(),
-                        f"an activation recompute in backward applied RoPE under {describe(scope)}, but the forward "
-                        f"of this call ran under {describe(fwd)}: the recompute must re-enter the forward's scope "
-                        "(cpscope.checkpoint, or context_fn=cpscope.scope_context_fn())",
-                        {"recompute": describe(scope), "forward": describe(fwd)}, group=group_of(fwd), **where)],
-                        consistent=True)
+        recompute.check(t, _rope_signature(cu, qkv_format, x), x, scope, "RoPE")
         return
-    mb = s.current("rope", scope)
+    mb = t.current("rope", scope)
     if not mb.sampled:
         return
-    s._summary.count("rope")
+    t.verdicts.count("rope")
     mb.unverified += 1
-    s.records.put(signature(), fingerprint(t), (scope, mb.where(mb.calls)))
-    expected = s.expected_scope(mb)
+    recompute.remember(t, _rope_signature(cu, qkv_format, x), x, scope, mb.where(mb.calls))
+    expected = t.expected_scope(mb)
     seq = 0 if qkv_format == "thd" else (shape[1] if qkv_format == "bshd" else shape[0])
     if expected is None or same_scope(expected, scope):
         mb.rope_layouts.append(("thd", tuple(cu)) if qkv_format == "thd" else ("dense", seq * scope.size))
         return
-    from ..sharding import zigzag_positions
+    _report_rope_scope(t, mb, scope, expected, list(cu) if qkv_format == "thd" else None, seq,
+                       shape[0] if qkv_format == "thd" else seq)
 
-    n_local = shape[0] if qkv_format == "thd" else seq
-    used = zigzag_positions(list(cu) if qkv_format == "thd" else seq * scope.size, scope.size, scope.rank)
-    want, why = _expected(list(cu) if qkv_format == "thd" else seq * expected.size, expected, n_local, used.device)
+
+def _rope_signature(cu: tuple, qkv_format: str, x: torch.Tensor) -> tuple:
+    """What a RoPE call is (dense layouts: ``cu = [0, s·cp]`` depends on the scope; ``thd`` offsets do not)."""
+    return ("rope", qkv_format, tuple(x.shape), str(x.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
+
+
+def _report_rope_scope(t: Tracker, mb: Microbatch, scope: CPScope, expected: CPScope, cu: Optional[list], seq: int,
+                       n_local: int) -> None:
+    """RoPE rotated with ``scope`` while ``expected`` is active: the positions it used against the expected ones."""
+    used = zigzag_positions(cu if cu is not None else seq * scope.size, scope.size, scope.rank)
+    want, why = _expected(cu if cu is not None else seq * expected.size, expected, n_local, used.device)
     if want is None:
         text, figs = why, {"note": why}
     else:
         figs = compare_positions(used, want) or {"count": 0}
         text = _figures_text(figs) if figs.get("count") else "the positions happen to agree"
-    s.emit([Mismatch(
-        "rope", "positions", _me(),
+    t.verdicts.emit([Mismatch(
+        "rope", "positions", me(),
         f"RoPE rotated with {describe(scope)} (its group= / a scope captured at construction) while the active scope "
         f"is {describe(expected)}: {text}", {**figs, "used": describe(scope), "active": describe(expected)},
         **mb.where(mb.calls), group=group_of(expected))],
         consistent=expected.size == 1)
 
 
-def _check(s: Any, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: str, mb: Any, call: Any) -> None:
+def _check(t: Tracker, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: str, mb: Microbatch,
+           call: Optional[int]) -> None:
     n_local = got.shape[-1]
     layout = list(cu) if cu is not None else n_local * scope.size
     want, why = _expected(layout, scope, n_local, got.device)
-    s._summary.count("positions")
+    t.verdicts.count("positions")
     mb.unverified += 1
     if want is None:
         figs: Optional[dict] = {"note": why}
@@ -132,8 +121,8 @@ def _check(s: Any, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: 
         if figs is None:
             return
         text = _figures_text(figs)
-    s.emit([Mismatch(
-        "positions", what, _me(),
+    t.verdicts.emit([Mismatch(
+        "positions", what, me(),
         f"{what} are not the zigzag positions of the active {describe(scope)} "
         f"({'packed, cu_seqlens ' + str(list(cu)[:9]) if cu is not None else 'one sequence per row'}): {text}. "
         "Shard inputs and position_ids with cpscope (zigzag_shard / integrations.hf.shard_batch) for the active group",
@@ -141,28 +130,27 @@ def _check(s: Any, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: 
         consistent=scope.size == 1)
 
 
-def on_hf_positions(s: Any, position_ids: Optional[torch.Tensor], scope: CPScope, local_len: int,
+def on_hf_positions(t: Tracker, position_ids: Optional[torch.Tensor], scope: CPScope, local_len: int,
                     cu_seqlens: Optional[torch.Tensor], layer_idx: Optional[int]) -> None:
     """Hook in the transformers attention function: the ``position_ids`` the model (its RoPE) received."""
     if position_ids is None or in_backward() or layer_idx not in (None, 0):
         return
-    mb = s.current("hf", scope)
-    if not mb.sampled:
-        return
-    from .._checks import cu_seqlens_list
-
-    cu = cu_seqlens_list(cu_seqlens) if cu_seqlens is not None else None
-    got = position_ids.reshape(-1, position_ids.shape[-1]) if cu is None else position_ids.reshape(1, -1)
-    _check(s, got, cu, s.expected_scope(mb) or scope, "position_ids (transformers)", mb, layer_idx)
+    mb = t.current("hf", scope)
+    if mb.sampled:
+        _check_given(t, position_ids, cu_seqlens, t.expected_scope(mb) or scope, "position_ids (transformers)", mb,
+                     layer_idx)
 
 
-def check_user_positions(s: Any, position_ids: torch.Tensor, cu_seqlens: Any, scope: CPScope, where: str) -> None:
+def check_user_positions(t: Tracker, position_ids: torch.Tensor, cu_seqlens: Any, scope: CPScope, where: str) -> None:
     """``cpscope.sentinel.check_positions``: your own RoPE's positions against the zigzag positions of ``scope``."""
-    mb = s.current("positions", scope)
-    if not mb.sampled:
-        return
-    from .._checks import cu_seqlens_list
+    mb = t.current("positions", scope)
+    if mb.sampled:
+        _check_given(t, position_ids, cu_seqlens, scope, where, mb, None)
 
-    cu = cu_seqlens_list(cu_seqlens) if cu_seqlens is not None else None
+
+def _check_given(t: Tracker, position_ids: torch.Tensor, cu_seqlens: Any, scope: CPScope, what: str, mb: Microbatch,
+                 call: Optional[int]) -> None:
+    """Positions as given (``[n]`` / ``[b, n]``; one row when packed with global offsets ``cu_seqlens``)."""
+    cu = offsets_list(cu_seqlens) if cu_seqlens is not None else None
     got = position_ids.reshape(1, -1) if cu is not None else position_ids.reshape(-1, position_ids.shape[-1])
-    _check(s, got, cu, scope, where, mb, None)
+    _check(t, got, cu, scope, what, mb, call)

@@ -93,11 +93,12 @@ def reference_rows(
 ):
     """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
-    ``k`` / ``v`` are ``[T, h_kv, d]`` (the whole packed stream of documents ``cu``). A key ``j`` is visible to row
+    ``k`` / ``v`` are ``[T, h_kv, d]`` / ``[T, h_kv, dv]`` (the whole packed stream of documents ``cu``; ``v`` may
+    have its own head dim, as in multi-latent attention). A key ``j`` is visible to row
     ``i`` when both lie in one document and, if ``causal``, ``j ≤ i``. ``rows`` must be grouped by document in
     document order (the zigzag local order is). Each document is computed on its own keys only.
-    Returns a :class:`Reference`: ``out`` ``[n, h, d]`` and ``score_max`` (the largest ``|scale·q·k|``); with
-    ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to ``dk`` / ``dv`` (``[T, h_kv, d]``) — sum
+    Returns a :class:`Reference`: ``out`` ``[n, h, dv]`` and ``score_max`` (the largest ``|scale·q·k|``); with
+    ``dout`` also ``dq`` ``[n, h, d]``, the contributions of these rows to ``dk`` / ``dv`` (``[T, h_kv, d / dv]``) — sum
     them over the ranks that hold the other rows — and the magnitudes of the terms each gradient element sums
     (``terms = (dq_t, dk_t, dv_t)``, same shapes; ``Σ |term|``, with the terms of ``dP`` and ``D`` in absolute value
     too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
@@ -107,23 +108,14 @@ def reference_rows(
     ``_CACHE_ELEMS`` elements) and emptied by the backward call that is given it, which then skips recomputing them.
     """
     n, h, d = q.shape
-    t_all, h_kv = k.shape[0], k.shape[1]
+    t_all, h_kv, dv = k.shape[0], k.shape[1], v.shape[-1]
     g = h // h_kv
     dev = q.device
-    cu_t = torch.tensor(list(cu), dtype=torch.long, device=dev)
-    doc = torch.searchsorted(cu_t, rows, right=True) - 1  # [n] document of each row
-    if n and bool((doc[1:] < doc[:-1]).any()):
-        raise ValueError("reference_rows: rows must be grouped by document, in document order")
-    bounds = torch.searchsorted(doc, torch.arange(len(cu), device=dev)).tolist()  # rows of doc i: bounds[i]:bounds[i+1]
+    bounds = _document_rows(cu, rows)  # rows of document i: bounds[i]:bounds[i+1]
     qq = q.to(dtype)
-    out = torch.zeros(n, h, d, dtype=dtype, device=dev)
+    out = torch.zeros(n, h, dv, dtype=dtype, device=dev)
     score_max = 0.0
-    if dout is not None:
-        do_all = dout.to(dtype)
-        dq = torch.zeros_like(out)
-        dk = torch.zeros(t_all, h, d, dtype=dtype, device=dev)
-        dv = torch.zeros_like(dk)
-        dq_t, dk_t, dv_t = torch.zeros_like(dq), torch.zeros_like(dk), torch.zeros_like(dk)
+    grads = None if dout is None else _Grads(dout.to(dtype), n, t_all, h, d, dv)
     if cache is not None and dout is None:
         size = sum(h * (bounds[i + 1] - bounds[i]) * (int(cu[i + 1]) - int(cu[i])) for i in range(len(cu) - 1))
         if size > _CACHE_ELEMS:
@@ -143,35 +135,74 @@ def reference_rows(
             if hit is not None:  # the forward's probabilities and output of this chunk
                 p, o = hit
             else:
-                s = torch.einsum("ihd,jhd->hij", qq[a:b], kk) * scale  # [h, c, L]
-                score_max = max(score_max, float(s.abs().amax()))
-                if causal:
-                    visible = torch.arange(k0, k1, device=dev)[None, :] <= rows[a:b, None]  # [c, L]
-                    s = s.masked_fill(~visible, float("-inf"))
-                p = torch.softmax(s, dim=-1)
-                o = torch.einsum("hij,jhd->ihd", p, vv)  # [c, h, d]
+                p, o, s_max = _chunk(qq[a:b], kk, vv, rows[a:b], k0, k1, causal=causal, scale=scale)
+                score_max = max(score_max, s_max)
                 if cache is not None and dout is None:
                     cache[a] = (p, o)
             out[a:b] = o
-            if dout is not None:
-                do = do_all[a:b]  # [c, h, d]
-                dp = torch.einsum("ihd,jhd->hij", do, vv)
-                delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
-                ds = p * (dp - delta)
-                dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
-                dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, qq[a:b]) * scale
-                dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
-                dp_abs = torch.einsum("ihd,jhd->hij", do.abs(), vv.abs())  # Σ_d |dO_id V_jd| ≥ |dP_ij|
-                delta_abs = (do * o).abs().sum(-1).transpose(0, 1)[:, :, None]  # Σ_d |dO_id O_id| ≥ |D_i|
-                ds_abs = p * (dp_abs + delta_abs)
-                dq_t[a:b] = torch.einsum("hij,jhd->ihd", ds_abs, kk.abs()) * scale
-                dk_t[k0:k1] += torch.einsum("hij,ihd->jhd", ds_abs, qq[a:b].abs()) * scale
-                dv_t[k0:k1] += torch.einsum("hij,ihd->jhd", p, do.abs())
-    if dout is None:
+            if grads is not None:
+                grads.add(a, b, k0, k1, p, o, qq[a:b], kk, vv, scale)
+    if grads is None:
         return Reference(out, score_max)
-    if g > 1:  # the q heads of one group share a kv head: sum their contributions
-        dk, dv, dk_t, dv_t = (x.view(t_all, h_kv, g, d).sum(2) for x in (dk, dv, dk_t, dv_t))
-    return Reference(out, score_max, dq, dk, dv, (dq_t, dk_t, dv_t))
+    return Reference(out, score_max, *grads.result(h_kv, g))
+
+
+def _document_rows(cu: Sequence[int], rows: torch.Tensor) -> list[int]:
+    """``bounds`` such that the rows of document ``i`` are ``rows[bounds[i]:bounds[i+1]]``."""
+    dev = rows.device
+    cu_t = torch.tensor(list(cu), dtype=torch.long, device=dev)
+    doc = torch.searchsorted(cu_t, rows, right=True) - 1  # [n] document of each row
+    if rows.numel() and bool((doc[1:] < doc[:-1]).any()):
+        raise ValueError("reference_rows: rows must be grouped by document, in document order")
+    return torch.searchsorted(doc, torch.arange(len(cu), device=dev)).tolist()
+
+
+def _chunk(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, rows: torch.Tensor, k0: int, k1: int, *,
+           causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Probabilities ``[h, c, L]``, output ``[c, h, d]`` and the largest ``|score|`` of the query rows ``q`` (at
+    global indices ``rows``) over the keys ``k0:k1`` of their document (``kk`` / ``vv`` ``[L, h, d]``)."""
+    s = torch.einsum("ihd,jhd->hij", q, kk) * scale  # [h, c, L]
+    s_max = float(s.abs().amax())
+    if causal:
+        visible = torch.arange(k0, k1, device=q.device)[None, :] <= rows[:, None]  # [c, L]
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return p, torch.einsum("hij,jhd->ihd", p, vv), s_max
+
+
+class _Grads:
+    """The reference's gradient accumulators and the magnitudes of their terms (see :func:`reference_rows`)."""
+
+    def __init__(self, dout: torch.Tensor, n: int, t_all: int, h: int, d: int, dv: int) -> None:
+        self.dout = dout  # [n, h, dv]
+        self.dq = torch.zeros(n, h, d, dtype=dout.dtype, device=dout.device)
+        self.dk = torch.zeros(t_all, h, d, dtype=dout.dtype, device=dout.device)
+        self.dv = torch.zeros(t_all, h, dv, dtype=dout.dtype, device=dout.device)
+        self.dq_t, self.dk_t, self.dv_t = torch.zeros_like(self.dq), torch.zeros_like(self.dk), torch.zeros_like(self.dv)
+
+    def add(self, a: int, b: int, k0: int, k1: int, p: torch.Tensor, o: torch.Tensor, q: torch.Tensor,
+            kk: torch.Tensor, vv: torch.Tensor, scale: float) -> None:
+        """Rows ``a:b`` (queries ``q``, probabilities ``p``, output ``o``) over the keys ``k0:k1``."""
+        do = self.dout[a:b]  # [c, h, d]
+        dp = torch.einsum("ihd,jhd->hij", do, vv)
+        delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
+        ds = p * (dp - delta)
+        self.dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
+        self.dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, q) * scale
+        self.dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
+        dp_abs = torch.einsum("ihd,jhd->hij", do.abs(), vv.abs())  # Σ_d |dO_id V_jd| ≥ |dP_ij|
+        delta_abs = (do * o).abs().sum(-1).transpose(0, 1)[:, :, None]  # Σ_d |dO_id O_id| ≥ |D_i|
+        ds_abs = p * (dp_abs + delta_abs)
+        self.dq_t[a:b] = torch.einsum("hij,jhd->ihd", ds_abs, kk.abs()) * scale
+        self.dk_t[k0:k1] += torch.einsum("hij,ihd->jhd", ds_abs, q.abs()) * scale
+        self.dv_t[k0:k1] += torch.einsum("hij,ihd->jhd", p, do.abs())
+
+    def result(self, h_kv: int, g: int) -> tuple:
+        """``(dq, dk, dv, (dq_t, dk_t, dv_t))``, the q heads of one k/v head summed into it."""
+        dk, dv, dk_t, dv_t = self.dk, self.dv, self.dk_t, self.dv_t
+        if g > 1:  # the q heads of one group share a kv head: sum their contributions
+            dk, dv, dk_t, dv_t = (x.view(x.shape[0], h_kv, g, x.shape[-1]).sum(2) for x in (dk, dv, dk_t, dv_t))
+        return self.dq, dk, dv, (self.dq_t, dk_t, dv_t)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

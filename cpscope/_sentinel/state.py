@@ -1,46 +1,67 @@
-"""The sentinel's bookkeeping: which microbatch is running and whether it is sampled, what sampled forwards
-recorded for their recomputes, and small helpers on scopes (nothing here reads the ContextVar).
+"""The sentinel's bookkeeping: the microbatch being run, what sampled forwards recorded for their recomputes, and
+small helpers on scopes and offsets (nothing here reads the ContextVar).
 
 Example::
 
-    mb = _Microbatch(scope, index=0, sampled=True, step=None, marked=True)
+    mb = Microbatch(scope, index=0, sampled=True, step=None, marked=True)
     mb.where(call=1)            # {"step": None, "microbatch": 0, "call": 1}: the where-fields of a report
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..groups import group_ranks
 from ..scope import CPScope
+from ..scope import _current_graph_task_id  # backward_check.graph_task_id once it exists
 
-__all__ = ["in_backward", "same_scope", "describe", "group_of", "fingerprint", "_Microbatch", "_Records"]
+__all__ = ["in_backward", "me", "same_scope", "describe", "group_of", "offsets_list", "fingerprint", "Microbatch",
+           "Records"]
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward (hooks, recompute): the ContextVar must not be read there."""
-    from ..scope import _current_graph_task_id  # also sees torch checkpoint's recompute on CUDA device threads
+    """True while autograd runs a backward (hooks, recompute): the ContextVar must not be read there.
 
+    Also true in torch checkpoint's recompute on CUDA device threads, where the engine shows no graph task.
+    """
     return _current_graph_task_id() != -1
 
 
+def me() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def same_scope(a: CPScope, b: CPScope) -> bool:
+    """Whether two scopes bind the same group at the same rank (any two CP1 scopes are the same)."""
     return a is b or (a.size == b.size and a.rank == b.rank and (a.size == 1 or a.group is b.group))
 
 
 def describe(scope: CPScope) -> str:
+    """``"CP1"`` or ``"CP2 rank 1"``: a scope in words, for reports."""
     return "CP1" if scope.size == 1 else f"CP{scope.size} rank {scope.rank}"
 
 
 def group_of(scope: CPScope) -> tuple[int, ...]:
-    from ..groups import group_ranks
-
+    """Global ranks of ``scope``'s group, in group order (``(0,)`` without a process group)."""
     return tuple(group_ranks(scope.group)) if dist.is_initialized() else (0,)
 
 
-class _Microbatch:
+def offsets_list(cu: "torch.Tensor | Sequence[int]") -> list[int]:
+    """Offsets as a list of Python ints (one host copy of a tensor); the consumers that use them validate them."""
+    return [int(c) for c in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """Two float64 moments of ``t``: equal for a bitwise-equal recompute, different for other data."""
+    x = t.detach().double()
+    return tuple(torch.stack([x.sum(), (x * x).sum()]).tolist())
+
+
+class Microbatch:
     """What the sentinel knows about the microbatch being run: its group, index, whether it is sampled."""
 
     __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified")
@@ -58,20 +79,26 @@ class _Microbatch:
         return {"step": None, "microbatch": None, "call": self.index}
 
 
-class _Records:
+class Records:
     """(scope, where) of sampled forward calls, keyed by (signature, fingerprint of an input): what a recompute
-    of the same call must use."""
+    of the same call must use. Bounded: the oldest records go first.
+
+    Example::
+
+        records.put(sig, fingerprint(v), (scope, where))       # in a sampled forward
+        records.get(sig, fingerprint(v))                       # in its recompute: (scope, where) or None
+    """
 
     def __init__(self, capacity: int = 4096) -> None:
         self._d: OrderedDict = OrderedDict()
         self._sigs: dict[tuple, int] = {}
         self.capacity = capacity
 
-    def put(self, sig: tuple, fp: tuple, scope: tuple) -> None:
+    def put(self, sig: tuple, fp: tuple, value: Any) -> None:
         key = (sig, fp)
         if key not in self._d:
             self._sigs[sig] = self._sigs.get(sig, 0) + 1
-        self._d[key] = scope
+        self._d[key] = value
         self._d.move_to_end(key)
         while len(self._d) > self.capacity:
             (old_sig, _), _ = self._d.popitem(last=False)
@@ -82,11 +109,5 @@ class _Records:
     def has_signature(self, sig: tuple) -> bool:
         return sig in self._sigs
 
-    def get(self, sig: tuple, fp: tuple) -> Optional[tuple]:
+    def get(self, sig: tuple, fp: tuple) -> Optional[Any]:
         return self._d.get((sig, fp))
-
-
-def fingerprint(t: torch.Tensor) -> tuple:
-    """Two float64 moments of ``t``: equal for a bitwise-equal recompute, different for other data."""
-    x = t.detach().double()
-    return tuple(torch.stack([x.sum(), (x * x).sum()]).tolist())

@@ -11,9 +11,12 @@ Two shapes are supported, as in flash-attention:
   attends only to sequence *i* of the keys.
 
 ``causal=True`` uses flash-attention's bottom-right alignment (query *i* of a sequence of ``n_q`` queries sees key
-*j* of ``n_k`` keys when ``j - n_k <= i - n_q``); the ring only uses it with ``n_q == n_k``.
+*j* of ``n_k`` keys when ``j - n_k <= i - n_q``). ``window=(left, right)`` (``-1``: unbounded) is relative to the same
+diagonal: key *j* is seen iff ``-left <= j - (i + n_k - n_q) <= right`` (``right`` is 0 when causal), per sequence.
+``softcap``: scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before masking.
 
-Grouped-query attention: ``h`` must be a multiple of ``h_kv``; ``dk``/``dv`` come back with ``h_kv`` heads.
+Grouped-query attention: ``h`` must be a multiple of ``h_kv``; ``dk``/``dv`` come back with ``h_kv`` heads. ``v`` may
+have another head dim than ``q``/``k`` (multi-latent attention); ``out`` has ``v``'s.
 
 Example::
 
@@ -27,7 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Varlen", "block_forward", "block_backward", "acc_dtype"]
+__all__ = ["Varlen", "Window", "block_forward", "block_backward", "acc_dtype"]
+
+Window = Optional[tuple[int, int]]  # (left, right) around the aligned diagonal, -1 unbounded; None: no window
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +60,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ----------------------------------------------------------------------------------------------------------------
 # CPU (and any non-CUDA device): exact math
+#
+# Every mask this module knows (documents, causal, a window, all relative to each sequence's bottom-right-aligned
+# diagonal) gives each query row one contiguous interval of visible keys, ``lo[i] <= j < hi[i]`` in packed key
+# indices, nondecreasing in ``i``. The CPU kernels therefore compute scores only over tiles of query rows against
+# the key range their rows can see: a banded (windowed) block costs O(rows x window), not O(rows x keys), and no
+# tile exceeds ``_TILE_BUDGET`` score elements.
+
+_TILE_BUDGET = 1 << 22  # score elements ([batch, heads, rows, keys]) of one CPU tile
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -69,77 +82,120 @@ def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx.unflatten(-2, (kv_heads, h // kv_heads)).sum(-2)
 
 
-def _varlen_mask(vl: Varlen, causal: bool, device: torch.device) -> torch.Tensor:
-    """``[t_q, t_k]`` bool: True where query i may attend key j (same sequence; causal bottom-right)."""
-    cu_q, cu_k = vl.cu_q.to(device=device, dtype=torch.long), vl.cu_k.to(device=device, dtype=torch.long)
-    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    n = lq.numel()
-    seq_q = torch.repeat_interleave(torch.arange(n, device=device), lq)  # [t_q]
-    seq_k = torch.repeat_interleave(torch.arange(n, device=device), lk)  # [t_k]
-    mask = seq_q[:, None] == seq_k[None, :]
+def _key_bounds(t_q: int, t_k: int, causal: bool, vl: Optional[Varlen], window: Window,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)``, ``[t_q]`` int64: query row ``i`` sees keys ``lo[i] <= j < hi[i]`` (packed key indices).
+
+    Query ``i`` of a sequence of ``n_q`` queries sees key ``j`` of its ``n_k`` keys iff
+    ``-left <= j - (i + n_k - n_q) <= right`` (``-1``: unbounded; ``right`` is 0 when causal).
+    """
+    left, right = window if window is not None else (-1, -1)
     if causal:
-        # position counted from the end of its sequence (bottom-right alignment)
-        from_end_q = cu_q[1:][seq_q] - torch.arange(seq_q.numel(), device=device)  # n_q - i
-        from_end_k = cu_k[1:][seq_k] - torch.arange(seq_k.numel(), device=device)  # n_k - j
-        mask &= from_end_k[None, :] >= from_end_q[:, None]
-    return mask
+        right = 0
+    if vl is None:
+        i = torch.arange(t_q, device=device)
+        start, n_k = torch.zeros_like(i), torch.full_like(i, t_k)
+        diag = i + (t_k - t_q)  # the key on each query's aligned diagonal
+    else:
+        cu_q, cu_k = vl.cu_q.to(device=device, dtype=torch.long), vl.cu_k.to(device=device, dtype=torch.long)
+        lq = cu_q[1:] - cu_q[:-1]
+        seq = torch.repeat_interleave(torch.arange(lq.numel(), device=device), lq, output_size=t_q)
+        n_k = (cu_k[1:] - cu_k[:-1])[seq]
+        start = cu_k[:-1][seq]
+        diag = torch.arange(t_q, device=device) - cu_q[:-1][seq] + n_k - lq[seq]
+    zero = torch.zeros_like(n_k)
+    lo = zero if left == -1 else torch.minimum(torch.maximum(diag - left, zero), n_k)
+    hi = n_k if right == -1 else torch.minimum(torch.maximum(diag + right + 1, zero), n_k)
+    return start + lo, start + hi
 
 
-def _dense_mask(s_q: int, s_k: int, causal: bool, device: torch.device) -> Optional[torch.Tensor]:
-    if not causal:
-        return None
-    i = torch.arange(s_q, device=device)[:, None]
-    j = torch.arange(s_k, device=device)[None, :]
-    return j - s_k <= i - s_q
+def _tiles(lo: torch.Tensor, hi: torch.Tensor, per_pair: int) -> list[tuple[int, int, int, int]]:
+    """``(i0, i1, k0, k1)``: query rows ``[i0, i1)`` against keys ``[k0, k1)``, at most ``_TILE_BUDGET`` score
+    elements each (``per_pair`` elements per (row, key) pair: batch x heads), at least one row each.
 
-
-def _mask(q: torch.Tensor, k: torch.Tensor, causal: bool, vl: Optional[Varlen]) -> Optional[torch.Tensor]:
-    if vl is not None:
-        return _varlen_mask(vl, causal, q.device)
-    return _dense_mask(q.shape[1], k.shape[1], causal, q.device)
-
-
-def _cpu_scores(q, k, scale, mask, dt):  # q [b,s,h,d], k [b,s_k,h,d] -> [b,h,s,s_k]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.to(dt), k.to(dt)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
+    A tile's key range stays within twice its first row's span (at least 128 keys), so the pairs computed stay
+    within a small factor of the visible ones: O(rows x window) for a band."""
+    lo_l, hi_l = lo.tolist(), hi.tolist()
+    n, cap = len(lo_l), max(1, _TILE_BUDGET // max(1, per_pair))
+    tiles, i0 = [], 0
+    while i0 < n:
+        reach = max(2 * (hi_l[i0] - lo_l[i0]), 128)
+        a, b = i0 + 1, n  # the largest i1 whose tile fits (bisection: both bounds grow with i1)
+        while a < b:
+            mid = (a + b + 1) // 2
+            width = hi_l[mid - 1] - lo_l[i0]
+            if (mid - i0) * width <= cap and width <= reach:
+                a = mid
+            else:
+                b = mid - 1
+        tiles.append((i0, a, lo_l[i0], max(lo_l[i0], hi_l[a - 1])))
+        i0 = a
+    return tiles
 
 
 def _batched(x: torch.Tensor, vl: Optional[Varlen]) -> torch.Tensor:
     return x.unsqueeze(0) if vl is not None else x
 
 
-def _cpu_forward(q, k, v, scale, causal, vl):
-    dt = acc_dtype(q.dtype)
-    mask = _mask(q, k, causal, vl)
-    qb, kb, vb = _batched(q, vl), _batched(_expand_kv(k, q.shape[-2]), vl), _batched(_expand_kv(v, q.shape[-2]), vl)
-    s = _cpu_scores(qb, kb, scale, mask, dt)  # [b, h, s_q, s_k]
-    lse = torch.logsumexp(s, dim=-1)  # [b, h, s_q]; -inf for fully masked rows
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vb.to(dt)).to(q.dtype)
-    lse = lse.to(dt)
-    if vl is not None:
-        return out[0], lse[0]
-    return out, lse
+class _Tile:
+    """One tile's scores: ``s`` (masked, capped) ``[b, h, rows, keys]`` and the capped scores' ``tanh`` (softcap)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k0: int, scale: float,
+                 softcap: Optional[float], dt: torch.dtype) -> None:
+        s = torch.einsum("bqhd,bkhd->bhqk", q.to(dt), k.to(dt)) * scale
+        self.tanh = None
+        if softcap is not None:
+            self.tanh = torch.tanh(s / softcap)
+            s = self.tanh * softcap
+        j = torch.arange(k0, k0 + k.shape[1], device=q.device)
+        self.mask = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])  # [rows, keys]
+        self.s = s.masked_fill(~self.mask, float("-inf"))
+
+    def probs(self, lse: torch.Tensor) -> torch.Tensor:  # lse [b, h, rows]; -inf rows (nothing visible) give 0
+        return torch.exp(self.s - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
 
 
-def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
-    dt = acc_dtype(q.dtype)
-    h, h_kv = q.shape[-2], k.shape[-2]
-    mask = _mask(q, k, causal, vl)
-    qb, kb, vb = _batched(q, vl).to(dt), _batched(_expand_kv(k, h), vl).to(dt), _batched(_expand_kv(v, h), vl).to(dt)
+def _cpu_forward(q, k, v, scale, causal, vl, window=None, softcap=None):
+    dt, h = acc_dtype(q.dtype), q.shape[-2]
+    qb, kb, vb = _batched(q, vl), _batched(k, vl), _batched(v, vl)
+    b, t_q = qb.shape[0], qb.shape[1]
+    lo, hi = _key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
+    out = torch.zeros((*qb.shape[:-1], vb.shape[-1]), dtype=dt, device=q.device)
+    lse = torch.full((b, h, t_q), float("-inf"), dtype=dt, device=q.device)
+    for i0, i1, k0, k1 in _tiles(lo, hi, b * h):
+        if k1 == k0:
+            continue  # every row of the tile sees nothing: out 0, lse -inf
+        tile = _Tile(qb[:, i0:i1], _expand_kv(kb[:, k0:k1], h), lo[i0:i1], hi[i0:i1], k0, scale, softcap, dt)
+        lt = torch.logsumexp(tile.s, dim=-1)  # [b, h, rows]
+        out[:, i0:i1] = torch.einsum("bhqk,bkhd->bqhd", tile.probs(lt), _expand_kv(vb[:, k0:k1], h).to(dt))
+        lse[:, :, i0:i1] = lt
+    out = out.to(q.dtype)
+    return (out[0], lse[0]) if vl is not None else (out, lse)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl, window=None, softcap=None):
+    dt, h, h_kv = acc_dtype(q.dtype), q.shape[-2], k.shape[-2]
+    qb, kb, vb = _batched(q, vl), _batched(k, vl), _batched(v, vl)
     dob, ob = _batched(dout, vl).to(dt), _batched(out, vl).to(dt)
     lseb = (lse.unsqueeze(0) if vl is not None else lse).to(dt)  # [b, h, s_q]
-    s = _cpu_scores(qb, kb, scale, mask, dt)
-    p = torch.exp(s - torch.where(torch.isinf(lseb), 0.0, lseb).unsqueeze(-1))  # [b, h, q, k]
-    dp = torch.einsum("bqhd,bkhd->bhqk", dob, vb)
+    b, t_q = qb.shape[0], qb.shape[1]
+    lo, hi = _key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
+    dq = torch.zeros(qb.shape, dtype=dt, device=q.device)
+    dk, dv = torch.zeros(kb.shape, dtype=dt, device=q.device), torch.zeros(vb.shape, dtype=dt, device=q.device)
     delta = (dob * ob).sum(-1).transpose(1, 2)  # [b, h, q]
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kb) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qb) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dob)
-    dk, dv = _reduce_kv(dk, h_kv), _reduce_kv(dv, h_kv)
+    for i0, i1, k0, k1 in _tiles(lo, hi, b * h):
+        if k1 == k0:
+            continue
+        kt, vt = _expand_kv(kb[:, k0:k1], h).to(dt), _expand_kv(vb[:, k0:k1], h).to(dt)
+        qt, dot = qb[:, i0:i1].to(dt), dob[:, i0:i1]
+        tile = _Tile(qt, kt, lo[i0:i1], hi[i0:i1], k0, scale, softcap, dt)
+        p = tile.probs(lseb[:, :, i0:i1])  # [b, h, q, k]
+        ds = p * (torch.einsum("bqhd,bkhd->bhqk", dot, vt) - delta[:, :, i0:i1].unsqueeze(-1))
+        if tile.tanh is not None:  # d(softcap * tanh(s / softcap)) / ds = 1 - tanh^2
+            ds = ds * (1 - tile.tanh * tile.tanh)
+        dq[:, i0:i1] = torch.einsum("bhqk,bkhd->bqhd", ds, kt) * scale
+        dk[:, k0:k1] += _reduce_kv(torch.einsum("bhqk,bqhd->bkhd", ds, qt) * scale, h_kv)
+        dv[:, k0:k1] += _reduce_kv(torch.einsum("bhqk,bqhd->bkhd", p, dot), h_kv)
     if vl is not None:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -152,7 +208,7 @@ def _cpu_backward(dout, q, k, v, out, lse, scale, causal, vl):
 # * _USE_CUDNN — dense blocks on cuDNN attention (True, the default: what F.scaled_dot_product_attention picks on
 #   Hopper; ~1.7x faster than the flash-attention-2 kernels there, GQA / MQA included: cuDNN takes K/V with fewer
 #   heads as they are and returns dK/dV with h_kv heads — H200, 32 q heads x 128, bf16, causal fwd+bwd: 16k 8 k/v
-#   heads 14.2 ms vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms, benchmarks/attention_notes.md §10) or on flash
+#   heads 14.2 ms vs flash 24.6 ms and SDPA(enable_gqa) 14.4 ms, docs/attention_kernels.md §10) or on flash
 #   (False; benchmarks compare the two).
 # * _VARLEN_KERNEL — packed (varlen) blocks on "flash" (PyTorch's bundled flash-attention-2 varlen kernels),
 #   "cudnn" (cuDNN's ragged fused attention through the cuDNN frontend, see _cudnn_thd; ~1.9x faster on H200, needs
@@ -272,16 +328,37 @@ def _cuda_backward(dout, q, k, v, out, lse, scale, causal, vl, window=None, soft
     )
 
 
-def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, varlen: Optional[Varlen] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: ``(out, lse)``; ``out`` has ``q``'s dtype, ``lse`` is fp32 (fp64 for fp64 on CPU).
+def _features(window: Window, softcap: Optional[float]) -> dict[str, Any]:
+    """The optional features as keywords of the kernel entry points (none for a plain block: the plain call stays
+    what it was, for stand-ins that take only the plain arguments)."""
+    kw: dict[str, Any] = {}
+    if window is not None:
+        kw["window"] = window
+    if softcap is not None:
+        kw["softcap"] = softcap
+    return kw
 
-    Fully masked query rows (possible in varlen blocks) give ``out = 0`` and ``lse = -inf``.
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, varlen: Optional[Varlen] = None,
+    window: Window = None, softcap: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: ``(out, lse)``; ``out`` has ``q``'s dtype and ``v``'s head dim, ``lse`` is fp32 (fp64
+    for fp64 on CPU).
+
+    ``window=(left, right)`` (``-1``: unbounded) keeps key ``j`` for query ``i`` of a sequence with ``n_q`` queries
+    and ``n_k`` keys iff ``-left <= j - (i + n_k - n_q) <= right`` (``right`` is 0 when ``causal``), per sequence in
+    varlen blocks. ``softcap``: the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before masking.
+    Fully masked query rows give ``out = 0`` and ``lse = -inf``.
+
+    Example::
+
+        out, lse = block_forward(q, k, v, scale=0.125, causal=True, window=(255, 0), softcap=50.0)
     """
+    kw = _features(window, softcap)
     if q.is_cuda:
-        return _cuda_forward(q, k, v, scale, causal, varlen)
-    return _cpu_forward(q, k, v, scale, causal, varlen)
+        return _cuda_forward(q, k, v, scale, causal, varlen, **kw)
+    return _cpu_forward(q, k, v, scale, causal, varlen, **kw)
 
 
 def block_backward(
@@ -295,12 +372,16 @@ def block_backward(
     scale: float,
     causal: bool,
     varlen: Optional[Varlen] = None,
+    window: Window = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the **final** (merged) ``out`` and ``lse`` of these queries.
 
     With the merged statistics, ``p = exp(s - lse)`` is this block's share of the full softmax, so the per-block
-    gradients add up to the full gradients (the standard ring-attention identity).
+    gradients add up to the full gradients (the standard ring-attention identity) — also when the final ``lse``
+    holds terms no block computed (attention sinks). ``window`` / ``softcap`` as in :func:`block_forward`.
     """
+    kw = _features(window, softcap)
     if q.is_cuda:
-        return _cuda_backward(dout, q, k, v, out, lse, scale, causal, varlen)
-    return _cpu_backward(dout, q, k, v, out, lse, scale, causal, varlen)
+        return _cuda_backward(dout, q, k, v, out, lse, scale, causal, varlen, **kw)
+    return _cpu_backward(dout, q, k, v, out, lse, scale, causal, varlen, **kw)

@@ -128,7 +128,7 @@ class _BackwardRing:
         self.parts = plan.diag_parts(self.q.shape[-2], self.k.shape[-2])
         # Each exchange is posted BEFORE the kernel it overlaps: cuDNN's attention kernels are persistent (one CTA per
         # SM), so an exchange posted behind one gets no SM until it ends (H200, 16k: the K/V hop then started at the end
-        # of the diagonal block, also on a high-priority NCCL stream). benchmarks/attention_notes.md §8.
+        # of the diagonal block, also on a high-priority NCCL stream). docs/attention_kernels.md §8.
         k, v = self.k, self.v
         kv_comm.send_recv([k, v], recv_shapes=plan.recv_shapes(rank - 1, [k, v]))
         self.dq0 = self._diagonal(self.parts[0])

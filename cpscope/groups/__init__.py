@@ -1,7 +1,8 @@
 """CP groups: the registry of pre-built groups and how they are planned and created.
 
 * :mod:`~cpscope.groups.registry` — :func:`new_cp_groups`, :func:`hierarchical_cp_groups`, :func:`group_ranks`,
-  :func:`clear_cp_group_cache`: every group a job needs, created collectively once, up front, and cached.
+  :func:`clear_cp_group_cache`: every group a job needs, created collectively once, up front, and cached;
+  :func:`lookup_hierarchical`: the cached pair or ``None``, never a collective (for consumers inside a forward).
 * :mod:`~cpscope.groups.blocks` — the pure block plan (which ranks form a group of each size).
 * :mod:`~cpscope.groups.create` — creating one rank's own blocks through ``torch.distributed``.
 * :mod:`~cpscope.groups.sim` — a simulated ``torch.distributed`` layer for planning at thousands of ranks.
@@ -9,8 +10,9 @@
 Example::
 
     groups = cpscope.new_cp_groups([1, 2, 4])            # {1: None, 2: <pg>, 4: <pg>}
-    inner, outer = cpscope.hierarchical_cp_groups(groups[4], 2)
+    inner, outer = cpscope.hierarchical_cp_groups(groups[4], 2)   # up front, on the 4 members
+    cpscope.groups.lookup_hierarchical(groups[4], 2)               # later, in a forward: (inner, outer), no collective
 """
-from .registry import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, new_cp_groups
+from .registry import clear_cp_group_cache, group_ranks, hierarchical_cp_groups, lookup_hierarchical, new_cp_groups
 
-__all__ = ["new_cp_groups", "hierarchical_cp_groups", "group_ranks", "clear_cp_group_cache"]
+__all__ = ["new_cp_groups", "hierarchical_cp_groups", "lookup_hierarchical", "group_ranks", "clear_cp_group_cache"]

@@ -95,33 +95,35 @@ def plan_cp_blocks(sizes: Iterable[int], ranks: Optional[Sequence[int]], *, worl
     )
 
 
-def hierarchical_blocks(cp_ranks: Sequence[int], inner_size: int) -> tuple[tuple[Block, ...], tuple[Block, ...]]:
-    """Inner blocks (``inner_size`` consecutive CP ranks) and outer blocks (same index inside the inner block).
+def hierarchical_blocks(cp_ranks: Sequence[int], inner: int, where: str = "hierarchical_cp_groups"
+                        ) -> tuple[tuple[Block, ...], tuple[Block, ...]]:
+    """Inner blocks (``inner`` consecutive CP ranks) and outer blocks (same index inside the inner block).
 
     ``cp_ranks`` is the CP group's member order (global ranks by CP rank), which must ascend. CP rank ``c`` is then
-    rank ``c % inner_size`` of inner block ``c // inner_size`` and rank ``c // inner_size`` of outer block
-    ``c % inner_size``: both sub-groups keep the CP order, so a ring over an outer group visits the inner blocks in
-    CP order (what a zigzag ring across sub-groups needs).
+    rank ``c % inner`` of inner block ``c // inner`` and rank ``c // inner`` of outer block ``c % inner``: both
+    sub-groups keep the CP order, so a ring over an outer group visits the inner blocks in CP order. Any ``inner``
+    dividing the CP size works (3 of 6, 2 of 6, 5 of 10 ...).
 
     Raises:
-        ValueError: ``inner_size`` not an int ≥ 1 dividing the CP size; ``cp_ranks`` not ascending.
+        ValueError: ``inner`` not an int ≥ 1 dividing the CP size; ``cp_ranks`` not ascending.
     """
-    m = as_int(inner_size, "inner_size", "hierarchical_cp_groups")
-    ranks = [as_int(r, "rank", "hierarchical_cp_groups") for r in cp_ranks]
+    m = as_int(inner, "inner", where)
+    ranks = [as_int(r, "rank", where) for r in cp_ranks]
     n = len(ranks)
     if m < 1 or n % m != 0:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
         raise ValueError(
-            f"hierarchical_cp_groups: inner_size {m} does not divide the CP size {n}; use a divisor of {n}, "
-            f"e.g. the number of the group's ranks per node"
+            f"{where}: inner {m} does not divide the CP size {n}; use a divisor of {n} ({divisors}), e.g. the "
+            f"number of the group's ranks per node"
         )
     if ranks != sorted(ranks):
         raise ValueError(
-            f"hierarchical_cp_groups: the CP group's ranks must ascend (as groups from new_cp_groups do), got "
-            f"{ranks}; sub-groups created by torch number their members ascending, so they could not keep this order"
+            f"{where}: the CP group's ranks must ascend (as groups from new_cp_groups do), got {ranks}; sub-groups "
+            f"created by torch number their members ascending, so they could not keep this order"
         )
-    inner = tuple(tuple(ranks[i : i + m]) for i in range(0, n, m))
-    outer = tuple(tuple(ranks[j::m]) for j in range(m))
-    return inner, outer
+    inner_blocks = tuple(tuple(ranks[i : i + m]) for i in range(0, n, m))
+    outer_blocks = tuple(tuple(ranks[j::m]) for j in range(m))
+    return inner_blocks, outer_blocks
 
 
 def pad_schedule(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
@@ -223,80 +223,113 @@ def create_blocks(
     report = Report(method)
     if not steps:  # CP1 only: nothing to create, nothing that could hang
         return [], report
-    me = layer.rank()
-    have = [cached(b) if b is not None else None for b in mine]
-    mask = sum(1 << k for k, (b, h) in enumerate(zip(mine, have)) if b is not None and h is None)
-    used = {} if used is None else used
-    count = layer.local_name_count() if method == "local" else 0
-    floors = tuple(used.get(b, 0) if b is not None else 0 for b in mine)
-    slack = max((f - k for k, f in enumerate(floors) if f), default=-1)  # pads are needed iff slack > count
-    fp = int(fingerprint[:15], 16)
-    mine_steps = sum(1 << k for k, b in enumerate(mine) if b is not None)
-    brief = layer.all_gather_ints([fp, count, int(mask == mine_steps), int(mask == 0), slack], participants)
-    report.gathers += 1
-    odd = [participant_ranks[i] for i, rec in enumerate(brief) if rec[0] != fp]
-    if odd:
-        raise ValueError(
-            f"{where} is collective: every rank must pass the same arguments. This rank ({me}) passed {summary}; "
-            f"ranks {odd[:8]}{' …' if len(odd) > 8 else ''} passed different ones"
-        )
-    pos = {r: i for i, r in enumerate(participant_ranks)}
-    on = [brief[pos[r]] for r in domain]
-    uniform_count = all(rec[1] == on[0][1] and rec[4] <= rec[1] for rec in on)
-    if all(rec[2] for rec in on) and (method != "local" or uniform_count):
-        todo = [tuple(blocks) for blocks in steps]  # nothing cached anywhere; local names agree without pads
-        pads: list[dict[int, int]] = [{} for _ in steps]
-    elif all(rec[3] for rec in on):
-        todo = [() for _ in steps]  # everything cached everywhere
-        pads = [{} for _ in steps]
-    else:  # mixed: exchange the details
-        records = layer.all_gather((mask, floors), participants)
-        report.gathers += 1
-        todo = [tuple(b for b in blocks if any(records[pos[r]][0] >> k & 1 for r in b))
-                for k, blocks in enumerate(steps)]
-        floor = {b: max(records[pos[r]][1][k] for r in b) for k, blocks in enumerate(todo) for b in blocks}
-        pads = pad_schedule(todo, {r: brief[pos[r]][1] for r in domain}, floor) if method == "local" else []
-    out = list(have)
+    job = _Creation(layer, steps, list(mine), domain, method, participants, participant_ranks, where,
+                    {} if used is None else used, report)
+    out = [cached(b) if b is not None else None for b in mine]
+    todo, pads = job.exchange(out, fingerprint, summary)
     if method == "global":
-        for k, blocks in enumerate(todo):
-            for b in blocks:
-                h = layer.new_group(b, local=False)
-                report.calls += 1
-                report.lockstep += 1
-                if b == mine[k]:
-                    out[k] = h
-                    report.created += 1
+        job.make_global(todo, out)
     elif method == "split":
-        for k, blocks in enumerate(todo):
-            if not blocks:
-                continue
-            h = layer.split(participants, [[pos[r] for r in b] for b in blocks])  # ranks in the parent
-            report.calls += 1
-            report.lockstep += 1
-            if mine[k] in blocks:
-                out[k] = h
-                report.created += 1
-    else:  # local
-        mine_count = count
-        for k, blocks in enumerate(todo):
-            if mine[k] is None or mine[k] not in blocks:
-                continue
-            for _ in range(pads[k].get(me, 0)):
-                layer.new_group([me], local=True)  # torch keeps it registered; it aligns the next name
-                report.calls += 1
-                report.placeholders += 1
-                mine_count += 1
-            now = layer.local_name_count()
-            if now != mine_count:
-                raise RuntimeError(
-                    f"{where}: torch's group count on rank {me} is {now}, expected {mine_count} (another thread "
-                    f"creating process groups meanwhile?); refusing to create a group its peers would name otherwise"
-                )
-            out[k] = layer.new_group(mine[k], local=True)
-            report.calls += 1
-            report.created += 1
-            mine_count += 1
-            used[mine[k]] = mine_count  # its name used count mine_count - 1: never again for these ranks
+        job.make_split(todo, out)
+    else:
+        job.make_local(todo, pads, out)
     report.seconds = time.perf_counter() - t0
     return out, report
 
+
+@dataclass
+class _Creation:
+    """One :func:`create_blocks` call on this rank: the agreement on what to create, then the creation itself."""
+
+    layer: TorchLayer
+    steps: Sequence[Sequence[Block]]
+    mine: list[Optional[Block]]
+    domain: Sequence[int]
+    method: str
+    participants: Any
+    participant_ranks: Sequence[int]
+    where: str
+    used: dict
+    report: Report
+    pos: dict[int, int] = field(default_factory=dict)  # a participant's global rank -> its rank among them
+
+    def exchange(self, have: list[Any], fingerprint: str, summary: str) -> tuple[list[tuple], list[dict[int, int]]]:
+        """Agree with the other participants on the blocks to create at each step (and, ``"local"``, the
+        placeholders each member makes first); ``ValueError`` when their arguments differ."""
+        mine, layer = self.mine, self.layer
+        mask = sum(1 << k for k, (b, h) in enumerate(zip(mine, have)) if b is not None and h is None)
+        count = layer.local_name_count() if self.method == "local" else 0
+        floors = tuple(self.used.get(b, 0) if b is not None else 0 for b in mine)
+        slack = max((f - k for k, f in enumerate(floors) if f), default=-1)  # pads are needed iff slack > count
+        fp = int(fingerprint[:15], 16)
+        mine_steps = sum(1 << k for k, b in enumerate(mine) if b is not None)
+        brief = layer.all_gather_ints([fp, count, int(mask == mine_steps), int(mask == 0), slack], self.participants)
+        self.report.gathers += 1
+        odd = [self.participant_ranks[i] for i, rec in enumerate(brief) if rec[0] != fp]
+        if odd:
+            raise ValueError(
+                f"{self.where} is collective: every rank must pass the same arguments. This rank ({layer.rank()}) "
+                f"passed {summary}; ranks {odd[:8]}{' …' if len(odd) > 8 else ''} passed different ones"
+            )
+        self.pos = {r: i for i, r in enumerate(self.participant_ranks)}
+        on = [brief[self.pos[r]] for r in self.domain]
+        uniform_count = all(rec[1] == on[0][1] and rec[4] <= rec[1] for rec in on)
+        if all(rec[2] for rec in on) and (self.method != "local" or uniform_count):
+            # nothing cached anywhere; local names agree without pads
+            return [tuple(blocks) for blocks in self.steps], [{} for _ in self.steps]
+        if all(rec[3] for rec in on):  # everything cached everywhere
+            return [() for _ in self.steps], [{} for _ in self.steps]
+        records = layer.all_gather((mask, floors), self.participants)  # mixed: exchange the details
+        self.report.gathers += 1
+        todo = [tuple(b for b in blocks if any(records[self.pos[r]][0] >> k & 1 for r in b))
+                for k, blocks in enumerate(self.steps)]
+        floor = {b: max(records[self.pos[r]][1][k] for r in b) for k, blocks in enumerate(todo) for b in blocks}
+        counts = {r: brief[self.pos[r]][1] for r in self.domain}
+        return todo, (pad_schedule(todo, counts, floor) if self.method == "local" else [])
+
+    def make_global(self, todo: list[tuple], out: list[Any]) -> None:
+        """Every participant creates every block (torch's ``new_group`` without local synchronisation)."""
+        for k, blocks in enumerate(todo):
+            for b in blocks:
+                h = self.layer.new_group(b, local=False)
+                self.report.calls += 1
+                self.report.lockstep += 1
+                if b == self.mine[k]:
+                    out[k] = h
+                    self.report.created += 1
+
+    def make_split(self, todo: list[tuple], out: list[Any]) -> None:
+        """One ``split_group`` of the parent per step, by every participant."""
+        for k, blocks in enumerate(todo):
+            if not blocks:
+                continue
+            h = self.layer.split(self.participants, [[self.pos[r] for r in b] for b in blocks])  # parent ranks
+            self.report.calls += 1
+            self.report.lockstep += 1
+            if self.mine[k] in blocks:
+                out[k] = h
+                self.report.created += 1
+
+    def make_local(self, todo: list[tuple], pads: list[dict[int, int]], out: list[Any]) -> None:
+        """Each member creates its own block, after the placeholders that align torch's local group names."""
+        layer, me = self.layer, self.layer.rank()
+        count = layer.local_name_count()
+        for k, blocks in enumerate(todo):
+            if self.mine[k] is None or self.mine[k] not in blocks:
+                continue
+            for _ in range(pads[k].get(me, 0)):
+                layer.new_group([me], local=True)  # torch keeps it registered; it aligns the next name
+                self.report.calls += 1
+                self.report.placeholders += 1
+                count += 1
+            now = layer.local_name_count()
+            if now != count:
+                raise RuntimeError(
+                    f"{self.where}: torch's group count on rank {me} is {now}, expected {count} (another thread "
+                    f"creating process groups meanwhile?); refusing to create a group its peers would name otherwise"
+                )
+            out[k] = layer.new_group(self.mine[k], local=True)
+            self.report.calls += 1
+            self.report.created += 1
+            count += 1
+            self.used[self.mine[k]] = count  # its name used count - 1: never again for these ranks

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .blocks import Block, as_int, hierarchical_blocks, plan_cp_blocks
 from .create import Report, TorchLayer, create_blocks, digest, resolve_method
 
-__all__ = ["new_cp_groups", "hierarchical_cp_groups", "group_ranks", "clear_cp_group_cache"]
+__all__ = ["new_cp_groups", "hierarchical_cp_groups", "lookup_hierarchical", "group_ranks", "clear_cp_group_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,24 +179,48 @@ def new_cp_groups(
         return out
 
 
+def _hierarchy(group: Optional[dist.ProcessGroup], inner: int, where: str) -> tuple[Optional[tuple], Any]:
+    """``(None, (inner, outer))`` when the answer needs no new group (CP1, ``inner`` 1 or the CP size), else
+    ``((cp_ranks, inner_blocks, outer_blocks), None)``; ``ValueError`` for a bad ``inner`` or group."""
+    try:
+        cp_ranks = [_LAYER.rank()] if group is None else _LAYER.ranks_of(group)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if len(cp_ranks) == 1:
+        m = as_int(inner, "inner", where)
+        if m != 1:
+            raise ValueError(f"{where}: inner {m} does not divide the CP size 1 (CP1); use inner=1")
+        return None, (None, None)
+    inner_blocks, outer_blocks = hierarchical_blocks(cp_ranks, inner, where)
+    m, n = len(inner_blocks[0]), len(cp_ranks)
+    if m == n:
+        return None, (group, None)
+    if m == 1:
+        return None, (None, group)
+    return (tuple(cp_ranks), inner_blocks, outer_blocks), None
+
+
 def hierarchical_cp_groups(
-    group: Optional[dist.ProcessGroup], inner_size: int, *, method: str = "auto"
+    group: Optional[dist.ProcessGroup], inner: int, *, method: str = "auto"
 ) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     """This rank's ``(inner, outer)`` sub-groups of a CP group, for all-to-all inside and a ring across.
 
-    For a CP group of size ``n`` and ``inner_size = m`` dividing ``n``: ``inner`` holds the ``m`` consecutive CP
-    ranks ``m·⌊c/m⌋ … m·⌊c/m⌋+m-1`` around this rank's CP rank ``c``; ``outer`` the ``n/m`` CP ranks with the same
-    index ``c mod m`` inside their inner group. Both number their members in CP order: this rank is rank
-    ``c mod m`` of ``inner`` and rank ``⌊c/m⌋`` of ``outer``, so a zigzag ring over ``outer`` visits the inner
-    groups in CP order. Size-1 sub-groups are ``None``; ``m == n`` returns ``(group, None)``, ``m == 1`` ``(None, group)``.
+    For a CP group of size ``n`` and ``inner = m`` dividing ``n``: the inner group holds the ``m`` consecutive CP
+    ranks ``m·⌊c/m⌋ … m·⌊c/m⌋+m-1`` around this rank's CP rank ``c``; the outer group the ``n/m`` CP ranks with the
+    same index ``c mod m`` inside their inner group. Both number their members in CP order: this rank is rank
+    ``c mod m`` of the inner group and rank ``⌊c/m⌋`` of the outer one, so a zigzag ring over the outer group visits
+    the inner groups in CP order. Size-1 sub-groups are ``None``; ``m == n`` returns ``(group, None)``, ``m == 1``
+    ``(None, group)``. Any ``m`` dividing ``n`` works (``n = 6``: ``m`` in 1, 2, 3, 6).
 
-    **Collective among the CP group's members only** (each calls it with the same ``inner_size``); other ranks do
+    **Collective among the CP group's members only** (each calls it with the same ``inner``); other ranks do
     nothing. Created once (``split_group`` from ``group`` under NCCL bound to a device, else locally synchronised
-    ``new_group`` calls) and cached; a sub-group equal to an existing registry block is shared with it.
+    ``new_group`` calls) and cached; a sub-group equal to an existing registry block is shared with it. Create
+    them up front, before training: a consumer inside a forward (attention's ``comm="a2a+p2p"``) only looks them up
+    (:func:`lookup_hierarchical`), since a collective there could run during recompute or graph capture.
 
     Raises:
-        ValueError: ``inner_size`` not an int ≥ 1 dividing the CP size; a CP group whose ranks do not ascend (every
-            group from :func:`new_cp_groups` ascends); this rank not a member; ``inner_size`` differing between
+        ValueError: ``inner`` not an int ≥ 1 dividing the CP size; a CP group whose ranks do not ascend (every
+            group from :func:`new_cp_groups` ascends); this rank not a member; ``inner`` differing between
             members.
 
     Example::
@@ -206,35 +230,66 @@ def hierarchical_cp_groups(
         # inner: this node's 4 ranks (Ulysses all-to-all), outer: the 2 ranks with the same local index (ring)
     """
     where = "hierarchical_cp_groups"
-    try:
-        cp_ranks = [_LAYER.rank()] if group is None else _LAYER.ranks_of(group)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    if len(cp_ranks) == 1:
-        m = as_int(inner_size, "inner_size", where)
-        if m != 1:
-            raise ValueError(f"{where}: inner_size {m} does not divide the CP size 1 (CP1); use inner_size=1")
-        return None, None
-    inner_blocks, outer_blocks = hierarchical_blocks(cp_ranks, inner_size)
+    todo, trivial = _hierarchy(group, inner, where)
+    if todo is None:
+        return trivial
+    cp_ranks, inner_blocks, outer_blocks = todo
     m, n = len(inner_blocks[0]), len(cp_ranks)
-    if m == n:
-        return group, None
-    if m == 1:
-        return None, group
     with _LOCK:
         how = resolve_method(method, _LAYER, where, members_only=True)
-        key = (where, tuple(cp_ranks), m, how)
+        key = (where, cp_ranks, m, how)
         reg = _registry()
         if key in reg.calls:
             hit = _cached_hit(reg.calls[key], where)
             return hit["inner"], hit["outer"]
-        summary = f"CP group {cp_ranks[:8]}{'…' if n > 8 else ''} ({n}), inner_size={m}, method={how}"
+        summary = f"CP group {list(cp_ranks[:8])}{'…' if n > 8 else ''} ({n}), inner={m}, method={how}"
         c = cp_ranks.index(_LAYER.rank())
         mine = [inner_blocks[c // m], outer_blocks[c % m]]
-        inner, outer = _create([inner_blocks, outer_blocks], mine, cp_ranks, how, digest(*key), summary, group,
-                               cp_ranks, where)
-        reg.calls[key] = {"inner": (mine[0], weakref.ref(inner)), "outer": (mine[1], weakref.ref(outer))}
-        return inner, outer
+        pair = _create([inner_blocks, outer_blocks], mine, cp_ranks, how, digest(*key), summary, group,
+                       cp_ranks, where)
+        reg.calls[key] = {"inner": (mine[0], weakref.ref(pair[0])), "outer": (mine[1], weakref.ref(pair[1]))}
+        return pair[0], pair[1]
+
+
+def lookup_hierarchical(
+    group: Optional[dist.ProcessGroup], inner: int
+) -> Optional[tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]]:
+    """The ``(inner, outer)`` pair :func:`hierarchical_cp_groups` returned for ``group`` and ``inner``, or ``None``
+    when it has not been created yet on this rank. **Never communicates, never creates a group**.
+
+    For a forward, a backward or a recompute, where creating a group (a collective) must not happen: a consumer
+    looks the pair up and, on ``None``, refuses with an error that says to call
+    ``hierarchical_cp_groups(group, inner)`` on every member up front. Pairs that need no new group — CP1, ``inner``
+    1 or the CP size — are answered at once (``(None, None)``, ``(None, group)``, ``(group, None)``). A pair created
+    with any ``method`` is found.
+
+    Raises:
+        ValueError: as :func:`hierarchical_cp_groups` (``inner`` not dividing the CP size, a non-member, ranks that
+            do not ascend).
+        RuntimeError: the cached pair was destroyed (call :func:`clear_cp_group_cache` on every rank, then create
+            the pair again).
+
+    Example::
+
+        pair = lookup_hierarchical(group, 4)
+        if pair is None:
+            raise ValueError("comm='a2a+p2p:4' needs cpscope.hierarchical_cp_groups(group, 4) on every member "
+                             "before training")
+        inner, outer = pair
+    """
+    where = "lookup_hierarchical"
+    todo, trivial = _hierarchy(group, inner, where)
+    if todo is None:
+        return trivial
+    cp_ranks, inner_blocks, _ = todo
+    m = len(inner_blocks[0])
+    with _LOCK:
+        reg = _registry()
+        for key, entry in reg.calls.items():
+            if key[:3] == ("hierarchical_cp_groups", cp_ranks, m):
+                hit = _cached_hit(entry, where)
+                return hit["inner"], hit["outer"]
+    return None
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:

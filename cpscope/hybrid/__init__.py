@@ -37,8 +37,9 @@ __all__ = [
     "plan_static",
 ]
 
-# Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid.comm_cost; calibration in
-# cpscope.train.calibrate, comm="auto" in cpscope.hybrid.variants) and the planner's cost built on it.
+# Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid.comm_cost), the pure choice
+# (cpscope.hybrid.variants) and the planner's cost built on them. Timing them on the machine (cpscope.train.calibrate)
+# and installing the choice for comm="auto" (cpscope.train.auto) is the torch runtime's job.
 from .comm_cost import CommCostModel  # noqa: E402
 from .data import sft_like_lengths  # noqa: E402
 from .step_cost import StepCost  # noqa: E402

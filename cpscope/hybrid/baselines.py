@@ -20,16 +20,17 @@ import numpy.typing as npt
 from .lpt import _lpt_heap
 from .packing import _build_plan, _first_fit
 from .plan import Plan
-from .problem import Cost, _Problem
+from .problem import Cost, CpSizes, _Problem
 
 __all__ = ["plan_static", "plan_greedy"]
 
 
 def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
-                cp: Optional[int] = None) -> Plan:
+                cp: Optional[int] = None, cp_sizes: CpSizes = None) -> Plan:
     """Baseline: static CP — every sequence at one CP size ``cp``.
 
-    ``cp`` defaults to the smallest allowed size that fits the longest sequence (the memory need of the batch).
+    ``cp`` defaults to the smallest allowed size (one of ``cp_sizes``, as in :func:`plan_hybrid`) that fits the
+    longest sequence (the memory need of the batch).
     All sequences are packed, longest first, into microbatches of at most ``capacity`` tokens per rank
     (first-fit decreasing over the whole batch); the microbatches are then assigned by LPT (costliest first, to
     the least-loaded of the ``n_ranks / cp`` groups); a group runs its microbatches in packing order.
@@ -37,7 +38,7 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     Raises:
         ValueError: as :func:`plan_hybrid`, or a ``cp`` that is not allowed or too small for the longest sequence.
     """
-    p = _Problem(lengths, n_ranks, capacity, cost, None)
+    p = _Problem(lengths, n_ranks, capacity, cost, None, cp_sizes)
     if cp is None:
         ks = int(p.kmin.max())
     else:
@@ -62,11 +63,12 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
 
 
 def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
-                max_cp: Optional[int] = None) -> Plan:
+                max_cp: Optional[int] = None, cp_sizes: CpSizes = None) -> Plan:
     """Baseline: plain greedy — each sequence at its memory-minimum CP size, taken in the given order and put
     on the aligned block whose most-loaded rank is least loaded; each block's sequences are packed by first fit
-    in the given order."""
-    p = _Problem(lengths, n_ranks, capacity, cost, max_cp)
+    in the given order (its blocks of non-nested sizes may wait for their busiest member: the plan says when each
+    rank finishes)."""
+    p = _Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
     loads = np.zeros(p.n_ranks)
     block = np.empty(p.n, dtype=np.int64)
     sizes, costs = p.cps[p.kmin].tolist(), p.alone[p.kmin, p.rows].tolist()

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import numpy.typing as npt
 
-from .problem import Cost, _Problem
+from .problem import Cost, CpSizes, _Problem
 
 __all__ = ["lower_bound"]
 
@@ -90,8 +90,9 @@ def _lower_bound(p: _Problem, rtol: float = 1e-4) -> float:
 
 
 def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
-                max_cp: Optional[int] = None) -> float:
-    """A lower bound ``T*`` on the makespan of **any** plan (any CP sizes, variants, packing and assignment).
+                max_cp: Optional[int] = None, cp_sizes: CpSizes = None) -> float:
+    """A lower bound ``T*`` on the makespan of **any** plan (any allowed CP sizes, variants, packing and
+    assignment, waits included).
 
     With ``alone_i(cp)`` the time of sequence ``i`` alone in a microbatch at ``cp`` (fixed part included, best
     variant), ``seq_i(cp)`` its per-rank time without the fixed part and ``lat(cp)`` the least fixed part of a
@@ -108,5 +109,9 @@ def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     ``max(Σ_i min_cp work_i(cp) / n_ranks, max_i min_cp alone_i(cp))``; the fixed-part charge is what makes it
     tight when long sequences must run at large CP sizes (the ``cp − 1`` ring steps of their microbatches are
     paid by every rank that runs them).
+
+    It holds for any set of CP sizes, nested or not: it only counts rank-seconds and the time of each sequence
+    alone, and a plan whose blocks wait for each other only spends more. A smaller set of sizes (``cp_sizes``)
+    can only raise it; the bound over all divisors bounds the plans over powers of two as well.
     """
-    return _lower_bound(_Problem(lengths, n_ranks, capacity, cost, max_cp))
+    return _lower_bound(_Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes))

@@ -82,8 +82,10 @@ class CostModel:
     """Per-rank time of a sequence / microbatch under CP; see the module docstring for the formula.
 
     The defaults are illustrative only (roughly a 7B-parameter model, forward + backward, on one H100-class GPU
-    per rank); fit your own with :meth:`fit`. All coefficients must be finite and ≥ 0, which makes the total work
-    ``cp · seq_cost`` non-decreasing in ``cp`` (the planner and its lower bound rely on this).
+    per rank); fit your own with :meth:`fit`. All coefficients must be finite and ≥ 0. The total work
+    ``cp · seq_cost`` then never decreases from a CP size to a multiple of it (splitting buys time, never saves
+    work); between sizes that do not divide each other padding can reverse that (``L = 8``: ``Lp = 12`` at CP3,
+    ``8`` at CP4), which the planner and its lower bound do not rely on.
 
     Attributes:
         attn: seconds per token² of causal attention (the whole sequence's attention is ``attn·Lp²``).

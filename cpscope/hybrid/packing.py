@@ -58,10 +58,36 @@ def _first_fit(tokens: list[int], capacity: int) -> list[int]:
     return out
 
 
+def _finish_times(n_ranks: int, key: np.ndarray, cp: np.ndarray, block: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """When each rank finishes the microbatches listed in execution order (``key`` non-decreasing: one CP size and
+    disjoint blocks per key), each starting once its last member is free.
+
+    Example::
+
+        >>> # 6 ranks: a CP3 microbatch on ranks 0-2 (1 s), then a CP2 one on ranks 2-3 waits for rank 2
+        >>> _finish_times(6, np.array([0, 1]), np.array([3, 2]), np.array([0, 1]), np.array([1.0, 0.5])).tolist()
+        [1.0, 1.0, 1.5, 1.5, 0.0, 0.0]
+    """
+    finish = np.zeros(n_ranks)
+    cuts = np.flatnonzero(np.r_[True, np.diff(key) != 0]).tolist() + [key.size]
+    for a, z in zip(cuts[:-1], cuts[1:]):
+        s = int(cp[a])
+        blocks, inv = np.unique(block[a:z], return_inverse=True)
+        view = finish.reshape(-1, s)
+        view[blocks] = (view[blocks].max(axis=1) + np.bincount(inv, weights=cost[a:z]))[:, None]
+    return finish
+
+
 def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decreasing: bool = True,
-                lb: Optional[float] = None, microbatch_of: Optional[np.ndarray] = None) -> Plan:
+                lb: Optional[float] = None, microbatch_of: Optional[np.ndarray] = None,
+                seg: Optional[np.ndarray] = None) -> Plan:
     """Pack each (cp, block)'s sequences into microbatches by first fit (longest first if ``decreasing``, else
-    in the given order) unless ``microbatch_of`` already says which sequences share one; exact rank loads.
+    in the given order) unless ``microbatch_of`` already says which sequences share one; exact rank loads and
+    finish times.
+
+    The execution order is CP size descending, then block, unless ``seg`` gives each sequence's run segment (the
+    planner's placement order where sizes do not nest): then segment, then block, and only the sequences of one
+    (segment, block) run share microbatches.
 
     With several communication variants, a (cp, block)'s sequences are first split by the variant each prefers
     alone (``p.pref``), so a microbatch never costs more than the sum of its sequences' ``alone`` times (what
@@ -73,10 +99,11 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     inner = -tokens if decreasing else np.zeros_like(tokens)
     given = np.zeros(p.n, dtype=np.int64) if microbatch_of is None else microbatch_of
     pref = p.pref[k, p.rows] if multi and microbatch_of is None else np.zeros(p.n, dtype=np.int64)
-    order = np.lexsort((p.rows, inner, given, pref, block, -cp_seq))
-    o_cp, o_block, o_pref, o_tok = cp_seq[order], block[order], pref[order], tokens[order]
+    key = -cp_seq if seg is None else seg  # execution order: CP size descending, or the planner's run segments
+    order = np.lexsort((p.rows, inner, given, pref, block, key))
+    o_key, o_cp, o_block, o_pref, o_tok = key[order], cp_seq[order], block[order], pref[order], tokens[order]
     sub = given[order]  # microbatch index inside its (cp, block, variant) group
-    new_group = np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)]
+    new_group = np.r_[True, (np.diff(o_key) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)]
     g_start = np.flatnonzero(new_group)
     g_end = np.r_[g_start[1:], p.n]
     if microbatch_of is None:
@@ -86,9 +113,9 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
         if too_big.size:  # bring each microbatch's sequences together, keeping their order
             group_id = np.cumsum(new_group)
             regroup = np.lexsort((np.arange(p.n), sub, group_id))
-            order, o_cp, o_block, o_tok, sub = (x[regroup] for x in (order, o_cp, o_block, o_tok, sub))
+            order, o_key, o_cp, o_block, o_tok, sub = (x[regroup] for x in (order, o_key, o_cp, o_block, o_tok, sub))
             o_pref = o_pref[regroup]
-    starts = np.flatnonzero(np.r_[True, (np.diff(o_cp) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)
+    starts = np.flatnonzero(np.r_[True, (np.diff(o_key) != 0) | (np.diff(o_block) != 0) | (np.diff(o_pref) != 0)
                                   | (np.diff(sub) != 0)])
     mb_cp, mb_block = o_cp[starts], o_block[starts]
     mb_level = k[order][starts]
@@ -114,9 +141,12 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     for s in np.unique(mb_cp).tolist():
         sel = mb_cp == s
         loads += np.repeat(np.bincount(mb_block[sel], weights=mb_cost[sel], minlength=p.n_ranks // s), s)
+    # nested sizes: nobody waits, a rank finishes when its work is done; else the schedule says when
+    finish = loads if p.nested else _finish_times(p.n_ranks, o_key[starts], mb_cp, mb_block, mb_cost)
     plan = Plan(method=method, n_ranks=p.n_ranks, capacity=p.capacity, lengths=tuple(p.lengths.tolist()),
                 cp_sizes=tuple(cp_seq.tolist()), microbatches=tuple(mbs), rank_loads=tuple(loads.tolist()),
-                lower_bound=_lower_bound(p) if lb is None else lb, padding_tokens=int((lp - p.lengths).sum()))
+                lower_bound=_lower_bound(p) if lb is None else lb, padding_tokens=int((lp - p.lengths).sum()),
+                rank_finish=tuple(finish.tolist()), cp_candidates=tuple(p.cps.tolist()))
     logger.debug("%s plan: %d seqs on %d ranks, %d microbatches, makespan %.4g (lower bound %.4g)", method, p.n,
                  p.n_ranks, len(mbs), plan.makespan, plan.lower_bound)
     return plan

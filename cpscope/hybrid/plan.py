@@ -1,8 +1,9 @@
 """What a planner returns: the :class:`Plan` and its :class:`Microbatch` es, in a deadlock-free execution order.
 
 A microbatch is a set of sequences packed in ``thd`` and run together by one aligned *block* of ``cp`` ranks
-(positions ``block·cp … (block+1)·cp − 1``); a rank runs its microbatches by CP size descending (see
-:mod:`cpscope.hybrid.planner` for why that order cannot deadlock). Plain data: no numpy, no process group.
+(positions ``block·cp … (block+1)·cp − 1``); a plan lists them in one global execution order and each rank runs
+its own in that order (see :mod:`cpscope.hybrid.planner` for why that cannot deadlock). Plain data: no numpy, no
+process group.
 
 Example::
 
@@ -43,10 +44,14 @@ class Microbatch(NamedTuple):
 
 @dataclass(frozen=True, repr=False)
 class Plan:
-    """The result of a planner: microbatches in global execution order (CP size descending, block, packing).
+    """The result of a planner: microbatches in global execution order (nested CP sizes: size descending, block,
+    packing; other sets: the planner's placement order).
 
-    ``rank_loads[r]`` is rank ``r``'s total time; ``makespan`` its maximum; ``lower_bound`` the value of
-    :func:`lower_bound` for the same inputs; ``padding_tokens`` the zigzag padding added over the batch.
+    ``rank_loads[r]`` is rank ``r``'s busy time, ``rank_finish[r]`` when it finishes (the same, unless a
+    microbatch of it waited for a busier member: possible only where CP sizes do not nest); ``makespan`` the
+    last finish; ``lower_bound`` the value of :func:`lower_bound` for the same inputs; ``padding_tokens`` the
+    zigzag padding added over the batch; ``cp_candidates`` the CP sizes the planner could choose from and
+    :attr:`sizes_used` those it picked.
     """
 
     method: str
@@ -58,6 +63,8 @@ class Plan:
     rank_loads: tuple[float, ...]
     lower_bound: float
     padding_tokens: int
+    rank_finish: tuple[float, ...] = ()
+    cp_candidates: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (f"Plan(method={self.method!r}, n_ranks={self.n_ranks}, sequences={len(self.lengths)}, "
@@ -66,14 +73,19 @@ class Plan:
 
     @property
     def makespan(self) -> float:
-        """Time at which the last rank finishes (exact under the cost model thanks to the phase order)."""
-        return max(self.rank_loads)
+        """Time at which the last rank finishes, waits included (exact under the cost model)."""
+        return max(self.rank_finish or self.rank_loads)
+
+    @property
+    def sizes_used(self) -> tuple[int, ...]:
+        """The CP sizes the plan runs, increasing."""
+        return tuple(sorted({mb.cp for mb in self.microbatches}))
 
     @cached_property
-    def _by_group(self) -> dict[tuple[int, int], list[Microbatch]]:
-        groups: dict[tuple[int, int], list[Microbatch]] = {}
-        for mb in self.microbatches:
-            groups.setdefault((mb.cp, mb.block), []).append(mb)
+    def _by_group(self) -> dict[tuple[int, int], list[tuple[int, Microbatch]]]:
+        groups: dict[tuple[int, int], list[tuple[int, Microbatch]]] = {}
+        for i, mb in enumerate(self.microbatches):
+            groups.setdefault((mb.cp, mb.block), []).append((i, mb))
         return groups
 
     @cached_property
@@ -81,10 +93,11 @@ class Plan:
         return sorted({mb.cp for mb in self.microbatches}, reverse=True)
 
     def microbatches_for_rank(self, rank: int) -> list[Microbatch]:
-        """The ordered microbatches rank ``rank`` (a position in ``range(n_ranks)``) must run."""
+        """The microbatches rank ``rank`` (a position in ``range(n_ranks)``) must run, in the plan's order."""
         if not 0 <= rank < self.n_ranks:
             raise ValueError(f"rank {rank} is outside the planned ranks [0, {self.n_ranks})")
-        out: list[Microbatch] = []
+        mine: list[tuple[int, Microbatch]] = []
         for s in self._sizes:
-            out.extend(self._by_group.get((s, rank // s), ()))
-        return out
+            mine.extend(self._by_group.get((s, rank // s), ()))
+        mine.sort(key=lambda item: item[0])
+        return [mb for _, mb in mine]

@@ -1,8 +1,12 @@
 """The planning problem every planner reads: validated inputs, the allowed CP sizes and per-sequence tables.
 
-:class:`_Problem` checks ``lengths`` / ``n_ranks`` / ``capacity`` / ``max_cp`` once (``ValueError`` naming the
-values) and tabulates, for every allowed CP size (row) and sequence (column), the padded length, the time of
-the sequence alone in a microbatch and its work in rank-seconds.
+:class:`_Problem` checks ``lengths`` / ``n_ranks`` / ``capacity`` / ``max_cp`` / ``cp_sizes`` once (``ValueError``
+naming the values) and tabulates, for every allowed CP size (row) and sequence (column), the padded length, the time
+of the sequence alone in a microbatch and its work in rank-seconds.
+
+**CP sizes.** Any size that divides ``n_ranks`` may run: by default every divisor (at most ``max_cp``), or the set
+given as ``cp_sizes`` (``"pow2"`` keeps the powers of two only). A set whose sizes each divide the next (powers of
+two, or ``1, 3, 6, 12``) is *nested*: its aligned blocks nest, which the planners exploit (:attr:`_Problem.nested`).
 
 The cost is anything with ``_tables(padded [K, n], cps [K])`` returning ``(variants, seq [V, K, n], fixed [V, K],
 allowed [V, K])``: per communication variant, each sequence's per-rank seconds and each microbatch's fixed
@@ -13,15 +17,16 @@ the planners read are the envelopes over the allowed variants: ``alone`` = min o
 
 Example::
 
-    >>> cp_candidates(24).tolist(), cp_candidates(64, max_cp=8).tolist()
-    ([1, 2, 4, 8], [1, 2, 4, 8])
+    >>> cp_candidates(24).tolist(), cp_candidates(24, cp_sizes="pow2").tolist(), cp_candidates(64, max_cp=8).tolist()
+    ([1, 2, 3, 4, 6, 8, 12, 24], [1, 2, 4, 8], [1, 2, 4, 8])
     >>> p = _Problem([65536, 512], n_ranks=8, capacity=16384, cost=None, max_cp=None)
     >>> p.cps[p.kmin].tolist()   # memory-minimum CP size of each sequence
     [4, 1]
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+import copy
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -32,15 +37,16 @@ if TYPE_CHECKING:
     from .step_cost import StepCost
 
 Cost = Union[CostModel, "StepCost"]
+CpSizes = Union[None, str, Iterable[int]]
 
-__all__ = ["cp_candidates"]
+__all__ = ["cp_candidates", "divisors", "is_nested"]
 
 
 class _Problem:
     """Validated inputs and the ``[n_cp, n_seqs]`` tables every planner reads (row k: CP size ``cps[k]``)."""
 
     def __init__(self, lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost],
-                 max_cp: Optional[int]) -> None:
+                 max_cp: Optional[int], cp_sizes: CpSizes = None) -> None:
         raw = np.asarray(lengths)
         if raw.ndim != 1 or raw.size == 0:
             raise ValueError(f"lengths must be a non-empty 1-D sequence of ints, got shape {raw.shape}")
@@ -53,14 +59,11 @@ class _Problem:
         for name, value in (("n_ranks", n_ranks), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
-        if max_cp is not None and (not isinstance(max_cp, (int, np.integer)) or max_cp < 1
-                                   or max_cp & (max_cp - 1)):
-            raise ValueError(f"max_cp must be a power of two ≥ 1 (or None), got {max_cp!r}")
         self.n, self.n_ranks, self.capacity = self.lengths.size, int(n_ranks), int(capacity)
         self.cost = CostModel() if cost is None else cost
         if not callable(getattr(self.cost, "_tables", None)):
             raise ValueError(f"cost must be a CostModel or a StepCost (or None), got {type(cost).__name__}")
-        self.cps = cp_candidates(self.n_ranks, max_cp)
+        self.cps = cp_candidates(self.n_ranks, max_cp, cp_sizes)
         cps = self.cps[:, None]
         lp = padded_length(self.lengths[None, :], cps)  # [K, n]
         self.lp = lp
@@ -69,10 +72,11 @@ class _Problem:
             i = int(np.argmin(fits[-1]))
             raise ValueError(
                 f"sequence {i} of length {int(self.lengths[i])} does not fit: it needs more than the largest CP "
-                f"size {int(self.cps[-1])} available with n_ranks={self.n_ranks} (max_cp={max_cp}) at a per-rank "
+                f"size {int(self.cps[-1])} available with n_ranks={self.n_ranks} (max_cp={max_cp}, CP sizes "
+                f"{self.cps.tolist()}) at a per-rank "
                 f"capacity of {self.capacity} tokens; raise capacity or n_ranks, or split the sequence"
             )
-        self.kmin = np.argmax(fits, axis=0)  # index of the memory-minimum CP size
+        self.fits = fits
         # the cost tables, on the distinct lengths (batches repeat lengths a lot), then one column per sequence
         _, first, inv, count = np.unique(self.lengths, return_index=True, return_inverse=True, return_counts=True)
         self.inv = inv.reshape(-1)  # sequence -> its column in the compact tables
@@ -98,16 +102,83 @@ class _Problem:
         self.alone = np.where(fits, alone_u[:, self.inv], np.inf)  # time alone in a microbatch (best variant)
         self.work = np.where(fits, self.seq * cps, np.inf)  # rank-seconds, without the per-microbatch part
         self.rows = np.arange(self.n)
+        self._derive()
+
+    def _derive(self) -> None:
+        self.nested = is_nested(self.cps.tolist())
+        self.kmin = np.argmax(self.fits, axis=0)  # index of the memory-minimum CP size
         self.fastest = np.argmin(self.alone, axis=0)
         self.prefix_min = np.minimum.accumulate(self.alone, axis=0)  # running minimum over CP sizes
 
+    def subset(self, sizes: Iterable[int]) -> Optional["_Problem"]:
+        """The same problem with only ``sizes`` (a subset of :attr:`cps`) allowed, from the same tables; ``None``
+        when some sequence fits none of them."""
+        rows = np.flatnonzero(np.isin(self.cps, np.asarray(list(sizes), dtype=np.int64)))
+        if not np.all(self.fits[rows].any(axis=0)):
+            return None
+        sub = copy.copy(self)
+        for name in ("cps", "lp", "fits", "seq", "pref", "alone", "work", "lat"):
+            setattr(sub, name, getattr(self, name)[rows])
+        for name in ("seq_v", "fixed_v", "allowed"):
+            setattr(sub, name, getattr(self, name)[:, rows])
+        sub._derive()
+        return sub
 
-def cp_candidates(n_ranks: int, max_cp: Optional[int] = None) -> np.ndarray:
-    """The CP sizes a plan may use: powers of two dividing ``n_ranks``, at most ``max_cp``."""
-    sizes, s = [], 1
-    while s <= n_ranks and n_ranks % s == 0 and (max_cp is None or s <= max_cp):
-        sizes.append(s)
-        s *= 2
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order.
+
+    Example::
+
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def is_nested(sizes: Iterable[int]) -> bool:
+    """Whether each of the (increasing) ``sizes`` divides the next: then aligned blocks of different sizes nest.
+
+    Example::
+
+        >>> is_nested([1, 2, 4, 8]), is_nested([1, 3, 6, 12]), is_nested([1, 2, 3, 6])
+        (True, True, False)
+    """
+    s = sorted(sizes)
+    return all(b % a == 0 for a, b in zip(s, s[1:]))
+
+
+def _check_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be an int ≥ 1, got {value!r}")
+    return int(value)
+
+
+def cp_candidates(n_ranks: int, max_cp: Optional[int] = None, cp_sizes: CpSizes = None) -> np.ndarray:
+    """The CP sizes a plan may use, increasing: every divisor of ``n_ranks`` that is at most ``max_cp``.
+
+    ``cp_sizes`` narrows the choice: ``None`` or ``"divisors"`` (the default: all divisors), ``"pow2"`` (the
+    powers of two among them), or an explicit collection of sizes, each of which must divide ``n_ranks`` (and not
+    exceed ``max_cp``, when given).
+
+    Raises:
+        ValueError: ``n_ranks`` or ``max_cp`` not an int ≥ 1; an explicit size that does not divide ``n_ranks``,
+            exceeds ``max_cp`` or is not an int ≥ 1; an empty set; an unknown name.
+    """
+    n_ranks = _check_int(n_ranks, "n_ranks")
+    limit = n_ranks if max_cp is None else _check_int(max_cp, "max_cp")
+    if cp_sizes is None or isinstance(cp_sizes, str):
+        name = "divisors" if cp_sizes is None else cp_sizes
+        if name not in ("divisors", "pow2"):
+            raise ValueError(f"cp_sizes must be 'divisors', 'pow2' or a collection of ints, got {cp_sizes!r}")
+        sizes = [d for d in divisors(n_ranks) if d <= limit and (name == "divisors" or d & (d - 1) == 0)]
+    else:
+        sizes = sorted({_check_int(c, "every CP size in cp_sizes") for c in cp_sizes})
+        bad = [c for c in sizes if n_ranks % c or c > limit]
+        if bad or not sizes:
+            raise ValueError(f"cp_sizes {sizes}: every size must divide n_ranks={n_ranks} and be at most max_cp="
+                             f"{max_cp} (offending: {bad or 'none given'})")
     return np.asarray(sizes, dtype=np.int64)
 
 

@@ -1,7 +1,7 @@
 """RoPE as one Triton kernel per call (forward and backward), reading angles from the table by position.
 
 Why: RoPE runs twice per layer (q and k). The ``torch.compile`` path costs ~0.1 ms of host time per call (guards,
-AOT-autograd wrappers; H200, benchmarks/attention_notes.md §10) — as much as the attention call around it for a
+AOT-autograd wrappers; H200, docs/attention_kernels.md §10) — as much as the attention call around it for a
 short pack. This kernel takes the local tensor, the pack's cached positions and the TE-style table directly: one
 launch, no angle gather, ~20-30 µs of host time.
 

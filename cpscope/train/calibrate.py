@@ -11,7 +11,7 @@ numbers on every rank, so every rank gets the same model. CP1 (no group) is time
 fit that every variant shares at ``cp = 1``.
 
 The model is written to :func:`~cpscope.hybrid.comm_cost.cache_path` (by the ranks with ``LOCAL_RANK`` 0, or
-global rank 0 when unset) and found again by :func:`~cpscope.hybrid.variants.cached_cost` /
+global rank 0 when unset) and found again by :func:`~cpscope.train.auto.cached_cost` /
 :func:`load_or_calibrate`.
 
 Example (2 GPUs; see ``benchmarks/calibrate_comm.py`` for the command line)::
@@ -26,15 +26,16 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import platform
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..hybrid.comm_cost import LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name, \
-    load_cached, variant_allowed
+from .._version import __version__
+from ..hybrid.comm_cost import (LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner,
+                                dtype_name, load_cached, variant_allowed)
+from .auto import calibration_device, device_name
 
 __all__ = ["calibrate", "device_name", "job_key", "load_or_calibrate", "ring_stand_in"]
 
@@ -66,29 +67,21 @@ def _default_attention() -> AttentionFn:
     return context_parallel_attention
 
 
-def device_name(device: torch.device) -> str:
-    """``torch.cuda.get_device_name`` for CUDA devices, else ``"cpu-<machine>"``."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type}-{platform.machine() or 'unknown'}"
-
-
 def job_key(cp_sizes: Iterable[int], device: Optional[torch.device] = None) -> dict[str, Any]:
     """The cache key of this job: device name, world size, CP sizes and the torch / cpscope versions."""
-    from .. import __version__
-
-    device = _pick_device(device)
+    device = calibration_device(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return cache_key(device=device_name(device), world_size=world, cp_sizes=cp_sizes,
                      torch_version=torch.__version__, cpscope_version=__version__)
 
 
-def _pick_device(device: Optional[torch.device]) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _power_of_two_sizes(world: int) -> list[int]:
+    """Every power of two dividing ``world`` (the default CP sizes to calibrate)."""
+    sizes, s = [], 1
+    while world % s == 0 and s <= world:
+        sizes.append(s)
+        s *= 2
+    return sizes
 
 
 def _split_lengths(tokens: int, n_docs: int, step: int) -> tuple[int, ...]:
@@ -157,6 +150,79 @@ def calibrate(
         ValueError: bad arguments (before any collective).
         RuntimeError: no ``comm=`` in ``context_parallel_attention`` and no ``attention`` given.
     """
+    _check_arguments(variants, heads, kv_heads, tokens, docs, warmup, repeats)
+    device = calibration_device(device)
+    dt = getattr(torch, dtype_name(dtype if dtype is not None else
+                                   (torch.bfloat16 if device.type == "cuda" else torch.float32)))
+    fn = attention if attention is not None else _default_attention()
+    groups = _resolve_groups(groups)
+    cp_sizes = sorted(groups)
+    configs = _configs(cp_sizes, variants, heads, kv_heads, tokens, docs, inner, 2 * max(cp_sizes))
+    timer = _Timer(device, warmup, repeats)
+    rows, kept = _time_all(fn, groups, configs, _Shape(heads, head_dim, dt, device), timer, causal,
+                           progress and dist.get_rank() == 0)
+    timed = torch.tensor(rows, dtype=torch.float64, device=device)
+    dist.all_reduce(timed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)  # the slowest rank's time, everywhere
+    samples = [Sample(variant, dtype_name(dt), cp, lengths, heads, kv, head_dim, causal, sub, float(t))
+               for (cp, kv, lengths, variant, sub), t in zip(kept, timed.median(dim=1).values.tolist())]
+    key = job_key(cp_sizes, device)
+    meta = {**key, "inner": inner, "stand_in": fn is ring_stand_in,
+            "attention": getattr(fn, "__qualname__", repr(fn)), "backend": dist.get_backend(),
+            "warmup": warmup, "repeats": repeats, "reduction": "max over ranks, median over repeats"}
+    model = CommCostModel.fit(samples, meta)
+    if cache:
+        _save(model, key, directory, timer)
+    return model
+
+
+def _time_all(fn: AttentionFn, groups: Mapping[int, Optional[dist.ProcessGroup]], configs: list[tuple],
+              shape: "_Shape", timer: "_Timer", causal: bool, progress: bool) -> tuple[list[list[float]], list[tuple]]:
+    """Each configuration's timed calls (``rows``) and the configurations kept (the attention refused none)."""
+    rows: list[list[float]] = []
+    kept: list[tuple] = []
+    for cp, kv, lengths, variant, sub in _progress(configs, progress):
+        q, k, v, grad, cu = shape.inputs(cp, kv, lengths)
+        comm = "p2p" if variant == LOCAL else variant if sub is None else f"{variant}:{sub}"
+
+        def call() -> None:
+            out = fn(q, k, v, comm=comm, group=groups[cp], qkv_format="thd", cu_seqlens=cu, causal=causal)
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        try:
+            rows.append(timer.time(call))
+        except ValueError as err:  # raised on every rank alike, before any collective (the contract)
+            logger.warning("calibrate: skipping %s at cp=%d, kv_heads=%d: %s", variant, cp, kv, err)
+            continue
+        kept.append((cp, kv, lengths, variant, sub))
+    if not rows:
+        raise RuntimeError("calibrate: every configuration was refused by the attention call")
+    return rows, kept
+
+
+def _resolve_groups(groups: Optional[Mapping[int, Optional[dist.ProcessGroup]]]
+                    ) -> Mapping[int, Optional[dist.ProcessGroup]]:
+    """``groups``, checked (each ``groups[cp]`` has ``cp`` ranks); default every power-of-two size (collective)."""
+    if groups is None:
+        from ..groups import new_cp_groups
+
+        groups = new_cp_groups(_power_of_two_sizes(dist.get_world_size()))
+    for cp, group in groups.items():
+        actual = 1 if group is None else dist.get_world_size(group)
+        if actual != cp:
+            raise ValueError(f"groups[{cp}] has {actual} ranks, not {cp}")
+    return {int(cp): g for cp, g in groups.items()}
+
+
+def _save(model: CommCostModel, key: Mapping[str, Any], directory: Optional[str], timer: "_Timer") -> None:
+    """Write the model (ranks with ``LOCAL_RANK`` 0); no rank returns, and looks for the file, before it is written."""
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+        logger.info("calibrate: wrote %s", model.save(cache_path(key, directory)))
+    timer.barrier()
+
+
+def _check_arguments(variants: Sequence[str], heads: int, kv_heads: Sequence[int], tokens: Sequence[int],
+                     docs: Sequence[int], warmup: int, repeats: int) -> None:
+    """``calibrate``'s argument checks (``ValueError`` before any collective)."""
     if not dist.is_initialized():
         raise ValueError("calibrate is collective: initialise torch.distributed first (gloo on CPU, NCCL on GPU)")
     bad = [v for v in variants if v not in VARIANTS]
@@ -169,95 +235,58 @@ def calibrate(
         raise ValueError(f"heads ({heads}) must be a multiple of every kv_heads value, got {list(kv_heads)}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup ≥ 0 and repeats ≥ 1, got warmup={warmup}, repeats={repeats}")
-    device = _pick_device(device)
-    dt = getattr(torch, dtype_name(dtype if dtype is not None else
-                                   (torch.bfloat16 if device.type == "cuda" else torch.float32)))
-    fn = attention if attention is not None else _default_attention()
-    if groups is None:
-        from ..groups import new_cp_groups
 
-        world = dist.get_world_size()
-        sizes, s = [], 1
-        while world % s == 0 and s <= world:
-            sizes.append(s)
-            s *= 2
-        groups = new_cp_groups(sizes)
-    cp_sizes = sorted(int(c) for c in groups)
-    for cp in cp_sizes:
-        g = groups[cp]
-        actual = 1 if g is None else dist.get_world_size(g)
-        if actual != cp:
-            raise ValueError(f"groups[{cp}] has {actual} ranks, not {cp}")
-    step = 2 * max(cp_sizes)
-    configs = _configs(cp_sizes, variants, heads, kv_heads, tokens, docs, inner, step)
-    world_pg = dist.group.WORLD
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    flag = torch.zeros(1, device=device)
 
-    def barrier() -> None:
-        sync()
-        dist.all_reduce(flag, group=world_pg)  # every block starts its timed call together
-        sync()
+class _Shape:
+    """Random ``thd`` inputs of one (cp, k/v heads, lengths), made on the device and reused by every variant."""
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows: list[list[float]] = []
-    kept: list[tuple] = []
-    inputs: dict[tuple, tuple] = {}
-    bar = _progress(configs, progress and dist.get_rank() == 0)
-    for cp, kv, lengths, variant, sub in bar:
-        group = groups[cp]
-        shape = (cp, kv, lengths)
-        if shape not in inputs:  # the same random inputs for every variant of a shape, made on the device
-            inputs.clear()
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.key: Optional[tuple] = None
+        self.made: tuple = ()
+
+    def _rand(self, *size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=self.gen, device=self.device, dtype=self.dtype)
+
+    def inputs(self, cp: int, kv: int, lengths: tuple[int, ...]) -> tuple:
+        """``(q, k, v, grad_out, cu_seqlens)``: the local ``[t/cp, h, d]`` tensors and the global offsets."""
+        if self.key != (cp, kv, lengths):
             local = sum(lengths) // cp
+            q, k, v = (self._rand(local, h, self.head_dim).requires_grad_() for h in (self.heads, kv, kv))
+            cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+            self.key, self.made = (cp, kv, lengths), (q, k, v, self._rand(local, self.heads, self.head_dim), cu)
+        return self.made
 
-            def rand(*size: int) -> torch.Tensor:
-                return torch.randn(*size, generator=gen, device=device, dtype=dt)
 
-            q, k, v = (rand(local, h, head_dim).requires_grad_() for h in (heads, kv, kv))  # [t/cp, h, d]
-            cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)  # global offsets
-            inputs[shape] = (q, k, v, rand(local, heads, head_dim), cu)
-        q, k, v, grad, cu = inputs[shape]
-        comm = "p2p" if variant == LOCAL else variant if sub is None else f"{variant}:{sub}"
+class _Timer:
+    """Warm-up calls, then timed calls each started together on every rank (one world all-reduce before each)."""
 
-        def call() -> None:
-            out = fn(q, k, v, comm=comm, group=group, qkv_format="thd", cu_seqlens=cu, causal=causal)
-            torch.autograd.grad(out, (q, k, v), grad)
+    def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+        self.flag = torch.zeros(1, device=device)
 
-        try:
-            for _ in range(warmup):
-                call()
-        except ValueError as err:  # raised on every rank alike, before any collective (the contract)
-            logger.warning("calibrate: skipping %s at cp=%d, kv_heads=%d: %s", variant, cp, kv, err)
-            continue
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.sync()
+        dist.all_reduce(self.flag, group=dist.group.WORLD)  # every block starts its timed call together
+        self.sync()
+
+    def time(self, call: Callable[[], None]) -> list[float]:
+        """Seconds of each timed call (``ValueError`` from a warm-up call propagates before any barrier)."""
+        for _ in range(self.warmup):
+            call()
         times = []
-        for _ in range(repeats):
-            barrier()
+        for _ in range(self.repeats):
+            self.barrier()
             t0 = time.perf_counter()
             call()
-            sync()
+            self.sync()
             times.append(time.perf_counter() - t0)
-        rows.append(times)
-        kept.append((cp, kv, lengths, variant, sub))
-    if not rows:
-        raise RuntimeError("calibrate: every configuration was refused by the attention call")
-    timed = torch.tensor(rows, dtype=torch.float64, device=device)
-    dist.all_reduce(timed, op=dist.ReduceOp.MAX, group=world_pg)  # the slowest rank's time, on every rank
-    medians = timed.median(dim=1).values.tolist()
-    dname = dtype_name(dt)
-    samples = [Sample(variant, dname, cp, lengths, heads, kv, head_dim, causal, sub, float(t))
-               for (cp, kv, lengths, variant, sub), t in zip(kept, medians)]
-    key = job_key(cp_sizes, device)
-    meta = {**key, "inner": inner, "stand_in": fn is ring_stand_in,
-            "attention": getattr(fn, "__qualname__", repr(fn)), "backend": dist.get_backend(),
-            "warmup": warmup, "repeats": repeats, "reduction": "max over ranks, median over repeats"}
-    model = CommCostModel.fit(samples, meta)
-    if cache:
-        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-            path = model.save(cache_path(key, directory))
-            logger.info("calibrate: wrote %s", path)
-        barrier()  # no rank returns (and looks for the file) before it is written
-    return model
+        return times
 
 
 def load_or_calibrate(groups: Optional[Mapping[int, Optional[dist.ProcessGroup]]] = None, *,
@@ -266,17 +295,16 @@ def load_or_calibrate(groups: Optional[Mapping[int, Optional[dist.ProcessGroup]]
 
     Collective either way: the ranks agree (by an all-reduce) on whether every one of them found the file, so
     no rank calibrates alone.
+
+    Example::
+
+        cost = load_or_calibrate(cpscope.new_cp_groups([1, 2, 4]), heads=32, kv_heads=(8,), head_dim=128)
     """
-    sizes = sorted(groups) if groups is not None else None
-    if sizes is None:
-        world, s, sizes = dist.get_world_size(), 1, []
-        while world % s == 0 and s <= world:
-            sizes.append(s)
-            s *= 2
-    device = _pick_device(kwargs.get("device"))
+    sizes = sorted(groups) if groups is not None else _power_of_two_sizes(dist.get_world_size())
+    device = calibration_device(kwargs.get("device"))
     found = load_cached(job_key(sizes, device), directory)
     have = torch.tensor([0 if found is None else 1], device=device)
-    dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    dist.all_reduce(have, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
     if int(have.item()) == 1:
         return found
     return calibrate(groups, directory=directory, **kwargs)

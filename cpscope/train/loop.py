@@ -1,75 +1,88 @@
-"""The hybrid-CP microbatch loop: pack, pad, shard and bind per microbatch; normalise the loss globally.
+"""The hybrid-CP step: run every local microbatch in its scope, normalise the loss globally, sync gradients once.
 
 One training step of hybrid CP, on every rank::
 
     plan = plan_hybrid(lengths, n_ranks=world, capacity=cap)            # same plan on every rank
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)   # pack → pad → shard
-    result = run_step(model, mbs)            # forward/backward each microbatch in its scope; gradients synced once
+    result = run_step(model, mbs, dp_group=dist.group.WORLD)   # forward/backward each in its scope; sync once
     optimizer.step(); optimizer.zero_grad()
     loss = result.global_loss()              # the global per-token loss (collective)
+
+The microbatches are :class:`~cpscope.train.prepare.LocalMicrobatch` es — this rank's part of the planner's
+:class:`cpscope.hybrid.Microbatch` es (:mod:`cpscope.train.prepare` says which microbatch type is which, and how
+one is packed, labelled, padded and sharded).
 
 :func:`run_step` counts the real targets of the whole global batch (:func:`global_num_targets`), runs every
 microbatch (:func:`run_microbatches`) and synchronises the gradients **once**, however many microbatches each rank
 ran — none included — through the :class:`~cpscope.train.sync.GradientSync` that suits the model: a plain
 module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.train.sync`). The pieces stay usable on their own for
-a hand-written loop: ``run_microbatches`` then ``allreduce_gradients(model)`` is the plain-module step.
+a hand-written loop: ``run_microbatches`` then ``allreduce_gradients(model, dp_group=...)`` is the plain-module step.
 
-Each step, spelled out:
+The data-parallel group ``dp_group`` is always named (:mod:`cpscope.train.collectives`): ``dist.group.WORLD`` for
+the world, the group of ranks sharing this rank's tensor-parallel rank under tensor parallelism, ``None`` for one
+process — never "``None`` means the world".
 
-pack
-    The documents of one microbatch are concatenated into one ``thd`` stream with global ``cu_seqlens``. The
-    next-token labels are made **here, on the whole document, before sharding**: ``labels[i] = ids[i + 1]``
-    inside a document, and the last token of every document gets ``ignore_index`` (its target is not in the
-    document). Sharding afterwards keeps every pair (token, its target) together even when ``i`` and ``i + 1``
-    land in different zigzag chunks or on different ranks.
-pad
-    :func:`cpscope.sharding.pad_packed_batch` pads every document to a multiple of ``2·cp`` (zigzag cuts it into
-    ``2·cp`` chunks); padding tokens get ``pad_id`` as input and ``ignore_index`` as label. Padding sits at the
-    *end* of each document, so causal attention never lets a real token see it.
-shard
-    :func:`cpscope.zigzag_shard` (``thd``, per document) keeps this rank's part of ids and labels.
 bind
-    ``with runtime_cp(group):`` around the forward; RoPE and attention read the group there. Backward runs
-    outside the scope: cpscope's autograd functions use the scope they captured in forward.
+    ``with runtime_cp(group, local_cp_size=cp, comm=mb.comm):`` around the forward; RoPE and attention read the
+    group there. Backward runs outside the scope: cpscope's autograd functions use the scope they captured in
+    forward.
 loss normalisation
     Each rank's loss is ``Σ_local CE(token) / N``, where ``N`` is the number of real targets in the **global**
-    batch (every microbatch of every rank). Every real target sits on exactly one rank, so the world-sum of the
-    local losses is the global per-token mean, and — because ring attention sends the gradient of remote keys and
-    values back to their owners — the world-sum of the parameter gradients (:func:`allreduce_gradients`) is the
-    gradient of that mean: the single-rank gradient of the same global batch, whatever the CP sizes.
+    batch (every microbatch of every rank of ``dp_group``). Every real target sits on exactly one rank of it, so
+    the sum of the local losses over ``dp_group`` is the global per-token mean, and — because ring attention sends
+    the gradient of remote keys and values back to their owners — the sum of the parameter gradients over
+    ``dp_group`` (:func:`allreduce_gradients`) is the gradient of that mean: the single-rank gradient of the same
+    global batch, whatever the CP sizes.
 
 Example (the loop without :func:`run_step`, plain module)::
 
+    dp = dist.group.WORLD
     groups = cpscope.new_cp_groups([1, 2, 4])
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-    n_targets = global_num_targets(mbs)
+    n_targets = global_num_targets(mbs, dp_group=dp)
     for mb in mbs:
         with cpscope.runtime_cp(mb.group):
             logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
             loss = token_loss_sum(logits, mb.labels) / n_targets
         loss.backward()
-    allreduce_gradients(model)                                          # SUM over the world
+    allreduce_gradients(model, dp_group=dp)                             # SUM over the data-parallel group
 """
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
-from .._checks import cu_seqlens_list
 from ..groups import group_ranks
-from ..scope import check_comm, runtime_cp, scope_for
-from ..sharding import pad_packed_batch, zigzag_shard
-from .sync import GradientSync, allreduce_gradients, allreduce_sum, gradient_sync
+from ..scope import runtime_cp
+from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
+from .prepare import (
+    IGNORE_INDEX,
+    LocalMicrobatch,
+    empty_microbatch,
+    next_token_labels,
+    pack_documents,
+    pad_and_shard,
+    planned_group,
+    prepare_microbatch,
+    prepare_microbatches,
+)
+from .sync import GradientSync, gradient_sync
 
 __all__ = [
+    "global_num_targets",
+    "token_loss_sum",
+    "run_microbatches",
+    "run_step",
+    "StepResult",
+    # re-exported: the microbatches (cpscope.train.prepare) and reductions (cpscope.train.collectives) it runs on
     "IGNORE_INDEX",
-    "MicrobatchSpec",
     "LocalMicrobatch",
     "next_token_labels",
     "pack_documents",
@@ -77,11 +90,6 @@ __all__ = [
     "prepare_microbatches",
     "planned_group",
     "pad_and_shard",
-    "global_num_targets",
-    "token_loss_sum",
-    "run_microbatches",
-    "run_step",
-    "StepResult",
     "empty_microbatch",
     "allreduce_gradients",
     "allreduce_sum",
@@ -89,223 +97,40 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-
-
-class MicrobatchSpec(Protocol):
-    """What the loop needs from a planned microbatch (:class:`cpscope.hybrid.Microbatch` has it)."""
-
-    cp: int
-    seqs: Sequence[int]
-
-    @property
-    def ranks(self) -> Iterable[int]: ...
-
-
-@dataclass(frozen=True)
-class LocalMicrobatch:
-    """One microbatch as this rank runs it: its local zigzag tokens and targets, the group and the offsets.
-
-    Attributes:
-        cp: the CP size; ``group`` the CP group (``None`` for CP1) to bind with ``runtime_cp``.
-        input_ids: ``[T / cp]`` int64 local token ids (zigzag, document by document).
-        labels: ``[T / cp]`` int64 local next-token targets; ``ignore_index`` at padding and document ends.
-        cu_seqlens: ``[docs + 1]`` int32 **global** offsets of the padded documents (what RoPE / attention take),
-            on the CPU: cpscope reads offsets on the host and keeps cached device copies for its kernels.
-        max_seqlen: the longest padded document (global).
-        num_targets: real (non-ignored) targets on this rank.
-        seqs: indices of the documents in the global batch, in packing order.
-        cu_seqlens_real: ``[docs + 1]`` int32 global offsets of the real (unpadded) documents. A causal model needs
-            only ``cu_seqlens`` (padding follows every real token of its document); attention without a causal
-            mask takes both — ``cu_seqlens=mb.cu_seqlens_real, cu_seqlens_padded=mb.cu_seqlens`` — so padding is
-            masked.
-        comm: the attention communication variant planned for this microbatch (``None``: the default, ``"p2p"``);
-            :func:`run_microbatches` binds it with the group.
-    """
-
-    cp: int
-    group: Optional[dist.ProcessGroup]
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    num_targets: int
-    seqs: tuple[int, ...]
-    cu_seqlens_real: Optional[torch.Tensor] = None
-    comm: Optional[str] = None
-
-
-def next_token_labels(
-    input_ids: torch.Tensor, cu_seqlens: Union[torch.Tensor, Sequence[int]], ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Next-token targets of a packed ``[T]`` stream, document by document (call it **before** sharding).
-
-    ``labels[i] = input_ids[i + 1]`` when ``i + 1`` is in the same document, else ``ignore_index``.
-
-    Example::
-
-        >>> next_token_labels(torch.tensor([5, 6, 7, 8, 9]), [0, 3, 5]).tolist()
-        [6, 7, -100, 9, -100]
-    """
-    cu = torch.tensor(cu_seqlens_list(cu_seqlens), dtype=torch.long)  # validated: ints, from 0, non-decreasing
-    if input_ids.dim() != 1 or int(cu[-1]) != input_ids.shape[0]:
-        raise ValueError(
-            f"next_token_labels: input_ids must be a full packed [T] tensor with T = cu_seqlens[-1]; got shape "
-            f"{tuple(input_ids.shape)} and cu_seqlens[-1]={int(cu[-1])}"
-        )
-    labels = torch.full_like(input_ids, ignore_index)
-    labels[:-1] = input_ids[1:]
-    ends = cu[1:][cu[1:] > cu[:-1]] - 1  # last token of every non-empty document
-    labels[ends.to(labels.device)] = ignore_index
-    return labels
-
-
-def pack_documents(docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate 1-D token tensors into a packed ``[T]`` stream; returns ``(ids, cu_seqlens int32)``."""
-    if not docs:
-        raise ValueError("pack_documents: a microbatch needs at least one document, got none")
-    bad = [(i, tuple(d.shape)) for i, d in enumerate(docs) if d.dim() != 1 or d.numel() == 0]
-    if bad:
-        raise ValueError(f"pack_documents: documents must be non-empty 1-D token tensors; got (index, shape) {bad[:5]}")
-    lens = torch.tensor([0] + [d.numel() for d in docs], dtype=torch.long)
-    return torch.cat(list(docs)), torch.cumsum(lens, 0).to(torch.int32)
-
-
-def prepare_microbatch(
-    docs: Sequence[torch.Tensor],
-    *,
-    cp: int,
-    group: Optional[dist.ProcessGroup],
-    seqs: Sequence[int] = (),
-    pad_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
-    device: Optional[Union[torch.device, str]] = None,
-    comm: Optional[str] = None,
-) -> LocalMicrobatch:
-    """Pack ``docs``, make next-token labels, pad each document to ``2·cp``, and keep this rank's zigzag part.
-
-    No communication. ``group`` must be this rank's CP group of size ``cp`` (``None`` for CP1).
-
-    Raises:
-        ValueError: ``cp`` contradicts ``group`` (or this rank is not in it); empty or non-1-D documents.
-
-    Example::
-
-        mb = prepare_microbatch([doc_a, doc_b], cp=2, group=groups[2])
-        with cpscope.runtime_cp(mb.group):
-            logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
-    """
-    scope_for(group, local_cp_size=cp)  # ValueError if cp and group disagree, or this rank is not a member
-    ids, cu = pack_documents(docs)
-    labels = next_token_labels(ids, cu, ignore_index)
-    ids_l, labels_l, cu_p = pad_and_shard(ids, labels, cu, cp=cp, group=group, pad_id=pad_id,
-                                          ignore_index=ignore_index, device=device)
-    return LocalMicrobatch(
-        cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p,
-        max_seqlen=int((cu_p[1:] - cu_p[:-1]).max()), num_targets=int((labels_l != ignore_index).sum()),
-        seqs=tuple(int(s) for s in seqs), cu_seqlens_real=cu, comm=check_comm(comm),
-    )
-
-
-def pad_and_shard(
-    ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, *, cp: int, group: Optional[dist.ProcessGroup],
-    pad_id: int = 0, ignore_index: int = IGNORE_INDEX, device: Optional[Union[torch.device, str]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad each document of a packed ``[T]`` pair (tokens, targets) to ``2·cp`` and keep this rank's zigzag part.
-
-    Returns ``(ids_local, labels_local, cu_seqlens_padded)``: padding gets ``pad_id`` / ``ignore_index``; the
-    offsets stay on the host (cpscope reads them there; no device sync per layer), the tokens move to ``device``.
-
-    Example::
-
-        ids_l, labels_l, cu_p = pad_and_shard(ids, labels, cu, cp=2, group=groups[2])
-    """
-    padded = pad_packed_batch(ids, labels, cu_seqlens=cu, cp=cp, pad_value=(pad_id, ignore_index))
-    ids_p, labels_p = padded.tensors  # [T_padded] each
-    cu_p = padded.cu_seqlens_padded
-    ids_l = zigzag_shard(ids_p, seq_dim=0, cu_seqlens=cu_p, group=group)  # [T_padded / cp]
-    labels_l = zigzag_shard(labels_p, seq_dim=0, cu_seqlens=cu_p, group=group)
-    if device is not None:
-        ids_l, labels_l = ids_l.to(device), labels_l.to(device)
-    return ids_l, labels_l, cu_p
-
-
-def planned_group(
-    mb: MicrobatchSpec, groups: Mapping[int, Optional[dist.ProcessGroup]], *, ranks: Optional[Sequence[int]] = None,
-) -> Optional[dist.ProcessGroup]:
-    """This rank's group for planned microbatch ``mb`` from ``groups`` (:func:`cpscope.new_cp_groups` over ``ranks``,
-    default the world), checked against the planned ranks: a plan that does not match the groups fails here with a
-    ``ValueError`` instead of hanging in a collective. Membership is compared, not order: a group's CP ranks ascend
-    with the global ranks (torch's order, which ``cp_rank()`` and the shards follow), whatever the order of ``ranks``
-    inside a block.
-
-    Example::
-
-        group = planned_group(mb, cpscope.new_cp_groups([1, 2, 4]))
-    """
-    if mb.cp not in groups:
-        raise ValueError(f"the plan uses CP size {mb.cp} but groups only has sizes {sorted(groups)}")
-    group = groups[mb.cp]
-    planned_ranks = [int(r) for r in mb.ranks]
-    if ranks is not None:
-        planned_ranks = [int(ranks[r]) for r in planned_ranks]
-    actual = group_ranks(group)
-    if sorted(actual) != sorted(planned_ranks):
-        raise ValueError(
-            f"microbatch of documents {tuple(mb.seqs)} is planned on global ranks {planned_ranks} at CP "
-            f"{mb.cp}, but this rank's group of that size has ranks {actual}; build groups with "
-            f"new_cp_groups over the same ranks the plan was made for"
-        )
-    return group
-
-
-def prepare_microbatches(
-    planned: Iterable[MicrobatchSpec],
-    docs: Sequence[torch.Tensor],
-    groups: Mapping[int, Optional[dist.ProcessGroup]],
-    *,
-    ranks: Optional[Sequence[int]] = None,
-    pad_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
-    device: Optional[Union[torch.device, str]] = None,
-) -> list[LocalMicrobatch]:
-    """:func:`prepare_microbatch` for each planned microbatch of this rank, with its group from ``groups``.
-
-    ``planned`` is this rank's ordered list (``plan.microbatches_for_rank(rank)``); ``docs[i]`` is document ``i``
-    of the global batch; ``groups`` comes from :func:`cpscope.new_cp_groups` over ``ranks`` (default the world).
-    Each group's members are checked against the microbatch's planned ranks, so a plan that does not match the
-    groups fails here with a ``ValueError`` instead of hanging in a collective.
-    """
-    out = []
-    for mb in planned:
-        group = planned_group(mb, groups, ranks=ranks)
-        out.append(
-            prepare_microbatch(
-                [docs[i] for i in mb.seqs], cp=mb.cp, group=group, seqs=mb.seqs, pad_id=pad_id,
-                ignore_index=ignore_index, device=device, comm=getattr(mb, "comm", None),
-            )
-        )
-    return out
+Group = Optional[dist.ProcessGroup]
+Forward = Callable[[Any, LocalMicrobatch], Any]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def global_num_targets(
-    microbatches: Iterable[LocalMicrobatch], *, group: Optional[dist.ProcessGroup] = None,
-    device: Optional[Union[torch.device, str]] = None,
+    microbatches: Iterable[LocalMicrobatch], *, dp_group: Group, device: Optional[Union[torch.device, str]] = None,
 ) -> int:
-    """Real targets of the **global** batch: this rank's local counts summed over ``group`` (default the world).
+    """Real targets of the **global** batch: this rank's local counts summed over ``dp_group``.
 
-    Collective. Every real target sits on exactly one rank (zigzag splits documents; CP1 documents live on one
-    rank), so the sum counts each once.
+    Collective over ``dp_group`` (``dist.group.WORLD`` for the world; ``None``: this rank alone). Every real
+    target sits on exactly one rank of it (zigzag splits documents; CP1 documents live on one rank), so the sum
+    counts each once — as long as ``dp_group`` holds only ranks with different tokens: under tensor parallelism
+    the world would count a tensor-parallel group's shared targets once per member.
+
+    Example::
+
+        n = global_num_targets(mbs, dp_group=dist.group.WORLD)
     """
+    dp_group = check_dp_group(dp_group, "global_num_targets")
     local = sum(mb.num_targets for mb in microbatches)
-    n = int(allreduce_sum(local, group=group, device=device).item())
+    n = int(allreduce_sum(local, group=dp_group, device=device).item())
     if n <= 0:
         raise ValueError(f"the global batch has {n} real targets; every document needs at least 2 tokens")
     return n
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Summed next-token cross-entropy over the non-ignored targets (computed in fp32 at least)."""
+    """Summed next-token cross-entropy over the non-ignored targets (computed in fp32 at least).
+
+    Example::
+
+        loss_sum = token_loss_sum(model(mb.input_ids, cu_seqlens=mb.cu_seqlens), mb.labels)
+    """
     compute = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(logits.to(compute), labels, ignore_index=ignore_index, reduction="sum")
 
@@ -314,13 +139,20 @@ def _default_forward(model: Callable[..., torch.Tensor], mb: LocalMicrobatch) ->
     return model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
 
 
+def _check_count(num_targets: int) -> None:
+    if isinstance(num_targets, bool) or not isinstance(num_targets, numbers.Integral) or num_targets <= 0:
+        raise ValueError(
+            f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets!r}")
+
+
 def run_microbatches(
-    model: Callable[..., torch.Tensor],
+    model: Callable[..., Any],
     microbatches: Iterable[LocalMicrobatch],
     *,
     num_targets: int,
-    forward: Callable[[Any, LocalMicrobatch], torch.Tensor] = _default_forward,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+    dp_group: Group,
+    forward: Forward = _default_forward,
+    loss_fn: LossFn = token_loss_sum,
     backward: bool = True,
     before_last: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
@@ -328,26 +160,31 @@ def run_microbatches(
 
     The loss backpropagated for a microbatch is ``loss_fn(output, labels) / num_targets`` where ``loss_fn``
     returns the **sum** of per-token losses over the local real targets and ``num_targets`` is the global count
-    (:func:`global_num_targets`). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients` afterwards
-    — or use :func:`run_step`, which does both and also drives DDP and FSDP2.
+    over ``dp_group`` (:func:`global_num_targets`). Every microbatch's CP group must lie inside ``dp_group``
+    (checked before the first forward). Gradients accumulate in ``.grad``; call :func:`allreduce_gradients`
+    afterwards — or use :func:`run_step`, which does both and also drives DDP and FSDP2.
 
     ``before_last`` (used by :func:`run_step`) is called right before the last microbatch runs.
 
     Returns:
         This rank's summed (un-normalised) loss, a float64 scalar tensor on the loss's device (no host sync);
-        ``allreduce_sum`` it and divide by ``num_targets`` for the global per-token loss.
+        ``allreduce_sum`` it over ``dp_group`` and divide by ``num_targets`` for the global per-token loss.
+
+    Raises:
+        ValueError: ``num_targets`` not a positive int; a CP group reaching outside ``dp_group``.
 
     Example::
 
-        n = global_num_targets(mbs)
-        local = run_microbatches(model, mbs, num_targets=n)
-        allreduce_gradients(model)
-        loss = allreduce_sum(local).item() / n
+        dp = dist.group.WORLD
+        n = global_num_targets(mbs, dp_group=dp)
+        local = run_microbatches(model, mbs, num_targets=n, dp_group=dp)
+        allreduce_gradients(model, dp_group=dp)
+        loss = allreduce_sum(local, group=dp).item() / n
     """
-    if num_targets <= 0:
-        raise ValueError(f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
-    total = torch.zeros((), dtype=torch.float64)
+    _check_count(num_targets)
     microbatches = list(microbatches)
+    check_within((mb.group for mb in microbatches), check_dp_group(dp_group, "run_microbatches"), "run_microbatches")
+    total = torch.zeros((), dtype=torch.float64)
     last = len(microbatches) - 1
     if _hooks.microbatches is not None:
         microbatches = _hooks.microbatches(microbatches, num_targets)
@@ -363,28 +200,6 @@ def run_microbatches(
     return total
 
 
-def empty_microbatch(
-    *, device: Optional[Union[torch.device, str]] = None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX
-) -> LocalMicrobatch:
-    """A microbatch with no target: one CP1 document of 2 padding tokens, every label ``ignore_index``.
-
-    :func:`run_step` runs it when the gradient sync happens inside a backward (FSDP2) and this rank's last
-    microbatch is not CP1 (or it has none): its forward and a backward of **zero** output gradients let FSDP
-    reduce-scatter after every ring of the step, without changing any gradient. A custom ``forward`` must accept it
-    (``mb.num_targets == 0``, ``mb.seqs == ()``).
-
-    Example::
-
-        mb = empty_microbatch(device="cuda")
-        logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)   # [2, vocab]
-    """
-    ids = torch.full((2,), pad_id, dtype=torch.long, device=device)
-    labels = torch.full((2,), ignore_index, dtype=torch.long, device=device)
-    cu = torch.tensor([0, 2], dtype=torch.int32)  # host, like every LocalMicrobatch
-    return LocalMicrobatch(cp=1, group=None, input_ids=ids, labels=labels, cu_seqlens=cu, max_seqlen=2,
-                           num_targets=0, seqs=())
-
-
 def _grad_tensors(out: Any) -> list[torch.Tensor]:
     """The floating tensors of a forward's output (tensor, mapping or sequence of them) that require grad."""
     if isinstance(out, torch.Tensor):
@@ -396,7 +211,7 @@ def _grad_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _run_empty(module: Any, forward: Callable[[Any, LocalMicrobatch], Any], device: torch.device) -> None:
+def _run_empty(module: Any, forward: Forward, device: torch.device) -> None:
     """Forward the empty microbatch and backpropagate zeros: every parameter gets a zero gradient contribution."""
     mb = empty_microbatch(device=device)
     with runtime_cp(None, local_cp_size=1):
@@ -418,68 +233,84 @@ class StepResult:
         loss_sum: this rank's summed (un-normalised) loss, a float64 scalar on the model's device (no host sync).
         num_targets: real targets of the global batch (the loss's denominator).
         num_microbatches: real microbatches this rank ran (an empty one is not counted).
-        group: the data-parallel group (``None``: the world) of the sync.
+        dp_group: the data-parallel group of the step (``None``: this rank alone).
+
+    Example::
+
+        result = run_step(model, mbs, dp_group=dist.group.WORLD)
+        result.global_loss()          # collective over result.dp_group
     """
 
     loss_sum: torch.Tensor
     num_targets: int
     num_microbatches: int
-    group: Optional[dist.ProcessGroup]
+    dp_group: Group
 
     def global_loss(self) -> float:
-        """The global per-token loss; collective over ``group`` (every rank calls it), one host sync."""
-        return float(allreduce_sum(self.loss_sum, group=self.group).item()) / self.num_targets
+        """The global per-token loss; collective over ``dp_group`` (every rank calls it), one host sync."""
+        return float(allreduce_sum(self.loss_sum, group=self.dp_group).item()) / self.num_targets
+
+
+def _step_sync(model: torch.nn.Module, dp_group: Group, sync: Optional[GradientSync]) -> GradientSync:
+    """``sync`` checked against ``model`` and ``dp_group`` (the same members), or the model's default one."""
+    dp_group = check_dp_group(dp_group, "run_step")
+    if sync is None:
+        return gradient_sync(model, dp_group=dp_group)
+    if sync.model is not model:
+        raise ValueError(f"run_step: sync was built for {sync.model.__class__.__name__} object "
+                         f"{id(sync.model):#x}, not for the model passed ({id(model):#x})")
+    if sync.dp_group is not dp_group and sorted(group_ranks(sync.dp_group)) != sorted(group_ranks(dp_group)):
+        raise ValueError(f"run_step: sync reduces over the ranks {group_ranks(sync.dp_group)} but dp_group has ranks "
+                         f"{group_ranks(dp_group)}; build the sync with the step's dp_group")
+    return sync
 
 
 def run_step(
     model: torch.nn.Module,
     microbatches: Iterable[LocalMicrobatch],
     *,
+    dp_group: Group,
     sync: Optional[GradientSync] = None,
     num_targets: Optional[int] = None,
-    forward: Callable[[Any, LocalMicrobatch], torch.Tensor] = _default_forward,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+    forward: Forward = _default_forward,
+    loss_fn: LossFn = token_loss_sum,
 ) -> StepResult:
     """One training step's forward and backward of every microbatch of this rank, gradients synchronised once.
 
-    Collective over the data-parallel group: every rank calls it, with its own microbatches — any number,
-    **none included**. ``sync`` (default :func:`~cpscope.train.sync.gradient_sync` of ``model``, built per call:
-    pass one built once to skip the checks) decides how: a plain module's gradients are summed after the last
-    backward, ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once,
-    FSDP2 modules are unsharded once and reduce-scatter once, in one CP1 backward at the end — the last
-    microbatch when it is CP1, else an added :func:`empty_microbatch` (see :mod:`cpscope.train.sync`). Afterwards
-    every parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
+    Collective over the data-parallel group ``dp_group`` (``dist.group.WORLD`` for the world): every rank calls it,
+    with its own microbatches — any number, **none included**. ``sync`` (default
+    :func:`~cpscope.train.sync.gradient_sync` of ``model`` over ``dp_group``, built per call: pass one built once to
+    skip the checks) decides how: a plain module's gradients are summed after the last backward,
+    ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once, FSDP2 modules are
+    unsharded once and reduce-scatter once, in one CP1 backward at the end — the last microbatch when it is CP1,
+    else an added :func:`~cpscope.train.prepare.empty_microbatch` (see :mod:`cpscope.train.sync`). Afterwards every
+    parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
     single-process gradient of the whole global batch. Call the optimizer next.
 
     ``forward(module, mb)`` runs under ``runtime_cp(mb.group)`` and receives ``sync.module`` (for DDP its inner
     ``.module``) and, under FSDP2, possibly the empty microbatch; ``loss_fn(output, labels)`` returns the **sum** of
-    the per-token losses. ``num_targets`` defaults to :func:`global_num_targets` over ``sync.group`` (one
-    all-reduce).
+    the per-token losses. ``num_targets`` defaults to :func:`global_num_targets` over ``dp_group`` (one all-reduce).
 
     Raises:
-        ValueError: ``sync`` was built for another model; ``num_targets`` not positive; what
-            :func:`~cpscope.train.sync.gradient_sync` refuses.
+        ValueError: ``sync`` was built for another model or another group; ``num_targets`` not positive; a CP group
+            outside ``dp_group``; what :func:`~cpscope.train.sync.gradient_sync` refuses.
 
     Example::
 
-        sync = gradient_sync(ddp_model)                   # once
+        dp = dist.group.WORLD
+        sync = gradient_sync(ddp_model, dp_group=dp)                  # once
         for step in range(steps):
             mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups, device=device)
-            result = run_step(ddp_model, mbs, sync=sync)
+            result = run_step(ddp_model, mbs, dp_group=dp, sync=sync)
             optimizer.step(); optimizer.zero_grad()
             print(result.global_loss())
     """
     mbs = list(microbatches)
-    if sync is None:
-        sync = gradient_sync(model)
-    elif sync.model is not model:
-        raise ValueError(f"run_step: sync was built for {sync.model.__class__.__name__} object "
-                         f"{id(sync.model):#x}, not for the model passed ({id(model):#x})")
+    sync = _step_sync(model, dp_group, sync)
+    check_within((mb.group for mb in mbs), sync.dp_group, "run_step")  # before any collective of the step
     if num_targets is None:
-        num_targets = global_num_targets(mbs, group=sync.group, device=sync.device)
-    elif num_targets <= 0:
-        raise ValueError(
-            f"num_targets must be the (positive) number of real targets in the global batch, got {num_targets}")
+        num_targets = global_num_targets(mbs, dp_group=sync.dp_group, device=sync.device)
+    _check_count(num_targets)
     total = torch.zeros((), dtype=torch.float64, device=sync.device)
     # A sync inside a backward (FSDP2's reduce-scatters) must not interleave with a ring: a rank waiting in a
     # reduce-scatter would stall a CP peer still exchanging keys and values with it in that microbatch's backward.
@@ -489,9 +320,9 @@ def run_step(
     try:
         # one call for all microbatches (what a per-step observer such as the sentinel sees as the step)
         if mbs:
-            total = total + run_microbatches(sync.module, mbs, num_targets=num_targets, forward=forward,
-                                             loss_fn=loss_fn, before_last=sync.before_last_microbatch if inline
-                                             else None)
+            total = total + run_microbatches(sync.module, mbs, num_targets=num_targets, dp_group=sync.dp_group,
+                                             forward=forward, loss_fn=loss_fn,
+                                             before_last=sync.before_last_microbatch if inline else None)
         if not inline:
             sync.before_last_microbatch()
             if sync.needs_backward:
@@ -500,4 +331,4 @@ def run_step(
         sync.abort_step()
         raise
     sync.end_step()
-    return StepResult(loss_sum=total, num_targets=num_targets, num_microbatches=len(mbs), group=sync.group)
+    return StepResult(loss_sum=total, num_targets=num_targets, num_microbatches=len(mbs), dp_group=sync.dp_group)

@@ -9,7 +9,9 @@ wrappers count on the opposite:
 
 Their collectives would differ in number between ranks — a hang — and both *average* over the ranks, where the
 loop wants a *sum*: every rank divides its loss by the global number of targets (:mod:`cpscope.train.loop`), so
-the world-sum of the gradients is the gradient of the global per-token mean.
+the sum of the gradients over the data-parallel group is the gradient of the global per-token mean. That group is
+always named — ``dp_group=dist.group.WORLD`` for the world; ``None`` is this rank alone, as everywhere in cpscope
+(:mod:`cpscope.train.collectives`).
 
 A :class:`GradientSync` drives the collectives of one step so that every rank issues the same ones, once:
 
@@ -29,10 +31,11 @@ it cannot run correctly. :func:`cpscope.train.loop.run_step` is the loop that us
 
 Example::
 
-    sync = gradient_sync(model)               # DDP, FSDP2 or a plain module; validated once
+    dp = dist.group.WORLD                      # the data-parallel group, always named (None: this rank alone)
+    sync = gradient_sync(model, dp_group=dp)   # DDP, FSDP2 or a plain module; validated once
     for step in range(steps):
         mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-        result = run_step(model, mbs, sync=sync)   # forward/backward every microbatch, gradients synced once
+        result = run_step(model, mbs, dp_group=dp, sync=sync)   # forward/backward each, gradients synced once
         optimizer.step(); optimizer.zero_grad()
 
 The protocol, for a strategy of your own: ``begin_step()`` before the first forward, ``before_last_microbatch()``
@@ -44,11 +47,14 @@ empty microbatch (zero gradients) added after the others.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..groups import group_ranks
+from .collectives import DEFAULT_BUCKET_BYTES, allreduce_gradients, allreduce_sum, check_dp_group, group_size
 
 __all__ = [
     "GradientSync",
@@ -62,98 +68,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+Group = Optional[dist.ProcessGroup]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Collectives
-
-
-def allreduce_sum(value: Union[int, float, torch.Tensor], *, group: Optional[dist.ProcessGroup] = None,
-                  device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
-    """Sum a scalar (or tensor) over ``group`` (default: the world); float64 for floats, int64 for ints.
-
-    Note: here, as in ``torch.distributed``, ``group=None`` means the **world**, not CP1 — to reduce over a
-    microbatch's CP group, skip the call when ``mb.group is None``.
-
-    ``device`` must suit the backend (a CUDA device for NCCL). Without ``torch.distributed`` it returns the value.
-
-    Example::
-
-        n = allreduce_sum(local_count).item()
-    """
-    t = torch.as_tensor(value).detach().clone()
-    t = t.to(torch.int64 if not t.is_floating_point() else torch.float64)
-    if device is not None:
-        t = t.to(device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> Iterator[list[nn.Parameter]]:
-    """Consecutive runs of parameters of one (device, dtype) holding at most ``bucket_bytes`` (at least one)."""
-    bucket: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if bucket and (size + nbytes > bucket_bytes or (p.grad.device, p.grad.dtype) != (
-                bucket[0].grad.device, bucket[0].grad.dtype)):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(p)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def allreduce_gradients(
-    model_or_params: Union[nn.Module, Iterable[nn.Parameter]],
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    average: bool = False,
-    bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
-) -> None:
-    """Sum (or average) the gradients of every parameter over ``group`` (default: the world), in place.
-
-    With the loop's normalisation (:func:`cpscope.train.loop.run_microbatches`) the **sum** is the gradient of the
-    global per-token loss; use ``average=True`` only with a loss normalised per rank. A parameter without ``.grad``
-    on this rank (no local token reached it) takes part as zeros, so every rank issues the same collectives; one
-    that has no gradient on **any** rank keeps ``grad = None`` (as DDP leaves unused parameters, so an optimizer
-    skips it exactly as a single process would). Gradients are reduced in buckets of at most ``bucket_bytes``
-    of one (device, dtype), in parameter order, plus one small all-reduce of which parameters have a gradient.
-    Without ``torch.distributed`` it does nothing.
-
-    Example::
-
-        allreduce_gradients(model)             # after the last backward of the step
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
-    params = [p for p in params if p.requires_grad]
-    if not dist.is_initialized() or not params:
-        return
-    device = next((p.grad.device for p in params if p.grad is not None), params[0].device)
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.SUM, group=group)
-    used = has.cpu().tolist()
-    params = [p for p, n in zip(params, used) if n > 0]  # unused everywhere: stays None, no traffic
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    world = dist.get_world_size(group)
-    order = sorted(range(len(params)), key=lambda i: (str(params[i].grad.device), str(params[i].grad.dtype), i))
-    for bucket in _buckets([params[i] for i in order], bucket_bytes):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        if average:
-            flat /= world
-        offset = 0
-        for p in bucket:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+def _same_ranks(dp_group: Group, theirs: Group, what: str, where: str) -> None:
+    """``ValueError`` unless the wrapper's own group ``theirs`` has the members of ``dp_group``."""
+    mine, other = group_ranks(dp_group), group_ranks(theirs)
+    if sorted(mine) != sorted(other):
+        raise ValueError(f"{where}: dp_group has global ranks {mine} but {what} reduces over ranks {other}; pass the "
+                         f"data-parallel group the wrapper was built with (dist.group.WORLD when it is the world)")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -166,15 +89,17 @@ class GradientSync:
     Attributes:
         model: what the user passed (the wrapper).
         module: what the microbatches' ``forward`` is called on (DDP: its ``.module``).
-        group: the data-parallel process group the loss is normalised over and the gradients summed over
-            (``None``: the world).
+        dp_group: the data-parallel group the loss is normalised over and the gradients summed over, always
+            named (:mod:`cpscope.train.collectives`): ``dist.group.WORLD`` for the world, ``None`` for this rank
+            alone.
         needs_backward: the sync happens inside a backward, so a rank without microbatches runs an empty one.
     """
 
     needs_backward: bool = False
 
-    def __init__(self, model: nn.Module, module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-        self.model, self.module, self.group = model, module, group
+    def __init__(self, model: nn.Module, module: nn.Module, dp_group: Group) -> None:
+        self.model, self.module = model, module
+        self.dp_group = check_dp_group(dp_group, type(self).__name__)
 
     @property
     def device(self) -> torch.device:
@@ -200,20 +125,24 @@ class GradientSync:
 
 
 class ManualSync(GradientSync):
-    """A plain module (no DDP / FSDP wrapper): one bucketed SUM of the gradients over ``group`` after the step.
+    """A plain module (no DDP / FSDP wrapper): one bucketed SUM of the gradients over ``dp_group`` after the step.
+
+    Under tensor parallelism ``dp_group`` is the group of the ranks with this rank's tensor-parallel rank (the
+    ranks holding different tokens), not the world: each parameter — a tensor-parallel shard or a replicated one —
+    is summed over the ranks that computed it on different targets.
 
     Example::
 
-        run_step(model, mbs, sync=ManualSync(model))     # what gradient_sync(model) returns for a plain module
+        sync = ManualSync(model, dp_group=dist.group.WORLD)   # what gradient_sync(model, ...) gives a plain module
+        run_step(model, mbs, dp_group=dist.group.WORLD, sync=sync)
     """
 
-    def __init__(self, model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
-                 bucket_bytes: int = _DEFAULT_BUCKET_BYTES) -> None:
-        super().__init__(model, model, group)
+    def __init__(self, model: nn.Module, *, dp_group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(model, model, dp_group)
         self.bucket_bytes = bucket_bytes
 
     def end_step(self) -> None:
-        allreduce_gradients(self.module, group=self.group, bucket_bytes=self.bucket_bytes)
+        allreduce_gradients(self.module, dp_group=self.dp_group, bucket_bytes=self.bucket_bytes)
 
 
 class DDPSync(GradientSync):
@@ -226,18 +155,21 @@ class DDPSync(GradientSync):
     synchronises (not its ignored ones) are summed over ``ddp.process_group`` in buckets of DDP's
     ``bucket_bytes_cap``. No collective depends on the number of microbatches.
 
+    ``dp_group`` must have the members of ``ddp.process_group`` (the group DDP was built with).
+
     Raises:
         ValueError: a communication hook is registered (it would be skipped), DDP's own ``mixed_precision`` is
-            set (its casts live in the bypassed forward), or the DDP module contains FSDP modules.
+            set (its casts live in the bypassed forward), the DDP module contains FSDP modules, or ``dp_group`` is
+            not DDP's group.
 
     Example::
 
-        ddp = DistributedDataParallel(model)
-        sync = DDPSync(ddp)
-        result = run_step(ddp, mbs, sync=sync)
+        ddp = DistributedDataParallel(model)                        # over the world
+        sync = DDPSync(ddp, dp_group=dist.group.WORLD)
+        result = run_step(ddp, mbs, dp_group=dist.group.WORLD, sync=sync)
     """
 
-    def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, *, dp_group: Group) -> None:
         if not isinstance(ddp, nn.parallel.DistributedDataParallel):
             raise ValueError(f"DDPSync needs a DistributedDataParallel module, got {type(ddp).__name__}")
         if getattr(ddp, "mixed_precision", None) is not None:
@@ -255,20 +187,21 @@ class DDPSync(GradientSync):
             )
         if any(_is_fsdp2(m) for m in ddp.module.modules()):
             raise ValueError("DDPSync: the DDP module contains FSDP2 modules; shard with fully_shard alone")
-        super().__init__(ddp, ddp.module, ddp.process_group)
+        _same_ranks(dp_group, ddp.process_group, "DistributedDataParallel's process_group", "DDPSync")
+        super().__init__(ddp, ddp.module, dp_group)
         ignore = set(getattr(ddp, "parameters_to_ignore", ()))
         self._params = [p for n, p in ddp.module.named_parameters() if n not in ignore and p.requires_grad]
         self._buffers = [b for n, b in ddp.module.named_buffers() if n not in ignore] if ddp.broadcast_buffers else []
-        self.bucket_bytes = int(getattr(ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
+        self.bucket_bytes = int(getattr(ddp, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
 
     def begin_step(self) -> None:
-        if self._buffers and dist.get_world_size(self.group) > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        if self._buffers and group_size(self.dp_group) > 1:
+            src = dist.get_global_rank(self.dp_group, 0)
             for b in self._buffers:
-                dist.broadcast(b, src=src, group=self.group)
+                dist.broadcast(b, src=src, group=self.dp_group)
 
     def end_step(self) -> None:
-        allreduce_gradients(self._params, group=self.group, bucket_bytes=self.bucket_bytes)
+        allreduce_gradients(self._params, dp_group=self.dp_group, bucket_bytes=self.bucket_bytes)
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
@@ -328,31 +261,17 @@ class FSDPSync(GradientSync):
         for block in model.blocks:  # blocks get the fp32 RoPE table as an input: do not cast it to bf16
             fully_shard(block, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
         fully_shard(model, mp_policy=policy)
-        sync = FSDPSync(model)
-        result = run_step(model, mbs, sync=sync)
+        sync = FSDPSync(model, dp_group=dist.group.WORLD)      # the mesh's group: here the world
+        result = run_step(model, mbs, dp_group=dist.group.WORLD, sync=sync)
     """
 
     needs_backward = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, dp_group: Group) -> None:
         root = getattr(model, "_orig_mod", model)  # torch.compile(model) wraps it
         fsdp = [m for m in root.modules() if _is_fsdp2(m)]
         if not fsdp:
             raise ValueError(f"FSDPSync: {type(model).__name__} has no FSDP2 module (fully_shard was not applied)")
-        meshes = []
-        for m in fsdp:
-            for g in _param_groups(m):
-                mesh = g.mesh_info.mesh
-                if mesh.ndim != 1:
-                    raise ValueError(
-                        f"FSDPSync supports FSDP over a 1-D device mesh; {type(m).__name__} is sharded over a "
-                        f"{mesh.ndim}-D mesh {tuple(mesh.shape)} (HSDP is not supported by the hybrid loop yet)"
-                    )
-                meshes.append(mesh)
-        group = meshes[0].get_group() if meshes else None
-        ranks = {tuple(dist.get_process_group_ranks(mm.get_group())) for mm in meshes}
-        if len(ranks) > 1:
-            raise ValueError(f"FSDPSync: the FSDP modules are sharded over different groups of ranks {sorted(ranks)}")
         from torch.distributed.tensor import DTensor
 
         plain = [n for n, p in root.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
@@ -361,7 +280,8 @@ class FSDPSync(GradientSync):
                 f"FSDPSync: {len(plain)} trainable parameter(s) are not sharded by FSDP2 (e.g. {plain[:3]}), so no "
                 f"reduce-scatter would sum their gradients; apply fully_shard to the root module too"
             )
-        super().__init__(model, model, group)
+        _same_ranks(dp_group, _mesh_group(fsdp), "the FSDP2 device mesh", "FSDPSync")
+        super().__init__(model, model, dp_group)
         self._fsdp = fsdp
         self._roots = _roots(root)
         self._saved: Optional[list[tuple[Any, dict[str, Any]]]] = None
@@ -417,6 +337,24 @@ class FSDPSync(GradientSync):
             self._restore()
 
 
+def _mesh_group(fsdp: list[nn.Module]) -> Group:
+    """The one group every FSDP module is sharded over (``ValueError`` for HSDP's 2-D mesh or several groups)."""
+    meshes = []
+    for m in fsdp:
+        for g in _param_groups(m):
+            mesh = g.mesh_info.mesh
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"FSDPSync supports FSDP over a 1-D device mesh; {type(m).__name__} is sharded over a "
+                    f"{mesh.ndim}-D mesh {tuple(mesh.shape)} (HSDP is not supported by the hybrid loop yet)"
+                )
+            meshes.append(mesh)
+    ranks = {tuple(dist.get_process_group_ranks(mm.get_group())) for mm in meshes}
+    if len(ranks) > 1:
+        raise ValueError(f"FSDPSync: the FSDP modules are sharded over different groups of ranks {sorted(ranks)}")
+    return meshes[0].get_group() if meshes else None
+
+
 def _roots(model: nn.Module) -> list[nn.Module]:
     """The FSDP modules that no other FSDP module contains (FSDP's roots)."""
     roots: list[tuple[str, nn.Module]] = []
@@ -426,20 +364,22 @@ def _roots(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in roots]
 
 
-def gradient_sync(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None) -> GradientSync:
+def gradient_sync(model: nn.Module, *, dp_group: Group) -> GradientSync:
     """The :class:`GradientSync` for ``model``: :class:`DDPSync`, :class:`FSDPSync` or :class:`ManualSync`.
 
-    ``group`` (the data-parallel group, default the world) only applies to a plain module; DDP and FSDP2 bring
-    their own.
+    ``dp_group`` is the data-parallel group the gradients are summed over (:mod:`cpscope.train.collectives`):
+    ``dist.group.WORLD`` without tensor parallelism, ``None`` for one process. DDP and FSDP2 bring a group of
+    their own (DDP's ``process_group``, the FSDP2 mesh's): ``dp_group`` must have its members.
 
     Raises:
         ValueError: ``torch.compile`` applied to the DDP wrapper (compile the inner module or its blocks instead);
-            FSDP1 (``FullyShardedDataParallel``); an unsupported DDP or FSDP2 setting (see the classes).
+            FSDP1 (``FullyShardedDataParallel``); an unsupported DDP or FSDP2 setting (see the classes); a
+            ``dp_group`` that is not the wrapper's group.
 
     Example::
 
-        sync = gradient_sync(model)
-        result = run_step(model, mbs, sync=sync)
+        sync = gradient_sync(model, dp_group=dist.group.WORLD)
+        result = run_step(model, mbs, dp_group=dist.group.WORLD, sync=sync)
     """
     inner = getattr(model, "_orig_mod", None)  # torch.compile(model) → OptimizedModule
     if isinstance(inner, nn.parallel.DistributedDataParallel):
@@ -449,7 +389,7 @@ def gradient_sync(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
             "before wrapping it: DistributedDataParallel(torch.compile(model))"
         )
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        return DDPSync(model)
+        return DDPSync(model, dp_group=dp_group)
     root = inner if inner is not None else model
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -461,7 +401,5 @@ def gradient_sync(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
             "(torch.distributed.fsdp.fully_shard)"
         )
     if any(_is_fsdp2(m) for m in root.modules()):
-        if group is not None:
-            raise ValueError("gradient_sync: group= is for plain modules; FSDP2 uses its device mesh's group")
-        return FSDPSync(model)
-    return ManualSync(model, group=group)
+        return FSDPSync(model, dp_group=dp_group)
+    return ManualSync(model, dp_group=dp_group)

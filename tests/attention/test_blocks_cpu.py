@@ -86,3 +86,108 @@ def test_dense_backward_without_forward_on_that_device_raises(fake_aten):
     with pytest.raises(RuntimeError, match="meta"):
         blocks._cuda_backward(m, m, m, m, m, lse.to("meta"), 0.5, False, None)
     blocks._cuda_backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, False, None)  # its own device: fine
+
+
+# ------------------------------------------------------------------------------------------------ CPU exact math
+
+
+def _allowed(n_q: int, n_k: int, causal: bool, window) -> torch.Tensor:
+    """[n_q, n_k] bool: the block API's bottom-right-aligned mask with a window, from the pairs' offsets."""
+    left, right = window if window is not None else (-1, -1)
+    off = torch.arange(n_k)[None, :] - (torch.arange(n_q)[:, None] + n_k - n_q)
+    ok = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left != -1:
+        ok &= off >= -left
+    if right != -1:
+        ok &= off <= right
+    return ok & (off <= 0) if causal else ok
+
+
+def _block_reference(q, k, v, dout, seqs, causal, window, softcap, scale):
+    """float64 out, lse and gradients of one block; ``seqs``: [(q rows, k rows)] of each sequence."""
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    g = q.shape[-2] // k.shape[-2]
+    kk, vv = k.repeat_interleave(g, dim=-2), v.repeat_interleave(g, dim=-2)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    for (qa, qb), (ka, kb) in seqs:
+        mask[qa:qb, ka:kb] = _allowed(qb - qa, kb - ka, causal, window)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), ((3, 0), None), ((2, 5), 2.0), ((-1, 1), None),
+                                            ((0, -1), 1.5), ((4, 2), None)])
+def test_cpu_block_window_softcap_mla(window, softcap, monkeypatch):
+    """Dense (n_q != n_k) and varlen blocks with a window, softcap, GQA and a v head dim != q/k's (12 / 8) equal a
+    float64 reference, forward (out, lse) and backward, causal or not; tiles (a tiny budget) change nothing."""
+    for causal, budget in ((True, None), (False, None), (True, 64), (False, 64)):
+        if budget is not None:
+            monkeypatch.setattr(blocks, "_TILE_BUDGET", budget)
+        _check_block(causal, window, softcap)
+
+
+def _check_block(causal, window, softcap) -> None:
+    g = torch.Generator().manual_seed(3)
+    h, h_kv, d, e, scale = 4, 2, 8, 12, 0.4
+    # varlen: sequences with n_q <, =, > n_k, and an empty one
+    lq, lk = [5, 7, 0, 9, 3], [9, 7, 4, 4, 0]
+    cu_q, cu_k = [0], [0]
+    for a, b in zip(lq, lk):
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + b)
+    vl = blocks.Varlen(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max(lq), max(lk))
+    cases = [(None, [((0, 6), (0, 10))], 6, 10), (vl, list(zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:]))),
+                                                  cu_q[-1], cu_k[-1])]
+    for varlen, seqs, t_q, t_k in cases:
+        q = torch.randn(t_q, h, d, generator=g, dtype=torch.float64)
+        k = torch.randn(t_k, h_kv, d, generator=g, dtype=torch.float64)
+        v = torch.randn(t_k, h_kv, e, generator=g, dtype=torch.float64)
+        dout = torch.randn(t_q, h, e, generator=g, dtype=torch.float64)
+        ref = _block_reference(q, k, v, dout, seqs, causal, window, softcap, scale)
+        wrap = (lambda x: x) if varlen is not None else (lambda x: x.unsqueeze(0))
+        kw = dict(scale=scale, causal=causal, varlen=varlen, window=window, softcap=softcap)
+        out, lse = blocks.block_forward(wrap(q), wrap(k), wrap(v), **kw)
+        grads = blocks.block_backward(wrap(dout), wrap(q), wrap(k), wrap(v), out, lse, **kw)
+        unwrap = (lambda x: x) if varlen is not None else (lambda x: x[0])
+        assert unwrap(out).shape == (t_q, h, e) and lse.dtype == torch.float64
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (unwrap(out), unwrap(lse), *map(unwrap, grads)),
+                                   ref):
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), name
+            fin = ~torch.isinf(want)
+            torch.testing.assert_close(got[fin], want[fin], atol=1e-12, rtol=0, msg=f"{name} ({varlen is not None})")
+
+
+def test_cpu_block_window_is_banded():
+    """A window far narrower than the block computes only the band: its tiles cover O(rows x window) pairs."""
+    lo, hi = blocks._key_bounds(4096, 4096, True, None, (31, 0), torch.device("cpu"))
+    tiles = blocks._tiles(lo, hi, 8)
+    area = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in tiles)
+    assert area <= 4096 * 128, area  # the band (32 keys per row) within a small factor
+    full = blocks._tiles(*blocks._key_bounds(4096, 4096, True, None, None, torch.device("cpu")), 8)
+    assert sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in full) <= 2 * 4096 * 4097 // 2 + 4096 * 128  # causal
+
+
+def test_cuda_entry_points_route_the_features(monkeypatch):
+    """Blocks with a window / softcap / their own v head dim go to cpscope.attention._kernels: off cuDNN a softcap
+    runs the exact block math (here on CPU tensors, so it must equal the CPU block), a window flash-attention-2."""
+    from cpscope.attention import _kernels
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 9, 1, 8), torch.randn(1, 9, 1, 4)
+    assert blocks._features_route(q, k, k, None, None, None) is None  # plain: the routes of this module
+    assert _kernels.route(q, 30.0, cudnn=True) == "exact" and _kernels.route(q, None, cudnn=True) == "flash"
+    kw = dict(window=(3, 0), softcap=30.0)
+    got = blocks._cuda_forward(q, k, v, 0.5, True, None, **kw)
+    want = blocks._cpu_forward(q, k, v, 0.5, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    dout = torch.randn(1, 6, 2, 4)
+    got = blocks._cuda_backward(dout, q, k, v, *want, 0.5, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, blocks._cpu_backward(dout, q, k, v, *want, 0.5, True, None,
+                                                                            **kw)))

@@ -27,7 +27,8 @@ from cpscope.hybrid.comm_cost import (
     load_cached,
     variant_allowed,
 )
-from cpscope.hybrid.variants import cached_cost, choose, predict
+from cpscope.hybrid.variants import choose, predict
+from cpscope.train.auto import cached_cost
 from tests.distributed import run_ranks
 
 TRUE = {  # a plausible machine: per-feature coefficients of each variant
@@ -306,7 +307,7 @@ class Query:  # the fields of cpscope.attention.variants.VariantQuery that the c
 
 
 def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
-    from cpscope.hybrid.variants import auto_chooser
+    from cpscope.train.auto import auto_chooser
 
     hier = {**TRUE, "a2a+p2p": (2.0e-14, 3.0e-12, 1.0e-13, 1.0e-6, 1.0e-6)}  # cheap: wins where it may run
     model = CommCostModel({"bfloat16": hier})
@@ -326,7 +327,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
     dispatch = pytest.importorskip("cpscope.attention.variants")
-    from cpscope.hybrid.variants import auto_chooser
+    from cpscope.train.auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
         pytest.skip("no VariantQuery in this cpscope.attention")
@@ -339,6 +340,25 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
     try:
         assert dispatch.choose_variant(query) == choose(model, [8192, 4096], cp=4, heads=32, kv_heads=8,
                                                         head_dim=128, dtype="bfloat16")
+    finally:
+        dispatch.set_auto_chooser(previous)
+
+
+def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path) -> None:
+    import torch
+
+    from cpscope.attention import variants as dispatch
+    from cpscope.train.auto import use_calibration
+
+    with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):
+        use_calibration(directory=str(tmp_path))  # nothing cached there
+    model = CommCostModel({"bfloat16": TRUE})
+    query = dispatch.VariantQuery(cp=4, heads=32, kv_heads=8, head_dim=128, qkv_format="thd", causal=True,
+                                  seq_lens=(1024,) * 8, dtype=torch.bfloat16)
+    want = choose(model, [1024] * 8, cp=4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    previous = dispatch.set_auto_chooser(None)
+    try:
+        assert use_calibration(model) is model and dispatch.choose_variant(query) == want
     finally:
         dispatch.set_auto_chooser(previous)
 
@@ -361,3 +381,54 @@ def _load_or_calibrate_twice(directory: str) -> bool:
 
 def test_load_or_calibrate_reuses_the_cache_on_every_rank(tmp_path) -> None:
     assert run_ranks(2, _load_or_calibrate_twice, str(tmp_path)) == [True, True]
+
+
+# -- any CP size: the cost model's rules are the attention's rules ---------------------------------------------
+@pytest.mark.parametrize("cp", [3, 5, 6, 9, 10, 12, 24])
+@pytest.mark.parametrize("heads_kv", [(12, 12), (12, 4), (30, 10), (24, 6), (18, 3), (36, 12), (8, 8)])
+def test_variant_rules_match_the_attention_at_any_cp_size(cp: int, heads_kv: tuple[int, int]) -> None:
+    from cpscope.attention.hierarchical import check_inner_size, default_inner_size
+    from cpscope.attention.ulysses import check_heads
+
+    h, g = heads_kv
+    assert default_inner(cp, h, g) == default_inner_size(cp, h, g)
+    try:
+        check_heads(h, g, cp, variant="a2a", cp=cp)
+        a2a_runs = True
+    except ValueError:
+        a2a_runs = False
+    assert variant_allowed("a2a", cp, h, g) == a2a_runs
+    try:
+        check_inner_size(None, cp, h, g)
+        hier_runs = True
+    except ValueError:
+        hier_runs = False
+    assert variant_allowed("a2a+p2p", cp, h, g) == hier_runs
+    for inner in range(1, cp + 1):  # an explicit inner size: allowed exactly where the dispatch takes it
+        try:
+            check_inner_size(inner, cp, h, g)
+            runs = True
+        except ValueError:
+            runs = False
+        assert variant_allowed("a2a+p2p", cp, h, g, inner=inner) == runs, inner
+
+
+def test_formula_at_non_power_of_two_sizes() -> None:
+    c = (1e-14, 2e-12, 3e-13, 4e-5, 5e-4)
+    m = CommCostModel({"float32": {"p2p": c, "a2a": c, "all_gather": c, "a2a+p2p": c}})
+    h, g, d, e = 12, 6, 64, 4
+    for cp, inner in ((3, None), (6, 3), (6, 2), (12, 6), (12, 3)):
+        lp = 4096.0 + (-4096) % (2 * cp)  # padded to 2·cp: 4098 at CP3, 4104 at CP6, 4104 at CP12
+        assert lp % (2 * cp) == 0
+        kw = dict(cp=cp, heads=h, kv_heads=g, head_dim=d, dtype="float32")
+        base = c[0] * 0.5 * lp * lp * h * d / cp + c[1] * lp * h * d / cp + c[4]
+        ring = base + c[2] * 2 * g * d * e * lp * (cp - 1) / cp + c[3] * (cp - 1)
+        assert m.time("p2p", [4096], **kw) == pytest.approx(ring)
+        if inner is None:
+            assert m.time("a2a", [4096], **kw) == pytest.approx(
+                base + c[2] * 2 * (h + g) * d * e * lp * (cp - 1) / cp**2 + c[3] * (cp - 1))
+            continue
+        a, r = inner, cp // inner
+        hier = (base + c[2] * (2 * (h + g) * d * e * lp * (a - 1) / (a * cp) + 2 * (g / a) * d * e * lp * (r - 1) / r)
+                + c[3] * ((a - 1) + (r - 1)))
+        assert m.time("a2a+p2p", [4096], inner=inner, **kw) == pytest.approx(hier)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope.train.loop import empty_microbatch, run_step
+from cpscope.train.loop import allreduce_gradients, empty_microbatch, run_step
 from cpscope.train.sync import DDPSync, FSDPSync, ManualSync, gradient_sync
 from tests.distributed import run_ranks
 
@@ -98,7 +98,7 @@ def _train(cfg: th.TrainConfig):
 
     def counted(model, mbs, *, sync, **kwargs):
         syncs.append(type(sync).__name__)
-        with _count_collectives(sync.group) as counts:
+        with _count_collectives(sync.dp_group) as counts:
             out = real(model, mbs, sync=sync, **kwargs)
         per_step.append(counts)
         return out
@@ -208,7 +208,8 @@ def _custom_step_vs_reference(wrap: str, reshard: bool):
     wrapped = th.wrap_model(cfg, model, torch.device("cpu"))
     planned = [Microbatch(cp, block, seqs, 0, 0.0) for cp, block, seqs in CUSTOM[rank]]
     mbs = prepare_microbatches(planned, docs, groups)
-    sync = gradient_sync(wrapped)
+    dp = dist.group.WORLD
+    sync = gradient_sync(wrapped, dp_group=dp)
     before = _fsdp_settings(wrapped)
 
     def broken(m, mb):
@@ -216,9 +217,9 @@ def _custom_step_vs_reference(wrap: str, reshard: bool):
 
     if wrap == "fsdp":  # a step that fails in its first forward (on every rank) leaves FSDP as it found it
         with pytest.raises(RuntimeError, match="planted"):
-            run_step(wrapped, mbs or [empty_microbatch()], sync=sync, forward=broken, num_targets=1)
+            run_step(wrapped, mbs or [empty_microbatch()], dp_group=dp, sync=sync, forward=broken, num_targets=1)
         assert _fsdp_settings(wrapped) == before
-    result = run_step(wrapped, mbs, sync=sync)
+    result = run_step(wrapped, mbs, dp_group=dp, sync=sync)
     assert _fsdp_settings(wrapped) == before  # reshard / gradient-sync / divide-factor settings restored
     loss = result.global_loss()
     ref_loss = reference_loss(ref, docs)
@@ -266,7 +267,7 @@ def _ddp_broadcasts_buffers_once_per_step():
     ddp.module.shift.fill_(float(rank + 1))  # diverged after construction (DDP broadcast them there)
     mbs = [prepare_microbatch([torch.arange(2 + i, 8 + i)], cp=1, group=None) for i in range(rank)]  # 0..3
     with _count_collectives(ddp.process_group) as counts:
-        run_step(ddp, mbs)
+        run_step(ddp, mbs, dp_group=dist.group.WORLD)
     assert ddp.module.shift.tolist() == [1.0] * 4  # rank 0's buffers, as DDP's first forward of a step gives
     return counts
 
@@ -282,37 +283,178 @@ def _refusals():
     from torch.nn.parallel.distributed import _MixedPrecision
 
     DDP = torch.nn.parallel.DistributedDataParallel
+    world = dist.group.WORLD
     ddp = DDP(torch.nn.Linear(4, 4))
     ddp.register_comm_hook(None, lambda _state, bucket: torch.futures.Future())
     with pytest.raises(ValueError, match=r"1 communication hook\(s\) registered.*would be skipped"):
-        gradient_sync(ddp)
+        gradient_sync(ddp, dp_group=world)
     with pytest.raises(ValueError, match="mixed_precision casts parameters in DDP's forward"):
-        gradient_sync(DDP(torch.nn.Linear(4, 4), mixed_precision=_MixedPrecision(param_dtype=torch.float16)))
+        gradient_sync(DDP(torch.nn.Linear(4, 4), mixed_precision=_MixedPrecision(param_dtype=torch.float16)),
+                      dp_group=world)
     with pytest.raises(ValueError, match=r"torch.compile was applied to the DistributedDataParallel wrapper.*"
                                          r"DistributedDataParallel\(torch.compile\(model\)\)"):
-        gradient_sync(torch.compile(DDP(torch.nn.Linear(4, 4))))
+        gradient_sync(torch.compile(DDP(torch.nn.Linear(4, 4))), dp_group=world)
     plain = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="sync was built for Linear"):
-        run_step(plain, [], sync=ManualSync(torch.nn.Linear(4, 4)), num_targets=1)
+        run_step(plain, [], dp_group=world, sync=ManualSync(torch.nn.Linear(4, 4), dp_group=world), num_targets=1)
     with pytest.raises(ValueError, match="num_targets must be the \\(positive\\).*got 0"):
-        run_step(plain, [], num_targets=0)
+        run_step(plain, [], dp_group=world, num_targets=0)
     hsdp = torch.nn.Linear(4, 4)
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(ValueError, match=r"1-D device mesh.*2-D mesh \(2, 2\).*HSDP"):
-        gradient_sync(hsdp)
+        gradient_sync(hsdp, dp_group=world)
     half = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     fully_shard(half[0])  # the root and half[1] are not sharded: their gradients would never be summed
     with pytest.raises(ValueError, match=r"2 trainable parameter\(s\) are not sharded by FSDP2 \(e.g. \['1.weight', "
                                          r"'1.bias'\]\).*fully_shard to the root"):
-        gradient_sync(half)
-    assert isinstance(gradient_sync(DDP(torch.nn.Linear(4, 4))), DDPSync)
+        gradient_sync(half, dp_group=world)
+    assert isinstance(gradient_sync(DDP(torch.nn.Linear(4, 4)), dp_group=world), DDPSync)
     shard = torch.nn.Linear(4, 4)
     fully_shard(shard)
-    assert isinstance(gradient_sync(shard), FSDPSync) and isinstance(gradient_sync(plain), ManualSync)
-    with pytest.raises(ValueError, match="group= is for plain modules"):
-        gradient_sync(shard, group=dist.group.WORLD)
+    assert isinstance(gradient_sync(shard, dp_group=world), FSDPSync)
+    assert isinstance(gradient_sync(plain, dp_group=world), ManualSync)
+    # The data-parallel group is named, and must be the wrapper's own: a sub-group (or None) is refused.
+    pair = cpscope.new_cp_groups([2])[2]  # ranks 0-1 or 2-3
+    for wrapped, what in ((DDP(torch.nn.Linear(4, 4)), "DistributedDataParallel's process_group"),
+                          (shard, "the FSDP2 device mesh")):
+        for group in (pair, None):
+            with pytest.raises(ValueError, match=rf"dp_group has global ranks \[.*\] but {what} reduces over ranks "
+                                                 r"\[0, 1, 2, 3\]"):
+                gradient_sync(wrapped, dp_group=group)
+    with pytest.raises(ValueError, match=r"sync reduces over the ranks \[0, 1, 2, 3\] but dp_group has ranks"):
+        run_step(plain, [], dp_group=pair, sync=ManualSync(plain, dp_group=world), num_targets=1)
+    with pytest.raises(ValueError, match="dp_group must be a torch.distributed ProcessGroup.*got int 4"):
+        gradient_sync(plain, dp_group=4)
+    for call in (lambda: gradient_sync(plain), lambda: run_step(plain, [], num_targets=1)):
+        with pytest.raises(TypeError, match="dp_group"):  # required: no default that would mean the world
+            call()
     return True
 
 
 def test_unsupported_wrappers_and_settings_raise_value_errors():
     assert run_ranks(4, _refusals, timeout=TIMEOUT) == [True] * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor parallelism beside plain modules: TP2 x DP2 on 4 ranks, hybrid CP inside each data-parallel group
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the input gradient over the tensor-parallel group (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward sums the partial outputs over the tensor-parallel group; identity backward (Megatron's ``g``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None
+
+
+class _ParallelLinear(torch.nn.Module):
+    """This TP rank's shard of a bias-free linear layer: column-parallel (output rows) or row-parallel (inputs)."""
+
+    def __init__(self, full: torch.nn.Linear, tp_group: Any, column: bool) -> None:
+        super().__init__()
+        n, r = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.weight = torch.nn.Parameter(full.weight.detach().chunk(n, dim=0 if column else 1)[r].clone())
+        self.tp_group, self.column = tp_group, column
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.column:
+            return torch.nn.functional.linear(_CopyToTP.apply(x, self.tp_group), self.weight)
+        return _ReduceFromTP.apply(torch.nn.functional.linear(x, self.weight), self.tp_group)
+
+
+TP_LENGTHS = (60, 40, 22, 12, 9, 30, 17)  # at capacity 32 on 2 data-parallel ranks: CP2 and CP1 microbatches
+
+
+def _tp_dp_step_vs_reference():
+    """A GPT whose MLPs are tensor-parallel over ranks {0, 1} / {2, 3} (embedding, attention, norms and head plain,
+    replicated over each TP pair); the data-parallel groups are {0, 2} / {1, 3}, and hybrid CP runs inside them."""
+    import copy
+
+    from cpscope.hybrid import plan_hybrid
+    from cpscope.train.loop import global_num_targets, prepare_microbatch, prepare_microbatches, run_microbatches
+    from tests.hybrid.test_loop import reference_loss
+
+    cpscope.set_backward_read_check(True)
+    rank = dist.get_rank()
+    tp_rank, dp_pos = rank % 2, rank // 2
+    tp_group = cpscope.new_cp_groups([2])[2]  # ranks {0, 1} or {2, 3}: the TP groups
+    dp_ranks = [tp_rank, tp_rank + 2]
+    groups = cpscope.new_cp_groups([1, 2], ranks=[0, 2, 1, 3])  # CP groups inside the data-parallel groups
+    dp_group = groups[2]
+    assert cpscope.group_ranks(dp_group) == dp_ranks
+    cfg = th.TrainConfig(mode="hybrid", lengths=(TP_LENGTHS,), **SMALL)
+    docs = th.make_documents(cfg, 0)  # the global batch, the same on every rank
+    model = th.build_model(cfg, torch.device("cpu"))  # fp32, the same initial weights everywhere
+    ref = copy.deepcopy(model).double()
+    for block in model.blocks:
+        block.fc1 = _ParallelLinear(block.fc1, tp_group, column=True)
+        block.fc2 = _ParallelLinear(block.fc2, tp_group, column=False)
+    plan = plan_hybrid(list(TP_LENGTHS), n_ranks=2, capacity=32, cost=th.DEMO_COST)
+    mbs = prepare_microbatches(plan.microbatches_for_rank(dp_pos), docs, groups, ranks=dp_ranks)
+    cps = sorted({mb.cp for mb in mbs})
+
+    # What group=None used to mean — the world — counts the targets of each TP pair twice ...
+    n = global_num_targets(mbs, dp_group=dp_group)
+    assert global_num_targets(mbs, dp_group=dist.group.WORLD) == 2 * n
+    # ... and a CP group outside the data-parallel group (here a TP pair) is refused before any collective.
+    wrong = prepare_microbatch([docs[0]], cp=2, group=tp_group)
+    with pytest.raises(ValueError, match=r"CP group with global ranks \[.*\] reaches outside the data-parallel "
+                                         r"group \[.*\]"):
+        run_microbatches(model, [wrong], num_targets=n, dp_group=dp_group)
+
+    result = run_step(model, mbs, dp_group=dp_group)  # ManualSync over dp_group: gradients summed over {t, t+2}
+    loss = result.global_loss()
+    ref_loss = reference_loss(ref, docs)
+    ref_loss.backward()
+    assert result.num_targets == n == sum(d.numel() - 1 for d in docs)
+    assert abs(loss - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), (loss, ref_loss.item())
+    errs = _tp_grad_errors(model, ref, tp_rank)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= 1e-5, (worst, errs[worst])
+
+    # The failure mode itself: the loss divided by the world's count (twice the targets) halves every gradient.
+    model.zero_grad(set_to_none=True)
+    run_microbatches(model, mbs, num_targets=2 * n, dp_group=dp_group)
+    allreduce_gradients(model, dp_group=dp_group)
+    halved = _tp_grad_errors(model, ref, tp_rank, scale=2.0)
+    assert max(halved.values()) <= 1e-5, halved
+    return cps
+
+
+def _tp_grad_errors(model: torch.nn.Module, ref: torch.nn.Module, tp_rank: int, scale: float = 1.0) -> dict:
+    """Relative error of each (scaled) gradient against the reference's — its TP shard for fc1 / fc2."""
+    errs = {}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        want = q.grad
+        if name.endswith(("fc1.weight", "fc2.weight")):  # this TP rank's shard of the full gradient
+            want = want.chunk(2, dim=0 if "fc1" in name else 1)[tp_rank]
+        errs[name] = rel_err(scale * p.grad, want)
+    return errs
+
+
+def test_tensor_parallel_beside_plain_modules_counts_each_target_once():
+    """TP2 x DP2: the data-parallel group is {t, t+2}, not the world; with it named, loss and gradients (plain and
+    tensor-parallel parameters) equal the float64 single-process reference; the world would halve them."""
+    cps = run_ranks(4, _tp_dp_step_vs_reference, timeout=TIMEOUT)
+    assert set().union(*map(set, cps)) == {1, 2}, cps  # CP2 and CP1 microbatches inside the data-parallel groups

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpscope
+import cpscope.hybrid.variants
 from cpscope.train.loop import (
     IGNORE_INDEX,
     allreduce_gradients,
@@ -130,24 +131,67 @@ def test_prepare_microbatch_cp_contradicting_group_raises():
         prepare_microbatch([torch.arange(8)], cp=2, group=None)
 
 
-def test_hybrid_package_is_the_planner_only():
+_L0 = {"cpscope._variants", "cpscope._hooks", "cpscope._checks", "cpscope.backward_check", "cpscope._version"}
+_LOAD_HYBRID_ALONE = """
+import importlib, pkgutil, sys, types
+pkg = types.ModuleType("cpscope"); pkg.__path__ = [sys.argv[1]]; sys.modules["cpscope"] = pkg  # root not run
+import cpscope.hybrid as h
+for m in pkgutil.iter_modules(h.__path__):
+    importlib.import_module("cpscope.hybrid." + m.name)
+print(" ".join(sorted(n for n in sys.modules if n.split(".")[0] in ("torch", "cpscope"))))
+"""
+
+
+def test_hybrid_package_is_the_pure_planner():
+    """cpscope.hybrid is numpy only: every module of it, loaded without the package root (which imports torch),
+    loads no torch module and no cpscope module outside hybrid and L0; and no import in its files — lazy ones
+    inside functions included — names torch, torch.distributed or a cpscope module above L0."""
+    import ast
     import subprocess
 
-    code = ("import sys, cpscope.hybrid; "
-            "print([m in sys.modules for m in ('cpscope.train.loop', 'cpscope.train.sync')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert out.stdout.strip() == "[False, False]", out
-    import cpscope.hybrid
-
-    for name in ("run_microbatches", "run_step"):  # the loop lives in cpscope.train.loop only
-        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
-            getattr(cpscope.hybrid, name)
+    root = Path(cpscope.__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", _LOAD_HYBRID_ALONE, str(root)], capture_output=True, text=True,
+                         check=True)
+    loaded = out.stdout.split()
+    assert "cpscope.hybrid.variants" in loaded and "cpscope.hybrid.planner" in loaded, loaded
+    assert [m for m in loaded if m.split(".")[0] == "torch"] == []
+    assert [m for m in loaded if m != "cpscope" and not m.startswith("cpscope.hybrid") and m not in _L0] == []
+    for path in sorted((root / "hybrid").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ("cpscope." if node.level >= 2 else "cpscope.hybrid." if node.level == 1 else "")
+                names = [base + (node.module or "")] if node.module else [base + a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] != "torch", (path.name, node.lineno, name)
+                if name.startswith("cpscope.") and not name.startswith("cpscope.hybrid"):
+                    assert name in _L0, (path.name, node.lineno, name)
+    for name in ("run_microbatches", "run_step", "auto_chooser", "use_calibration", "cached_cost"):
+        # the loop, the sync and comm="auto"'s run-time glue live in cpscope.train only
+        assert not hasattr(cpscope.hybrid, name) and not hasattr(cpscope.hybrid.variants, name), name
 
 
 def test_run_microbatches_needs_a_positive_count():
     with pytest.raises(ValueError, match="got 0"):
-        run_microbatches(lambda *a, **k: None, [], num_targets=0)
+        run_microbatches(lambda *a, **k: None, [], num_targets=0, dp_group=None)
+
+
+def test_the_reduction_group_is_always_named():
+    """No default that would mean the world: dp_group / group is required; None is this rank alone."""
+    mb = prepare_microbatch([torch.arange(6)], cp=1, group=None)
+    model = torch.nn.Linear(2, 2)
+    for call in (lambda: global_num_targets([mb]), lambda: allreduce_gradients(model), lambda: allreduce_sum(1),
+                 lambda: run_microbatches(model, [mb], num_targets=5)):
+        with pytest.raises(TypeError, match="dp_group|group"):
+            call()
+    assert global_num_targets([mb], dp_group=None) == 5 and allreduce_sum(3, group=None).item() == 3
+    with pytest.raises(ValueError, match="dp_group must be a torch.distributed ProcessGroup.*got str 'world'"):
+        global_num_targets([mb], dp_group="world")
+    with pytest.raises(ValueError, match="dp_group is GroupMember.NON_GROUP_MEMBER"):
+        allreduce_gradients(model, dp_group=dist.GroupMember.NON_GROUP_MEMBER)
 
 
 def test_single_process_step_matches_reference_float64():
@@ -159,9 +203,9 @@ def test_single_process_step_matches_reference_float64():
     plan = th.make_plan(cfg, [d.numel() for d in docs], 1)
     mbs = prepare_microbatches(plan.microbatches_for_rank(0), docs, {1: None})
     assert len(mbs) > 1  # several microbatches: accumulation is exercised
-    n = global_num_targets(mbs)
+    n = global_num_targets(mbs, dp_group=None)  # one process: this rank alone
     assert n == sum(d.numel() - 1 for d in docs)
-    loss = run_microbatches(model, mbs, num_targets=n).item() / n
+    loss = run_microbatches(model, mbs, num_targets=n, dp_group=None).item() / n
     ref_loss = reference_loss(ref, docs)
     ref_loss.backward()
     assert abs(loss - ref_loss.item()) <= 1e-12 * abs(ref_loss.item())
@@ -234,7 +278,7 @@ def _allreduce_gradients_sums_and_fills_missing():
     d.grad = torch.full((5,), 0.5, dtype=torch.float64)
     if me % 2 == 0:  # b has no grad on odd ranks: it must count as zeros, not hang or be skipped
         b.grad = torch.ones(2, 2) * me
-    allreduce_gradients([a, b, c, d], bucket_bytes=16)
+    allreduce_gradients([a, b, c, d], dp_group=dist.group.WORLD, bucket_bytes=16)
     assert a.grad.tolist() == [10.0] * 3
     assert b.grad.tolist() == [[2.0, 2.0], [2.0, 2.0]]
     assert c.grad is None
@@ -257,10 +301,11 @@ def _one_step_grads_match_reference(mode: str, step: int):
     ref = copy.deepcopy(model).double()
 
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-    n = global_num_targets(mbs)
-    local = run_microbatches(model, mbs, num_targets=n)
-    allreduce_gradients(model)
-    loss = allreduce_sum(local).item() / n
+    dp = dist.group.WORLD
+    n = global_num_targets(mbs, dp_group=dp)
+    local = run_microbatches(model, mbs, num_targets=n, dp_group=dp)
+    allreduce_gradients(model, dp_group=dp)
+    loss = allreduce_sum(local, group=dp).item() / n
 
     ref_loss = reference_loss(ref, docs)
     ref_loss.backward()
@@ -321,9 +366,10 @@ def _planned_variant_is_bound(comm: str):
     try:
         mbs = prepare_microbatches(planned, docs, groups)
         assert all(mb.comm == comm for mb in mbs)
-        n = global_num_targets(mbs)
-        loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n)).item() / n
-        allreduce_gradients(model)
+        dp = dist.group.WORLD
+        n = global_num_targets(mbs, dp_group=dp)
+        loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n, dp_group=dp), group=dp).item() / n
+        allreduce_gradients(model, dp_group=dp)
     finally:
         _dispatch._RUNNERS[comm] = real
     ref_loss = reference_loss(ref, docs)

@@ -28,11 +28,12 @@ CAPACITY = 16384
 PLANNERS = (plan_hybrid, plan_static, plan_greedy)
 
 
-def memory_min_cp(length: int, capacity: int) -> int:
-    cp = 1
-    while int(padded_length(length, cp)) // cp > capacity:
-        cp *= 2
-    return cp
+def memory_min_cp(length: int, capacity: int, sizes=None) -> int:
+    """The smallest CP size (of ``sizes``, default the powers of two) that holds ``length`` in ``capacity``."""
+    for cp in sizes if sizes is not None else (2**i for i in range(40)):
+        if int(padded_length(length, cp)) // cp <= capacity:
+            return cp
+    raise AssertionError(f"{length} fits no size of {sizes}")
 
 
 # A per-call attention model in which every variant wins somewhere: the ring pays per step, all-gather less per
@@ -57,15 +58,18 @@ def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost) -> None:
     # every sequence planned exactly once, at the CP size the plan reports
     seen = sorted(i for mb in plan.microbatches for i in mb.seqs)
     assert seen == list(range(len(lengths)))
-    allowed = set(cp_candidates(n_ranks).tolist())
+    allowed = list(plan.cp_candidates)
+    assert allowed == sorted(allowed) and all(n_ranks % c == 0 for c in allowed)
+    nested = all(b % a == 0 for a, b in zip(allowed, allowed[1:]))
+    assert set(plan.sizes_used) <= set(allowed) and plan.sizes_used == tuple(sorted({mb.cp for mb in plan.microbatches}))
     for mb in plan.microbatches:
-        assert mb.cp in allowed and n_ranks % mb.cp == 0 and mb.cp & (mb.cp - 1) == 0
+        assert mb.cp in allowed
         assert 0 <= mb.block < n_ranks // mb.cp  # an aligned block [block·cp, (block+1)·cp)
         assert list(mb.ranks) == list(range(mb.block * mb.cp, (mb.block + 1) * mb.cp))
         tokens = sum(int(padded_length(lengths[i], mb.cp)) // mb.cp for i in mb.seqs)
         assert tokens == mb.tokens_per_rank <= capacity  # per-microbatch capacity
         for i in mb.seqs:
-            assert plan.cp_sizes[i] == mb.cp >= memory_min_cp(lengths[i], capacity)
+            assert plan.cp_sizes[i] == mb.cp >= memory_min_cp(lengths[i], capacity, allowed)
         expected = cost.microbatch_cost([lengths[i] for i in mb.seqs], mb.cp)  # the cheapest variant
         assert mb.cost == pytest.approx(expected, rel=1e-9, abs=1e-12)
         if isinstance(cost, StepCost):  # the variant it names is allowed there and gives that cost
@@ -79,12 +83,16 @@ def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost) -> None:
     # padding: Σ (padded − L)
     assert plan.padding_tokens == sum(int(padded_length(lengths[i], plan.cp_sizes[i])) - lengths[i]
                                       for i in range(len(lengths)))
-    # per-rank lists: CP size non-increasing; loads add up; all members of a group see the same microbatches
+    # per-rank lists: the plan's global order (nested sizes: CP size non-increasing); loads add up; all members of
+    # a group see the same microbatches
+    index = {id(mb): i for i, mb in enumerate(plan.microbatches)}
     per_group: dict[tuple[int, int], dict[int, list]] = {}
     for r in range(n_ranks):
         mine = plan.microbatches_for_rank(r)
-        assert [mb.cp for mb in mine] == sorted((mb.cp for mb in mine), reverse=True)
-        assert all(r in mb.ranks for mb in mine)
+        assert [index[id(mb)] for mb in mine] == sorted(index[id(mb)] for mb in mine)
+        assert mine == [mb for mb in plan.microbatches if r in mb.ranks]
+        if nested:
+            assert [mb.cp for mb in mine] == sorted((mb.cp for mb in mine), reverse=True)
         assert sum(mb.cost for mb in mine) == pytest.approx(plan.rank_loads[r], rel=1e-9, abs=1e-12)
         for mb in mine:
             per_group.setdefault((mb.cp, mb.block), {}).setdefault(r, []).append(mb)
@@ -93,7 +101,10 @@ def check_plan(plan: Plan, lengths, n_ranks: int, capacity: int, cost) -> None:
         assert sorted(by_rank) == list(range(block * cp, (block + 1) * cp))
         first = next(iter(by_rank.values()))
         assert all(lst == first for lst in by_rank.values())
-    assert plan.makespan == max(plan.rank_loads)
+    assert all(f >= busy * (1 - 1e-12) for f, busy in zip(plan.rank_finish, plan.rank_loads))
+    if nested:  # blocks nest: nobody ever waits
+        assert plan.rank_finish == plan.rank_loads and plan.makespan == max(plan.rank_loads)
+    assert plan.makespan == max(plan.rank_finish)
     assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
     assert simulate(plan) == pytest.approx(plan.makespan, rel=1e-9, abs=1e-12)
 
@@ -177,8 +188,10 @@ def test_max_cp_and_non_power_of_two_ranks() -> None:
     lengths = [30000, 20000, 9000, 4000, 1000, 700, 300, 128] * 3
     plan = plan_hybrid(lengths, 12, CAPACITY, max_cp=2)
     check_plan(plan, lengths, 12, CAPACITY, CostModel())
-    assert set(plan.cp_sizes) <= {1, 2}
-    assert cp_candidates(12).tolist() == [1, 2, 4] and cp_candidates(24, 4).tolist() == [1, 2, 4]
+    assert set(plan.cp_sizes) <= {1, 2} and plan.cp_candidates == (1, 2)
+    assert cp_candidates(12).tolist() == [1, 2, 3, 4, 6, 12] and cp_candidates(24, 4).tolist() == [1, 2, 3, 4]
+    assert cp_candidates(12, cp_sizes="pow2").tolist() == [1, 2, 4]  # the powers of two only, as before
+    assert cp_candidates(24, 6, cp_sizes="pow2").tolist() == [1, 2, 4]
 
 
 def test_padding_is_planned_and_reported() -> None:
@@ -269,7 +282,15 @@ def test_bad_input_raises_value_error_naming_values(planner) -> None:
 
 def test_other_bad_input() -> None:
     with pytest.raises(ValueError, match="max_cp"):
-        plan_hybrid([100], 4, CAPACITY, max_cp=3)
+        plan_hybrid([100], 4, CAPACITY, max_cp=0)
+    with pytest.raises(ValueError, match=r"cp_sizes \[1, 3\].*n_ranks=4.*offending: \[3\]"):
+        plan_hybrid([100], 4, CAPACITY, cp_sizes=[1, 3])
+    with pytest.raises(ValueError, match=r"offending: \[4\]"):
+        lower_bound([100], 4, CAPACITY, max_cp=2, cp_sizes=[1, 4])
+    with pytest.raises(ValueError, match="'powers'"):
+        plan_greedy([100], 4, CAPACITY, cp_sizes="powers")
+    with pytest.raises(ValueError, match="every CP size in cp_sizes must be an int"):
+        plan_static([100], 4, CAPACITY, cp_sizes=[1, 2.0])
     with pytest.raises(ValueError, match="cp=2"):
         plan_static([40000], 8, CAPACITY, cp=2)
     with pytest.raises(ValueError, match="attn"):

@@ -206,10 +206,11 @@ def _cp_step(model: Any, plan: list[Any], docs: list[Any], groups: dict) -> tupl
     from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
 
     mbs = prepare_megatron_microbatches(_for_rank(plan, dist.get_rank()), docs, groups)
-    n = global_num_targets(mbs)
-    local = run_microbatches(model, mbs, num_targets=n, forward=megatron_forward)
-    allreduce_gradients(model)
-    return allreduce_sum(local) / n, n
+    dp = dist.group.WORLD
+    n = global_num_targets(mbs, dp_group=dp)
+    local = run_microbatches(model, mbs, num_targets=n, dp_group=dp, forward=megatron_forward)
+    allreduce_gradients(model, dp_group=dp)
+    return allreduce_sum(local, group=dp) / n, n
 
 
 # ------------------------------------------------------------------------------------------------ rank functions
@@ -450,9 +451,11 @@ def _planner_bridge() -> list[int]:
     mine = plan.microbatches_for_rank(rank)
     assert all(isinstance(mb, Microbatch) for mb in mine)
     mbs = prepare_megatron_microbatches(mine, docs, groups)
-    n = global_num_targets(mbs)
-    loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n, forward=megatron_forward)) / n
-    allreduce_gradients(model)
+    dp = dist.group.WORLD
+    n = global_num_targets(mbs, dp_group=dp)
+    loss = allreduce_sum(run_microbatches(model, mbs, num_targets=n, dp_group=dp, forward=megatron_forward),
+                         group=dp) / n
+    allreduce_gradients(model, dp_group=dp)
     ref_loss = _reference_step(ref, docs, n)
     assert abs(float(loss) - float(ref_loss)) < 1e-5
     _assert_close(_grads(model), _grads(ref), 1e-5, "planner bridge gradients")

@@ -19,10 +19,12 @@ core attention
 
 Every other reader of ``pg_collection.cp`` in megatron-core 0.19.2 (audited with ``grep -rn "pg_collection.cp\\|
 get_context_parallel_group\\|cp_group"``) either only runs at build time or in inference / CUDA-graph capture, or
-would compute with the static group under runtime CP; the latter are refused by :func:`enable_runtime_cp` with a
-``ValueError`` naming the option: multi-token prediction (``roll_tensor`` over the static group), MoE routers
-(aux / z-loss reduced over the static ``tp_cp`` group), multi-latent attention and YaRN / mRoPE (their own CP RoPE
-paths), Mamba / gated-delta-net mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs).
+would compute with the static group under runtime CP. MoE routers (aux losses, z-loss and token counts over the
+``tp_cp`` / ``tp_dp_cp`` groups) follow the microbatch (:mod:`._moe`). The others are refused by
+:func:`enable_runtime_cp` with a ``ValueError`` naming the option: multi-token prediction (``roll_tensor`` over the
+static group), multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba / gated-delta-net
+(linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and the MoE options
+:func:`._moe.moe_refusals` names.
 Inference (``inference_context``) is refused at forward.
 
 Example::
@@ -45,6 +47,7 @@ from ..._checks import check_divisible_seq, check_local_thd_len, cu_seqlens_list
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin
+from ._moe import MoELayerMixin, is_moe_layer, moe_refusals
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
 from ._version import check_megatron_core
@@ -104,6 +107,10 @@ class EntryMixin(ForwardSignature):
                 f"group is CP{built.size}: outside every runtime_cp scope the model must run its own static group. "
                 "Call cpscope.set_build_time_cp_group(model.pg_collection.cp) after building it"
             )
+
+
+class _EntryMoE(EntryMixin, MoELayerMixin):
+    """A bare MoE ``TransformerLayer`` given to :func:`enable_runtime_cp`: the entry and its router's binding."""
 
 
 def _first_tensor(arguments: dict[str, Any], *names: str) -> Any:
@@ -166,8 +173,7 @@ def _refusals(config: Any, modules: list[nn.Module]) -> list[str]:
     out = []
     if getattr(config, "mtp_num_layers", None):
         out.append(f"mtp_num_layers={config.mtp_num_layers} (multi-token prediction rolls tensors over the static CP group)")
-    if getattr(config, "num_moe_experts", None):
-        out.append(f"num_moe_experts={config.num_moe_experts} (MoE routers reduce aux losses over the static tp_cp group)")
+    out += moe_refusals(config)  # MoE routers follow the scope (._moe); what they cannot is refused there
     if getattr(config, "multi_latent_attention", False):
         out.append("multi_latent_attention=True (MLA has its own CP RoPE path)")
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):
@@ -224,9 +230,10 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
     Raises:
         ImportError: megatron-core is not installed.
         RuntimeError: an unsupported megatron-core release (:data:`SUPPORTED_MEGATRON_CORE`).
-        ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MoE, MLA, YaRN /
-            mRoPE, Mamba, CUDA graphs; with the local spec also attention dropout, sliding windows, non-vanilla
-            softmax), or no module of it takes ``packed_seq_params``.
+        ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MLA, YaRN /
+            mRoPE, Mamba / linear attention, CUDA graphs, MoE with tensor / expert parallelism or MoE recompute;
+            with the local spec also attention dropout, sliding windows, non-vanilla softmax), or no module of it
+            takes ``packed_seq_params``.
 
     Example::
 
@@ -308,6 +315,8 @@ def _convert_consumers(modules: dict[str, nn.Module], config: Any, classes: _Cla
                 names.append(f"{name}.core_attention" if name else "core_attention")
         elif classes.te_core is not None and issubclass(base, classes.te_core):
             swap_class(module, TEAttentionMixin)
+        elif is_moe_layer(module):  # its router's groups follow the microbatch (an entry layer keeps its entry)
+            swap_class(module, _EntryMoE if isinstance(module, EntryMixin) else MoELayerMixin)
         else:
             continue
         names.append(name)

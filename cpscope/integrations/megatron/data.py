@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..._checks import cu_seqlens_list
-from ...train.loop import IGNORE_INDEX, LocalMicrobatch, MicrobatchSpec, pad_and_shard, planned_group
+from ...hybrid.plan import Microbatch
+from ...train.loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ...scope import _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard
 
@@ -219,8 +220,13 @@ def prepare_megatron_microbatch(
 
 
 def prepare_megatron_microbatches(
-    planned: Iterable[MicrobatchSpec], docs: Sequence[Document], groups: Mapping[int, Optional[dist.ProcessGroup]],
-    *, ranks: Optional[Sequence[int]] = None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX,
+    planned: Iterable[Microbatch],
+    docs: Sequence[Document],
+    groups: Mapping[int, Optional[dist.ProcessGroup]],
+    *,
+    ranks: Optional[Sequence[int]] = None,
+    pad_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
     device: Optional[Union[torch.device, str]] = None,
 ) -> list[MegatronMicrobatch]:
     """:func:`prepare_megatron_microbatch` for each planned microbatch of this rank (``plan.microbatches_for_rank``).

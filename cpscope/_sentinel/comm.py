@@ -1,0 +1,73 @@
+"""The sentinel's own collectives: small fixed-size exchanges, and gathers of a group's shards in global order.
+
+Every collective here has a size that the ranks agree on before it runs (a fixed-length digest; a gather only
+after the agreement digest matched), so a disagreement can be reported instead of hanging.
+
+Example::
+
+    rows = exchange(group, {"cp_size": 2, "pending": 0}, collective_device(group))   # one dict per rank
+    full = gather_zigzag(local, cu, scope, dim=1)        # [.., T, ..]: the group's shards back in global order
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..scope import CPScope
+from ..sharding import zigzag_indices
+
+__all__ = ["collective_device", "exchange", "exchange_objects", "gather_zigzag", "all_gather_list"]
+
+
+def collective_device(group: Optional[dist.ProcessGroup], hint: Optional[torch.device] = None) -> torch.device:
+    """Where small tensors for collectives on ``group`` must live: a CUDA device under NCCL, else the CPU."""
+    backend = dist.get_backend(group)
+    if str(backend).lower() == "nccl":
+        if hint is not None and hint.type == "cuda":
+            return hint
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def exchange(
+    group: Optional[dist.ProcessGroup], values: dict[str, int], device: torch.device
+) -> list[dict[str, int]]:
+    """All-gather one int64 vector per rank (``values`` in insertion order; same keys on every rank)."""
+    names = list(values)
+    mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64, device=device)
+    return [dict(zip(names, p.tolist())) for p in all_gather_list(mine, group)]
+
+
+def exchange_objects(group: Optional[dist.ProcessGroup], obj: Any) -> list[Any]:
+    """All-gather a small picklable object (only on the rare path where a mismatch needs its details)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_zigzag(local: torch.Tensor, cu: Sequence[int], scope: CPScope, *, dim: int = 0) -> torch.Tensor:
+    """The group's zigzag shards of one packed stream (offsets ``cu``), back in global order along ``dim``.
+
+    ``local`` is this rank's shard (``cu[-1] / cp`` entries along ``dim``, same shape on every rank); the result
+    has ``cu[-1]`` entries there. Under CP1 it is ``local`` itself.
+    """
+    cp = scope.size
+    if cp == 1:
+        return local
+    parts = all_gather_list(local.contiguous(), scope.group)
+    shape = list(local.shape)
+    shape[dim] = int(cu[-1])
+    full = local.new_empty(shape)
+    view = full.movedim(dim, 0)
+    for r, part in enumerate(parts):
+        view[zigzag_indices(list(cu), cp, r, device=local.device)] = part.movedim(dim, 0)
+    return full
+
+
+def all_gather_list(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape on every rank), in group order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return parts

@@ -1,0 +1,78 @@
+"""What a switched-on sentinel keeps while it watches a job: :class:`Tracker`.
+
+The checks (attention, positions, the loop's) receive the tracker, never the :class:`cpscope.sentinel` object: it
+holds the options, the sampling decision (:mod:`.sampling`), the verdicts (:mod:`.verdicts`), the recompute
+records and the microbatch being run. The scope is read here only in forward (``runtime_scope_or``).
+
+Example::
+
+    t = Tracker(Options.make(every=10))
+    mb = t.begin_microbatch(scope)            # marked: sampling follows microbatches of scope's group
+    t.current("attention", scope) is mb       # a call inside it belongs to it
+    t.end_microbatch(mb)                      # the group's verdict on its local checks
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..scope import CPScope, runtime_scope_or
+from .options import Options
+from .sampling import Sampler
+from .state import Microbatch, Records
+from .verdicts import Verdicts
+
+__all__ = ["Tracker"]
+
+
+class Tracker:
+    """Options, sampling, verdicts, recompute records and the current microbatch of one sentinel."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.sampler = Sampler(opts.every)
+        self.verdicts = Verdicts(opts.on_mismatch)
+        self.records = Records()
+        self.mb: Optional[Microbatch] = None  # the marked microbatch being run
+
+    def begin_microbatch(self, scope: CPScope, *, step: Optional[int] = None) -> Microbatch:
+        """A marked microbatch of ``scope``'s group begins (``run_microbatches``, :meth:`cpscope.sentinel.microbatch`)."""
+        index, sampled = self.sampler.microbatch(scope.group)
+        mb = Microbatch(scope, index, sampled, step, marked=True)
+        self.mb = mb
+        self.verdicts.drop_pending()  # (left by a microbatch that failed: already logged)
+        self.verdicts.summary.microbatches += 1
+        self.verdicts.summary.sampled += int(sampled)
+        return mb
+
+    def end_microbatch(self, mb: Optional[Microbatch], *, flush: bool = True) -> None:
+        """The microbatch ends; ``flush=False`` when it failed (its pending mismatches are logged, its error is on
+        its way: no collectives now)."""
+        if self.mb is mb:
+            self.mb = None
+        if not flush:
+            self.verdicts.drop_pending()
+        elif mb is not None and mb.sampled and mb.unverified:  # else the last attention digest was the verdict
+            self.verdicts.agree(mb.scope)
+
+    def current(self, kind: str, scope: CPScope) -> Microbatch:
+        """The microbatch a forward call of ``kind`` under ``scope`` belongs to (a one-call unit without markers)."""
+        mb = self.mb
+        if mb is not None:
+            return mb
+        unit = self.expected_scope(None) or scope
+        index, sampled = self.sampler.call(kind, unit.group)
+        return Microbatch(unit, index, sampled, None, marked=False)
+
+    def expected_scope(self, mb: Optional[Microbatch]) -> Optional[CPScope]:
+        """The scope consumers must use in forward: the bound runtime scope, else the marked microbatch's, else
+        ``None`` (nothing bound: a consumer's own scope — a static-CP module's build-time scope — is authoritative)."""
+        bound = runtime_scope_or(None)  # type: ignore[arg-type]
+        if bound is not None:
+            return bound
+        return mb.scope if mb is not None and mb.marked else None
+
+    def tolerance(self, dtype: torch.dtype, grad: bool) -> float:
+        """The attention check's relative tolerance for ``dtype`` (output or gradients)."""
+        return self.opts.tolerance(dtype, grad)

@@ -1,0 +1,184 @@
+"""MoE layers under runtime CP: the router's auxiliary losses and token counts use the microbatch's CP group.
+
+megatron-core 0.19.2's ``TopKRouter`` keeps the groups of its build (``pg_collection``) and reads them in every
+forward:
+
+``tp_cp_group``
+    ``aux_loss`` and ``seq_aux_loss`` all-reduce ``tokens_per_expert`` over it and take the token count as local
+    tokens × its size (``moe_utils.get_tokens_per_expert_and_token_count``); the z-loss divides its coefficient by
+    its size; ``calculate_per_token_loss`` scales by it; quantile balancing gathers logits over it. With a model
+    built with CP1 running a CP2 microbatch it has size 1: the load-balancing loss is computed on each rank's half
+    of the sequence (a different loss) and the z-loss counts twice.
+``tp_dp_cp_group``
+    ``global_aux_loss`` all-reduces ``tokens_per_expert`` over it (every microbatch running at the same forward
+    index across the job) and takes the token count as local tokens × its size, which assumes equal token counts
+    on all ranks — not so when ranks run different CP sizes.
+
+:class:`MoELayerMixin` (on every ``TransformerLayer`` whose ``mlp`` is a ``MoELayer``) binds, for the call of its
+MLP, the router's ``tp_cp_group`` / ``cp_group`` to the microbatch's CP group (with tensor parallelism of 1 the
+``[tp, cp]`` group of a CP-``k`` microbatch *is* its CP-``k`` group; CP1 is the layer's size-1 ``tp`` group) and
+keeps ``tp_dp_cp_group`` (the whole DP×CP domain, which holds every CP group of the job; checked). The scope comes
+from the ``packed_seq_params`` carrier (:mod:`._carrier`), so Megatron's full-layer recompute binds the same groups
+in backward. It also hands the router a padding mask — the zigzag padding tokens of ``thd`` microbatches
+(``cu_seqlens_q`` vs ``cu_seqlens_q_padded``), none elsewhere — so token counts come from the all-reduced counts
+(exact whatever each rank holds) and padding never enters the statistics, and weights each rank's z-loss by its
+share of the microbatch's real tokens. No group is created in forward; nothing is left on the modules after a call.
+
+``global_aux_loss`` all-reduces over the whole DP×CP domain in every forward, as under Megatron's own data
+parallelism: every rank must run the same number of MoE forwards per step (one per microbatch). cpscope's planner
+does not promise that (ranks may run different numbers of microbatches, some none); give such plans equal counts
+per rank (Megatron's ``BalancedCPScheduler`` groups do) or the all-reduce waits for a rank that never comes.
+
+Megatron's metrics tracker keeps one reduction group per metric (the last one recorded); after each call it is set
+back to the router's own group, so every rank reduces the logged values over the same groups at report time.
+
+Refused (``ValueError`` from :func:`moe_refusals`): tensor or expert parallelism > 1 (their ``[tp, cp]`` groups per
+CP size / lockstep all-to-alls are not built or checked here), ``recompute_modules`` with ``"moe"`` (its recompute in
+backward would not see the bound groups), quantile balancing.
+
+Example::
+
+    enable_runtime_cp(moe_model)   # a GPTModel with num_moe_experts, built with CP1: routers follow each microbatch
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..._checks import cu_seqlens_list
+from ...groups import group_ranks
+from ...scope import CPScope
+from ...sharding import zigzag_indices
+from ._carrier import consumer_scope
+
+__all__ = ["MoELayerMixin", "is_moe_layer", "moe_refusals"]
+
+_PAD_ATTR = "_cpscope_moe_padding"
+_TP_CP_METRICS = ("load_balancing_loss", "seq_load_balancing_loss")
+# CP groups already checked to lie inside a router's tp_dp_cp group (by the latter's id)
+_CHECKED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+
+
+def is_moe_layer(module: Any) -> bool:
+    """Whether ``module`` is a megatron ``TransformerLayer`` whose MLP is a ``MoELayer`` (with a router)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return isinstance(module, TransformerLayer) and isinstance(getattr(module, "mlp", None), MoELayer)
+
+
+def moe_refusals(config: Any) -> list[str]:
+    """What :func:`enable_runtime_cp` cannot cover in an MoE model built with ``config`` (empty: supported)."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    out = []
+    for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        value = getattr(config, name, 1) or 1
+        if value != 1:
+            out.append(f"{name}={value} with num_moe_experts (runtime CP binds MoE routers with tensor and expert "
+                       "parallelism of 1 only)")
+    modules = getattr(config, "recompute_modules", None) or []
+    if getattr(config, "recompute_granularity", None) == "selective" and "moe" in modules:
+        out.append("recompute_modules with 'moe' (the MoE recompute in backward would not see the microbatch's "
+                   "groups; use recompute_granularity='full')")
+    routing = getattr(config, "moe_router_load_balancing_type", None)
+    if routing == "quantile_balancing" or (isinstance(routing, list) and "quantile_balancing" in routing):
+        out.append("moe_router_load_balancing_type='quantile_balancing'")
+    return out
+
+
+class MoELayerMixin:
+    """A ``TransformerLayer`` with an MoE MLP whose router runs with the microbatch's groups (module docstring)."""
+
+    def _forward_mlp(self, hidden_states: torch.Tensor, inference_context: Any = None,
+                     padding_mask: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> Any:
+        scope = consumer_scope(packed_seq_params)  # the carried scope: forward and full-layer recompute alike
+        router = self.mlp.router  # type: ignore[attr-defined]
+        static = (router.tp_cp_group, router.cp_group, router.config)  # what the router was built with
+        tp_cp = _tp_cp_group(router, scope)
+        padding, z_scale = _padding_mask(packed_seq_params, scope, hidden_states, padding_mask)
+        router.tp_cp_group = router.cp_group = tp_cp
+        if z_scale != 1.0 and router.config.moe_z_loss_coeff:
+            router.config = copy.copy(router.config)  # the router's own, for this call
+            router.config.moe_z_loss_coeff = static[2].moe_z_loss_coeff * z_scale
+        try:
+            return super()._forward_mlp(  # type: ignore[misc]
+                hidden_states, inference_context, padding_mask=padding, packed_seq_params=packed_seq_params)
+        finally:
+            router.tp_cp_group, router.cp_group, router.config = static
+            _restore_metric_groups(static[0])
+
+
+def _tp_cp_group(router: Any, scope: CPScope) -> Any:
+    """The ``[tp, cp]`` group of this microbatch (TP1: its CP group; CP1: the size-1 ``tp`` group)."""
+    if scope.size == 1:
+        tp = router.tp_group
+        if tp is None or tp.size() != 1:
+            raise ValueError(f"MoE router under runtime CP: a CP1 microbatch needs a size-1 tp group, the router has "
+                             f"{None if tp is None else tp.size()}")
+        return tp
+    domain = router.tp_dp_cp_group
+    checked = _CHECKED.setdefault(scope.group, set())
+    if id(domain) not in checked:
+        members = group_ranks(scope.group)
+        if not set(members) <= set(group_ranks(domain)):
+            raise ValueError(
+                f"MoE router under runtime CP: the microbatch's CP group {members} is not inside the model's "
+                f"tp_dp_cp group {group_ranks(domain)[:16]}: build the CP groups over the model's DP×CP ranks "
+                "(cpscope.new_cp_groups(sizes, ranks=...))"
+            )
+        checked.add(id(domain))
+    return scope.group
+
+
+def _padding_mask(psp: Any, scope: CPScope, hidden: torch.Tensor,
+                  given: Optional[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """``[b, s]`` True where the router must not count a token — this rank's zigzag padding in ``thd`` (cached on
+    the per-forward carrier), OR-ed with a mask the caller gave — and the z-loss coefficient's factor.
+
+    Megatron's z-loss is each rank's mean over its own tokens times ``coeff / cp``, which is the microbatch's
+    mean only when every rank holds as many real tokens; zigzag padding breaks that. The factor ``cp · n_rank /
+    n_microbatch`` makes each rank's share its tokens' sum over the microbatch's real tokens (``thd``, where the
+    offsets give the count; 1 elsewhere)."""
+    s, b = hidden.shape[0], hidden.shape[1]
+    if psp is None or getattr(psp, "qkv_format", None) != "thd":
+        mask = torch.zeros(b, s, dtype=torch.bool, device=hidden.device)
+        return (mask if given is None else given.to(torch.bool).view(b, s)), 1.0
+    cached = getattr(psp, _PAD_ATTR, None)
+    if cached is None:
+        is_pad, total = _thd_padding(psp, scope)
+        cached = (is_pad.to(hidden.device), scope.size * int((~is_pad).sum()) / total)
+        setattr(psp, _PAD_ATTR, cached)
+    mask, z_scale = cached
+    if mask.numel() != s * b:
+        raise ValueError(f"MoE router under runtime CP: {s * b} local tokens, but the microbatch's offsets give "
+                         f"{mask.numel()} for CP{scope.size}")
+    mask = mask.view(b, s)
+    if given is not None:  # a caller's own mask as well: counts stay exact, the z-loss keeps Megatron's weighting
+        return mask | given.to(torch.bool).view(b, s), 1.0
+    return mask, z_scale
+
+
+def _thd_padding(psp: Any, scope: CPScope) -> tuple[torch.Tensor, int]:
+    """This rank's zigzag tokens that are padding, and the microbatch's real token count."""
+    real = cu_seqlens_list(psp.cu_seqlens_q, "cu_seqlens_q")
+    padded_cu = getattr(psp, "cu_seqlens_q_padded", None)
+    layout = real if padded_cu is None else cu_seqlens_list(padded_cu, "cu_seqlens_q_padded")
+    is_pad = torch.ones(layout[-1], dtype=torch.bool)
+    for start, a, b in zip(layout[:-1], real[:-1], real[1:]):
+        is_pad[start:start + (b - a)] = False  # each document's real tokens lead its padded slot
+    return is_pad[zigzag_indices(layout, scope.size, scope.rank)], real[-1]
+
+
+def _restore_metric_groups(tp_cp: Any) -> None:
+    """Megatron's tracker keeps the last reduction group per metric: set back to the router's own one."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    metrics = get_moe_metrics_tracker().metrics
+    for name in _TP_CP_METRICS:
+        entry = metrics.get(name)
+        if entry is not None:
+            entry.reduce_group = tp_cp
