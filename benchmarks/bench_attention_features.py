@@ -14,8 +14,10 @@ baseline), CUDA-event medians. TFLOP/s are counted on the unmasked area only (th
 * ``cpscope_causal_softcap`` / ``cpscope_window_softcap`` (tanh softcap ``--softcap``) beside their rows without,
   ``flex_causal`` / ``flex_causal_softcap`` (``--flex``, first length only), and at the first length the probes
   ``cpscope_full`` / ``cpscope_full_softcap`` (no mask: what the softcap costs where no tile is skipped);
-* ``cpscope_causal_sinks`` (a sink logit per head, merged through the block's log-sum-exp; through the public
-  API where it takes ``sinks``, else the same math around the block) beside the same call without;
+* ``cpscope_causal_sinks`` (a sink logit per head merged through the block's log-sum-exp by cpscope's fused sink
+  kernels) beside the same call without (``cpscope_causal_no_sinks``); at the first length also the same merge in
+  torch ops (``cpscope_causal_sinks_torch``) and, where the public API takes ``sinks``, ``api_causal_sinks`` /
+  ``api_causal`` (CP1);
 * ``sdpa_mla`` (SDPA forced onto cuDNN) and ``cpscope_mla``: 32 heads, d_qk 192 / d_v 128, causal;
 * ``halo_cp2_window``: a CP2 rank's windowed blocks — each of its two chunks (``S / 4`` queries) against its own
   keys plus a ``W - 1``-key halo of the previous chunk — and ``halo_cp2_causal``, the same shapes without the window;
@@ -82,26 +84,38 @@ class _Block(torch.autograd.Function):
 
 
 class _SinkBlock(torch.autograd.Function):
-    """A block with one sink logit per head: ``out * exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``; the
-    backward runs the block's with the final (``lse'``) statistics, and ``dsink = -sum p_sink (dout . out)``."""
+    """A block with one sink logit per head, merged through its log-sum-exp (``fused``: cpscope's one-pass kernels,
+    :mod:`cpscope.attention._sink_kernels`; else the same math in torch ops); the backward runs the block's with the
+    final statistics, ``dsink = -sum exp(sink - lse') (dout . out')``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, fwd, bwd):
+    def forward(ctx, q, k, v, sinks, fwd, bwd, fused):
+        from cpscope.attention import _sink_kernels
+
         out, lse = fwd(q, k, v)  # lse [b, h, s]
-        lse_t = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
-        out_t = (out * torch.exp(lse - lse_t).transpose(1, 2).unsqueeze(-1)).to(out.dtype)
-        ctx.save_for_backward(q, k, v, out_t, lse_t, sinks)
-        ctx.bwd = bwd
-        return out_t
+        if fused:
+            _sink_kernels.merge_sinks_(out, lse, sinks)
+        else:
+            new = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+            out = (out * torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)).to(out.dtype)
+            lse = new
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.bwd, ctx.fused = bwd, fused
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out_t, lse_t, sinks = ctx.saved_tensors
+        from cpscope.attention import _sink_kernels
+
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = ctx.bwd(dout, q, k, v, out_t, lse_t)
-        delta = (dout.float() * out_t.float()).sum(-1).transpose(1, 2)  # [b, h, s]
-        dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse_t) * delta).sum((0, 2))
-        return dq, dk, dv, dsinks.to(sinks.dtype), None, None
+        dq, dk, dv = ctx.bwd(dout, q, k, v, out, lse)
+        if ctx.fused:
+            dsinks = _sink_kernels.sink_terms(dout, out, lse, sinks).sum((0, 1))
+        else:
+            delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # [b, h, s]
+            dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum((0, 2))
+        return dq, dk, dv, dsinks.to(sinks.dtype), None, None, None
 
 
 def block_fns(route: str, scale: float, causal: bool, window=None, softcap=None, vl=None):
@@ -169,10 +183,13 @@ class Bench:
 # ----------------------------------------------------------------------------------------------------- the rows
 
 
-def _cp_step(dev, s_q, s_k, route, causal, window=None, softcap=None, heads=(H, H_KV), dims=(D, D)):
+def _cp_step(dev, s_q, s_k, route, causal, window=None, softcap=None, heads=(H, H_KV), dims=(D, D),
+             fwd_only=False):
     def make():
         q, k, v = _leaves(dev, (1, s_q, heads[0], dims[0]), (1, s_k, heads[1], dims[0]), (1, s_k, heads[1], dims[1]))
         fwd, bwd = block_fns(route, dims[0] ** -0.5, causal, window, softcap)
+        if fwd_only:
+            return lambda: fwd(q.detach(), k.detach(), v.detach())
         return _fwd_bwd(lambda: _Block.apply(q, k, v, fwd, bwd))
 
     return make
@@ -223,10 +240,10 @@ def _api_takes(name: str) -> bool:
     return name in inspect.signature(cpscope.context_parallel_attention).parameters
 
 
-def _sinks_steps(dev, s):
-    """``(with sinks, without)``: the public API at CP1 where it takes ``sinks``, else the block with the sink
-    merge of :class:`_SinkBlock` beside the plain block; plus which of the two was measured."""
-    if _api_takes("sinks"):
+def _sinks_steps(dev, s, fused=True):
+    """``(with sinks, without)``: the public API at CP1 where it takes ``sinks``, else the block with the sink merge
+    of :class:`_SinkBlock` beside the plain block; plus which of the two was measured."""
+    if _api_takes("sinks") and fused is None:
         import cpscope
 
         def make(with_sinks: bool):
@@ -243,9 +260,10 @@ def _sinks_steps(dev, s):
         q, k, v = _leaves(dev, (1, s, H, D), (1, s, H_KV, D), (1, s, H_KV, D))
         sinks = torch.randn(H, device=dev, dtype=torch.float32).requires_grad_(True)
         fwd, bwd = block_fns("plain", D ** -0.5, True)
-        return _fwd_bwd(lambda: _SinkBlock.apply(q, k, v, sinks, fwd, bwd))
+        return _fwd_bwd(lambda: _SinkBlock.apply(q, k, v, sinks, fwd, bwd, fused))
 
-    return with_sinks, _cp_step(dev, s, s, "plain", True), "the block + the sink merge (the API takes no sinks)"
+    how = "the block + " + ("the fused sink kernels" if fused else "the sink merge in torch ops")
+    return with_sinks, _cp_step(dev, s, s, "plain", True), how
 
 
 def _halo_step(dev, s, w, window):
@@ -299,15 +317,27 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
     m("cpscope_causal", s, _cp_step(dev, s, s, "plain", True), causal_pairs, profile=first)
     m("cpscope_causal_graph", s, _cp_step(dev, s, s, "cudnn", True, (-1, 0)), causal_pairs)
     m("cpscope_window", s, _cp_step(dev, s, s, "cudnn", True, win), win_pairs, profile=first, window=win)
+    if args.flex:
+        m("flex_window", s, _flex_step(bench, s, w, None), win_pairs, window=win)
     m("flash_window", s, _cp_step(dev, s, s, "flash", True, win), win_pairs, window=win)
     m("cpscope_causal_softcap", s, _cp_step(dev, s, s, "cudnn", True, None, cap), causal_pairs, profile=first)
     m("cpscope_window_softcap", s, _cp_step(dev, s, s, "cudnn", True, win, cap), win_pairs, window=win)
     if first:
         m("cpscope_full", s, _cp_step(dev, s, s, "cudnn", False, (-1, -1)), full_pairs)
         m("cpscope_full_softcap", s, _cp_step(dev, s, s, "cudnn", False, None, cap), full_pairs)
+        for name, sc in (("cpscope_causal_fwd", None), ("cpscope_causal_softcap_fwd", cap)):
+            m(name, s, _cp_step(dev, s, s, "cudnn", True, (-1, 0), sc, fwd_only=True), causal_pairs,
+              note="forward only; tflops counts forward + backward flops, so halve the ratio's meaning")
     with_s, without_s, how = _sinks_steps(dev, s)
     m("cpscope_causal_sinks", s, with_s, causal_pairs, how=how)
     m("cpscope_causal_no_sinks", s, without_s, causal_pairs, how=how)
+    if first:
+        m("cpscope_causal_sinks_torch", s, _sinks_steps(dev, s, fused=False)[0], causal_pairs,
+          how="the block + the sink merge in torch ops")
+        if _api_takes("sinks"):
+            with_s, without_s, how = _sinks_steps(dev, s, fused=None)
+            m("api_causal_sinks", s, with_s, causal_pairs, how=how)
+            m("api_causal", s, without_s, causal_pairs, how=how)
     m("sdpa_mla", s, _sdpa_step(dev, s, heads=(H, H), dims=(192, 128), cudnn_only=True), causal_pairs,
       d_qk=192, d_v=128)
     m("cpscope_mla", s, _cp_step(dev, s, s, "plain", True, heads=(H, H), dims=(192, 128)), causal_pairs,
@@ -321,11 +351,9 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
         m("thd_causal", s, make, n)
         make, n = _thd_step(dev, win)
         m("thd_window", s, make, n, window=win)
-    if args.flex:
-        m("flex_window", s, _flex_step(bench, s, w, None), win_pairs, window=win)
-        if first:
-            m("flex_causal", s, _flex_step(bench, s, None, None), causal_pairs)
-            m("flex_causal_softcap", s, _flex_step(bench, s, None, cap), causal_pairs)
+    if args.flex and first:
+        m("flex_causal", s, _flex_step(bench, s, None, None), causal_pairs)
+        m("flex_causal_softcap", s, _flex_step(bench, s, None, cap), causal_pairs)
 
 
 def _halo_causal(dev, c, w):
@@ -414,17 +442,21 @@ def run_checks(dev: torch.device) -> dict:
         row: dict = {}
         got = attempt(row, name, lambda: run_case(name, dev, seed=i))
         res[name] = got if got is not None else {"ok": False, **row}
-    old = _cudnn_mods.MASKED  # probe: the score modifier's masked value as -inf instead of a large negative
-    try:
-        _cudnn_mods.MASKED = float("-inf")
-        _cudnn_thd.clear_cache()
-        for name in ("dense_softcap_causal", "thd_softcap_window"):
-            row = {}
-            got = attempt(row, name, lambda: run_case(name, dev, seed=99))
-            res[name + "[masked=-inf]"] = got if got is not None else {"ok": False, **row}
-    finally:
-        _cudnn_mods.MASKED = old
-        _cudnn_thd.clear_cache()
+    # probes of the score modifier's alternatives: its masked value -inf, the frontend's runtime scalars, and the
+    # ordered execute with host scalars
+    for mod, attr, value in ((_cudnn_mods, "MASKED", float("-inf")), (_cudnn_mods, "_CONSTANTS", "runtime"),
+                             (_cudnn_thd, "_FIXED_FORM", "ordered")):
+        old = getattr(mod, attr)
+        try:
+            setattr(mod, attr, value)
+            _cudnn_thd.clear_cache()
+            for name in ("dense_softcap_causal", "thd_softcap_window"):
+                row = {}
+                got = attempt(row, name, lambda: run_case(name, dev, seed=99))
+                res[f"{name}[{attr}={value}]"] = got if got is not None else {"ok": False, **row}
+        finally:
+            setattr(mod, attr, old)
+            _cudnn_thd.clear_cache()
     return res
 
 

@@ -19,10 +19,15 @@ Masked scores become ``-1e9``, not ``-inf`` (as in the frontend's own score-modi
 bounded by ``softcap``, so this is exact for every row that sees a key; rows that see none are the caller's to fix
 (:meth:`Band.masked_prefix` says which rows of a block those are).
 
+The modifier's constants (``softcap``, ``1 / softcap``, the masked value, a dense block's bounds) are pass-by-value
+scalars bound at every execute from host tensors (``fixed``, below): cuDNN 9.19 refuses the frontend's
+compile-time constants (``CUDNN_ATTR_TENSOR_CONSTANT_VALUE`` needs cuDNN 9.22), as H200 showed. ``_CONSTANTS =
+"runtime"`` (a private knob) uses the frontend's runtime scalars (``tensor_scalar``) instead.
+
 Example::
 
     band = band_of(causal=True, window=(255, 0))
-    kwargs = sdpa_options(cudnn, graph, band, softcap=None, square=True)   # -> the graph's diagonal options
+    kwargs, fixed = sdpa_options(cudnn, graph, named, band, softcap=None, square=True)   # the diagonal options
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from typing import Any, Optional
 __all__ = ["Band", "band_of", "sdpa_options", "ScoreMod", "MASKED"]
 
 MASKED = -1e9  # the score given to masked (query, key) pairs inside a score modifier
+_CONSTANTS = "host"  # private knob: "host" (pass-by-value tensors bound per execute) or "runtime" (tensor_scalar)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,11 @@ class Band:
         meaningless and unused)."""
         shift = n_k - n_q
         return shift - self.left, shift + self.right
+
+    def top_left(self, shift: int) -> "Band":
+        """The same band relative to the top-left diagonal (``j - i``) of a block whose bottom-right diagonal lies
+        ``shift = n_k - n_q`` to its right."""
+        return Band(-1 if self.left == -1 else self.left - shift, -1 if self.right == -1 else self.right + shift)
 
 
 def band_of(causal: bool, window: Optional[tuple[int, int]]) -> Optional[Band]:
@@ -89,25 +100,38 @@ class ScoreMod:
     square causal mask); the left bound ``col + wl > row``; each applied with its own ``binary_select``.
 
     ``lens``: the graph's ``(seq_len_q, seq_len_kv)`` tensors for packed sequences, else None (dense).
-    ``bounds``: ``(wl, hi)`` per sequence as graph tensors int32 ``[B, 1, 1, 1]`` (packed blocks), or None (dense
-    blocks: constants from ``n_q``/``n_k``); ``hi = n_k - n_q + right`` and ``wl = left + 1 - (n_k - n_q)``.
+    ``bounds``: ``(wl, hi)`` per sequence as graph tensors int32 ``[B, 1, 1, 1]`` (packed blocks, bottom-right band:
+    ``hi = n_k - n_q + right``, ``wl = left + 1 - (n_k - n_q)``), or None: ``band`` is then relative to the top-left
+    diagonal (``hi = right``, ``wl = left + 1``; dense blocks, see :meth:`Band.top_left`) and the bounds are constants.
+    ``named`` receives the graph tensors of the constants, :attr:`fixed` their host values to bind at execute.
     The same object serves the forward graph (:meth:`forward`) and the backward graph (:meth:`forward` for the
     recomputed scores, then :meth:`bprop`): the backward reuses the ``tanh`` its forward part made.
     """
 
-    def __init__(self, cudnn: Any, graph: Any, softcap: float, band: Optional[Band], square: bool,
-                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None,
-                 shape: Optional[tuple[int, int]] = None) -> None:
-        def const(x: float) -> Any:
-            return graph.tensor_scalar(float(x), cudnn.scalar_type.COMPILE_TIME_CONST)
-
-        self.cudnn, self.band, self.square, self.lens = cudnn, band, square, lens
-        self.cap, self.inv_cap, self.masked = const(softcap), const(1.0 / softcap), const(MASKED)
+    def __init__(self, cudnn: Any, graph: Any, named: dict, softcap: float, band: Optional[Band], square: bool,
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None) -> None:
+        self.cudnn, self.graph, self.named, self.fixed = cudnn, graph, named, {}
+        self.band, self.square, self.lens = band, square, lens
+        self.cap, self.inv_cap, self.masked = self._const("cap", softcap), self._const("inv_cap", 1 / softcap), \
+            self._const("masked", MASKED)
         self.tanh: Any = None
         self.bounds, self.index_type = bounds, cudnn.data_type.INT32
-        if band is not None and bounds is None and shape is not None:  # dense: the same bounds for every sequence
-            lo, hi = band.bounds(*shape)
-            self.bounds, self.index_type = (const(1 - lo), const(hi)), cudnn.data_type.FLOAT
+        if band is not None and bounds is None:  # top-left band: the same bounds for every sequence
+            self.bounds = (self._const("wl", band.left + 1), self._const("hi", band.right))
+            self.index_type = cudnn.data_type.FLOAT
+
+    def _const(self, name: str, value: float) -> Any:
+        """A scalar of the graph: a pass-by-value tensor bound from a host tensor at execute (see module docs)."""
+        if _CONSTANTS == "runtime":
+            return self.graph.tensor_scalar(float(value), self.cudnn.scalar_type.RUNTIME_PARAM)
+        import torch
+
+        name = "const_" + name
+        t = self.graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+                              data_type=self.cudnn.data_type.FLOAT)
+        self.named[name] = t
+        self.fixed[name] = torch.full((1, 1, 1, 1), float(value), dtype=torch.float32)
+        return t
 
     def _typed(self, t: Any, dtype: Any) -> Any:
         t.set_data_type(dtype)
@@ -153,21 +177,22 @@ class ScoreMod:
         return g.sub(d_scores, g.mul(d_scores, g.mul(self.tanh, self.tanh)))
 
 
-def sdpa_options(cudnn: Any, graph: Any, band: Optional[Band], softcap: Optional[float], square: bool,
-                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False,
-                 shape: Optional[tuple[int, int]] = None) -> dict:
-    """Keyword arguments for ``graph.sdpa`` / ``graph.sdpa_backward``: the band options without a softcap, else the
-    score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``; ``shape``: a dense block's
-    ``(n_q, n_k)``). Packed blocks without a softcap turn the padding mask on with ``lens``."""
+def sdpa_options(cudnn: Any, graph: Any, named: dict, band: Optional[Band], softcap: Optional[float], square: bool,
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False
+                 ) -> tuple[dict, dict]:
+    """``(kwargs, fixed)``: keyword arguments for ``graph.sdpa`` / ``graph.sdpa_backward`` — the band options without
+    a softcap, else the score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``) — and the host tensors
+    to bind at every execute (by their names in ``named``). Packed blocks without a softcap turn the padding mask on
+    with ``lens``."""
     if softcap is None:
         kw = _flags(cudnn, band, square)
         if lens is not None:
             kw.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
-        return kw
-    mod = ScoreMod(cudnn, graph, softcap, band, square, lens, bounds, shape)
+        return kw, {}
+    mod = ScoreMod(cudnn, graph, named, softcap, band, square, lens, bounds)
     kw = {"score_mod": mod.forward}
     if backward:
         kw["score_mod_bprop"] = mod.bprop
     if lens is not None:
         kw.update(seq_len_q=lens[0], seq_len_kv=lens[1])
-    return kw
+    return kw, mod.fixed

@@ -207,12 +207,13 @@ def _masked_rows(meta: dict, band: Optional[_mods.Band], device: torch.device) -
 
 
 def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[_mods.Band], softcap: Optional[float],
-             extras: dict, backward: bool) -> dict:
-    """The sdpa options of a packed block (padding mask or score modifier, band); declares ``extras`` in ``named``."""
+             extras: dict, backward: bool) -> tuple[dict, dict]:
+    """The sdpa options of a packed block (padding mask or score modifier, band) and the host tensors to bind;
+    declares ``extras`` in ``named``."""
     for n in extras:
         named[n] = _int_tensor(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.INT32, n)
     bounds = (named["wl"], named["hi"]) if "wl" in extras else None
-    return _mods.sdpa_options(cudnn, g, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
+    return _mods.sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
                               bounds=bounds, backward=backward)
 
 
@@ -247,32 +248,40 @@ def _cached(key: tuple, build) -> Any:
 
 
 class _Built:
-    """A built cuDNN graph, its tensors' uids by role, and its workspace size.
+    """A built cuDNN graph, its tensors' uids by role, its workspace size, and the host tensors bound at every execute
+    (``fixed``: pass-by-value scalars of a score modifier).
 
     Host time: the frontend's mapping form of ``execute`` validates every binding in Python on every call (~0.2 ms
     with 12 tensors, frontend 1.32, H200); its ordered form (``tensor_uids=``, frontend >= 1.30) caches that per
-    graph, so it is used where available (``_ORDERED_EXECUTE``).
+    graph, so it is used where available (``_ORDERED_EXECUTE``). Graphs with host scalars take the mapping form with
+    the tensors themselves (as the frontend's own samples bind pass-by-value tensors) unless ``_FIXED_FORM`` says
+    "ordered".
     """
 
-    def __init__(self, graph: Any, uids: dict, workspace: int) -> None:
-        self.graph, self.uids, self.workspace = graph, uids, workspace
+    def __init__(self, graph: Any, uids: dict, workspace: int, fixed: Optional[dict] = None) -> None:
+        self.graph, self.uids, self.workspace, self.fixed = graph, uids, workspace, dict(fixed or {})
         self.names = tuple(uids)
         self.order = tuple(uids[n] for n in self.names)
-        self.ordered = _ORDERED_EXECUTE and _takes_tensor_uids(graph)
+        self.ordered = _ORDERED_EXECUTE and _takes_tensor_uids(graph) and (not self.fixed or _FIXED_FORM == "ordered")
 
     def run(self, device: torch.device, tensors: dict) -> None:
         cudnn = _cudnn_module()
         handle = _handle(device)
         cudnn.set_stream(handle=handle, stream=_stream(device))
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
+        if self.fixed:
+            tensors = {**tensors, **self.fixed}
         if self.ordered:
             self.graph.execute(tuple(tensors[n] for n in self.names), ws, handle=handle, tensor_uids=self.order)
+        elif self.fixed:
+            self.graph.execute({self.uids[name]: t for name, t in tensors.items()}, ws, handle=handle)
         else:
             pack = {self.uids[name]: t.data_ptr() for name, t in tensors.items()}
             self.graph.execute(pack, ws.data_ptr() if ws is not None else 0, handle=handle)
 
 
 _ORDERED_EXECUTE = True  # private knob: the frontend's ordered execute where it exists (benchmarks compare both)
+_FIXED_FORM = "mapping"  # private knob: how graphs with host scalars execute ("mapping" or "ordered")
 
 
 def _takes_tensor_uids(graph: Any) -> bool:
@@ -287,13 +296,13 @@ def _new_graph(cudnn: Any, dtype: torch.dtype, device: torch.device) -> Any:
                          compute_data_type=cudnn.data_type.FLOAT, handle=_handle(device))
 
 
-def _finish(cudnn: Any, graph: Any, named: dict) -> _Built:
+def _finish(cudnn: Any, graph: Any, named: dict, fixed: Optional[dict] = None) -> _Built:
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
-    return _Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()))
+    return _Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()), fixed)
 
 
 def _tensor(graph: Any, cudnn: Any, dims: list, strides: list, dtype: Any, offset: Any = None, name: str = "") -> Any:
@@ -336,7 +345,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
         named["q"] = _tensor(g, cudnn, *_dims(q, b, s_q), io, named["off_q"], "q")
         named["k"] = _tensor(g, cudnn, *_dims(k, b, s_k), io, named["off_k"], "k")
         named["v"] = _tensor(g, cudnn, *_dims(v, b, s_k), io, named["off_v"], "v")
-        opts = _options(cudnn, g, named, meta, band, softcap, extras, backward=False)
+        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=False)
         o, st = g.sdpa(name="sdpa", q=named["q"], k=named["k"], v=named["v"], generate_stats=True,
                        attn_scale=float(scale), **opts)
         o.set_output(True).set_dim(_dims(out, b, s_q)[0]).set_stride(_dims(out, b, s_q)[1])
@@ -345,7 +354,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
             [s_q * h, 1, h, 1])
         st.set_ragged_offset(named["off_s"])
         named["o"], named["stats"] = o, st
-        return _finish(cudnn, g, named)
+        return _finish(cudnn, g, named, fixed)
 
     built = _cached(key, build)
     built.run(dev, {
@@ -395,7 +404,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             named[name] = _tensor(g, cudnn, *_dims(t, b, s), io, named["off_" + name], name)
         named["stats"] = _tensor(g, cudnn, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
                                  named["off_s"], "stats")
-        opts = _options(cudnn, g, named, meta, band, softcap, extras, backward=True)
+        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=True)
         gq, gk, gv = g.sdpa_backward(
             name="sdpa_backward", q=named["q"], k=named["k"], v=named["v"], o=named["o"], dO=named["do"],
             stats=named["stats"], attn_scale=float(scale), max_total_seq_len_q=_pow2(t_q),
@@ -405,7 +414,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             gt.set_output(True).set_dim(dims).set_stride(strides)
             gt.set_ragged_offset(named["off_" + name])
             named[name] = gt
-        return _finish(cudnn, g, named)
+        return _finish(cudnn, g, named, fixed)
 
     built = _cached(key, build)
     off = functools.partial(_offsets, meta)

@@ -72,7 +72,7 @@ class _Eval:
             if x.value is not None:
                 return torch.tensor(x.value, dtype=torch.float64)
             vals = self.owner._ints(x, self.pack)  # [B, 1, 1, 1], or [1, 1, 1, 1] broadcast over the batch
-            return torch.tensor(float(vals[self.b if len(vals) > 1 else 0]), dtype=torch.float64)
+            return torch.tensor(float(vals[self.b if len(vals) > 1 else 0]), dtype=torch.float64)  # host or device
         raise TypeError(f"score modifier operand {x!r}")
 
     def _bin(self, fn):
@@ -110,11 +110,11 @@ class _Graph:
         self._uid += 1
         return self._uid
 
-    def tensor(self, name="", dim=None, stride=None, data_type=None):
+    def tensor(self, name="", dim=None, stride=None, data_type=None, is_pass_by_value=False):
         return _T(self, dim, stride, data_type, name)
 
     def tensor_scalar(self, value, scalar_type):
-        assert scalar_type == self.cudnn.scalar_type.COMPILE_TIME_CONST
+        assert scalar_type == self.cudnn.scalar_type.RUNTIME_PARAM, "cuDNN 9.19 has no compile-time constants"
         return _T(self, [1, 1, 1, 1], [1, 1, 1, 1], self.cudnn.data_type.FLOAT, "const", value=float(value))
 
     @staticmethod
@@ -159,6 +159,7 @@ class _Graph:
         if tensor_uids is not None:  # the ordered form: buffers in the order of tensor_uids
             assert len(set(tensor_uids)) == len(tensor_uids) == len(pack)
             pack = {uid: t.data_ptr() for uid, t in zip(tensor_uids, pack)}
+        pack = {uid: p if isinstance(p, int) else p.data_ptr() for uid, p in pack.items()}  # the mapping form
         for kind, p in self.ops:
             (self._fwd if kind == "fwd" else self._bwd)(p, pack)
 
@@ -172,6 +173,7 @@ class _Graph:
         return torch.frombuffer(buf, dtype=dtype)
 
     def _ints(self, t, pack):
+        """The values of a small ``[n, 1, 1, 1]`` tensor (offsets, lengths, bounds, host scalars)."""
         n = t.dim[0]
         return self._raw(pack[t.uid], n, self._torch_dtype(t)).tolist()
 

@@ -47,3 +47,11 @@ def test_block_forward_routes_windows_through_the_kernels():
     grown = torch.cuda.max_memory_allocated(dev) - before
     assert out.shape == q.shape and torch.isfinite(lse).all()
     assert grown < 2048 * 2048 * 8 * 4, f"{grown} bytes: a dense [h, s, s] score or mask tensor was materialised"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_sink_kernels_triton_vs_float64(layout):
+    from tests.attention.test_sink_kernels_cpu import check_sinks
+
+    assert check_sinks("cuda", layout) < 1e-2
