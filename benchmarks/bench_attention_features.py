@@ -322,7 +322,7 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
     m("flash_window", s, _cp_step(dev, s, s, "flash", True, win), win_pairs, window=win)
     m("cpscope_causal_softcap", s, _cp_step(dev, s, s, "cudnn", True, None, cap), causal_pairs, profile=first)
     m("cpscope_window_softcap", s, _cp_step(dev, s, s, "cudnn", True, win, cap), win_pairs, window=win)
-    if first:
+    if first and not args.lean:
         m("cpscope_full", s, _cp_step(dev, s, s, "cudnn", False, (-1, -1)), full_pairs)
         m("cpscope_full_softcap", s, _cp_step(dev, s, s, "cudnn", False, None, cap), full_pairs)
         for name, sc in (("cpscope_causal_fwd", None), ("cpscope_causal_softcap_fwd", cap)):
@@ -331,7 +331,7 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
     with_s, without_s, how = _sinks_steps(dev, s)
     m("cpscope_causal_sinks", s, with_s, causal_pairs, how=how)
     m("cpscope_causal_no_sinks", s, without_s, causal_pairs, how=how)
-    if first:
+    if first and not args.lean:
         m("cpscope_causal_sinks_torch", s, _sinks_steps(dev, s, fused=False)[0], causal_pairs,
           how="the block + the sink merge in torch ops")
         if _api_takes("sinks"):
@@ -351,7 +351,7 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
         m("thd_causal", s, make, n)
         make, n = _thd_step(dev, win)
         m("thd_window", s, make, n, window=win)
-    if args.flex and first:
+    if args.flex and first and not args.lean:
         m("flex_causal", s, _flex_step(bench, s, None, None), causal_pairs)
         m("flex_causal_softcap", s, _flex_step(bench, s, None, cap), causal_pairs)
 
@@ -468,6 +468,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="parity cases first")
     ap.add_argument("--no-rows", action="store_true", help="parity only")
     ap.add_argument("--flex", action="store_true", help="FlexAttention rows (torch.compile)")
+    ap.add_argument("--lean", action="store_true", help="no probe rows (no-mask, forward-only, unfused sinks, "
+                    "FlexAttention causal / softcap): the target rows only")
     ap.add_argument("--baseline", default=None, help="path of shared/tools/torch_cp_baseline.py")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--row-budget-s", type=float, default=4.0)

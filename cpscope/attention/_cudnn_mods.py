@@ -97,10 +97,13 @@ class ScoreMod:
 
     The masks take the forms the frontend itself used to build them from pointwise ops (before cuDNN had a band
     operation): padding ``row < seq_q and col < seq_kv``; the right bound ``row + hi >= col`` (``row >= col`` for the
-    square causal mask); the left bound ``col + wl > row``; each applied with its own ``binary_select``.
+    square causal mask, the form on which H200 showed cuDNN skipping the tiles above the diagonal); the left bound
+    ``col + wl > row``; each applied with its own ``binary_select``. Index arithmetic is in fp32 (exact below 2**24
+    tokens): cuDNN 9.19's fused kernels refuse int32 operands of pointwise arithmetic and int32 graph inputs of
+    pointwise operations (H200), so every tensor the masks read is fp32.
 
-    ``lens``: the graph's ``(seq_len_q, seq_len_kv)`` tensors for packed sequences, else None (dense).
-    ``bounds``: ``(wl, hi)`` per sequence as graph tensors int32 ``[B, 1, 1, 1]`` (packed blocks, bottom-right band:
+    ``lens``: fp32 ``[B, 1, 1, 1]`` graph tensors ``(seq_q, seq_kv)`` for packed sequences, else None (dense).
+    ``bounds``: ``(wl, hi)`` per sequence as fp32 graph tensors ``[B, 1, 1, 1]`` (packed blocks, bottom-right band:
     ``hi = n_k - n_q + right``, ``wl = left + 1 - (n_k - n_q)``), or None: ``band`` is then relative to the top-left
     diagonal (``hi = right``, ``wl = left + 1``; dense blocks, see :meth:`Band.top_left`) and the bounds are constants.
     ``named`` receives the graph tensors of the constants, :attr:`fixed` their host values to bind at execute.
@@ -115,10 +118,9 @@ class ScoreMod:
         self.cap, self.inv_cap, self.masked = self._const("cap", softcap), self._const("inv_cap", 1 / softcap), \
             self._const("masked", MASKED)
         self.tanh: Any = None
-        self.bounds, self.index_type = bounds, cudnn.data_type.INT32
+        self.bounds = bounds
         if band is not None and bounds is None:  # top-left band: the same bounds for every sequence
             self.bounds = (self._const("wl", band.left + 1), self._const("hi", band.right))
-            self.index_type = cudnn.data_type.FLOAT
 
     def _const(self, name: str, value: float) -> Any:
         """A scalar of the graph: a pass-by-value tensor bound from a host tensor at execute (see module docs)."""
@@ -139,17 +141,17 @@ class ScoreMod:
 
     def _masks(self, g: Any, ref: Any) -> list:
         """Boolean graph tensors, each a condition for a (query, key) pair to be seen (none: all are)."""
-        dt, band, it = self.cudnn.data_type, self.band, self.index_type
+        dt, band = self.cudnn.data_type, self.band
         if band is None and self.lens is None:
             return []
-        row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=dt.INT32), dt.INT32)
-        col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=dt.INT32), dt.INT32)
+        row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=dt.FLOAT), dt.FLOAT)
+        col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=dt.FLOAT), dt.FLOAT)
 
         def cmp(op: str, a: Any, b: Any) -> Any:
             return self._typed(getattr(g, op)(input=a, comparison=b, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
 
         def add(a: Any, b: Any) -> Any:
-            return self._typed(g.add(a, b, compute_data_type=it), it)
+            return self._typed(g.add(a, b, compute_data_type=dt.FLOAT), dt.FLOAT)
 
         masks = []
         if self.lens is not None:
@@ -178,18 +180,19 @@ class ScoreMod:
 
 
 def sdpa_options(cudnn: Any, graph: Any, named: dict, band: Optional[Band], softcap: Optional[float], square: bool,
-                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False
-                 ) -> tuple[dict, dict]:
+                 lens: Optional[tuple] = None, bounds: Optional[tuple] = None, backward: bool = False,
+                 mask_lens: Optional[tuple] = None) -> tuple[dict, dict]:
     """``(kwargs, fixed)``: keyword arguments for ``graph.sdpa`` / ``graph.sdpa_backward`` — the band options without
-    a softcap, else the score-modifier pair (see :class:`ScoreMod` for ``lens`` / ``bounds``) — and the host tensors
-    to bind at every execute (by their names in ``named``). Packed blocks without a softcap turn the padding mask on
-    with ``lens``."""
+    a softcap, else the score-modifier pair — and the host tensors to bind at every execute (by their names in
+    ``named``). ``lens``: the int32 sequence lengths of packed blocks (or of a dense block with a padding mask);
+    without a softcap they turn the padding mask on, with one they bound the kernel's rows and columns while the
+    modifier masks with ``mask_lens`` (fp32 copies) and ``bounds`` (see :class:`ScoreMod`)."""
     if softcap is None:
         kw = _flags(cudnn, band, square)
         if lens is not None:
             kw.update(use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
         return kw, {}
-    mod = ScoreMod(cudnn, graph, named, softcap, band, square, lens, bounds)
+    mod = ScoreMod(cudnn, graph, named, softcap, band, square, mask_lens, bounds)
     kw = {"score_mod": mod.forward}
     if backward:
         kw["score_mod_bprop"] = mod.bprop

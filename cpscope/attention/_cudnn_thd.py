@@ -181,16 +181,20 @@ def _lens(meta: dict) -> list[tuple[int, int]]:
 
 
 def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float], device: torch.device) -> dict:
-    """The score modifier's per-sequence band bounds (``wl``/``hi`` int32 ``[B, 1, 1, 1]``, see
-    :class:`~cpscope.attention._cudnn_mods.ScoreMod`); empty where the graph needs none."""
-    if softcap is None or band is None or (meta["square"] and band == _mods.Band(-1, 0)):
+    """What a score modifier reads per sequence, as fp32 ``[B, 1, 1, 1]`` (see
+    :class:`~cpscope.attention._cudnn_mods.ScoreMod`): the lengths (``seq_qf``/``seq_kf``) and, for a band that is
+    not the square causal one, its bounds (``wl``/``hi``); empty without a softcap."""
+    if softcap is None:
         return {}
-    key = ("bounds", band)
+    key = ("score_mod", band)
     got = meta["derived"].get(key)
     if got is None:
-        lo, hi = zip(*(band.bounds(lq, lk) for lq, lk in _lens(meta)))
-        wl = tuple(1 - x for x in lo)
-        got = {n: torch.tensor(x, dtype=torch.int32).view(-1, 1, 1, 1).to(device) for n, x in (("wl", wl), ("hi", hi))}
+        lens = _lens(meta)
+        cols = {"seq_qf": [lq for lq, _ in lens], "seq_kf": [lk for _, lk in lens]}
+        if band is not None and not (meta["square"] and band == _mods.Band(-1, 0)):
+            lo, hi = zip(*(band.bounds(lq, lk) for lq, lk in lens))
+            cols.update(wl=[1 - x for x in lo], hi=list(hi))
+        got = {n: torch.tensor(x, dtype=torch.float32).view(-1, 1, 1, 1).to(device) for n, x in cols.items()}
         got = meta["derived"].setdefault(key, got)
     return got
 
@@ -211,10 +215,11 @@ def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[_mods.B
     """The sdpa options of a packed block (padding mask or score modifier, band) and the host tensors to bind;
     declares ``extras`` in ``named``."""
     for n in extras:
-        named[n] = _int_tensor(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.INT32, n)
+        named[n] = _column(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.FLOAT, n)
     bounds = (named["wl"], named["hi"]) if "wl" in extras else None
+    mask_lens = (named["seq_qf"], named["seq_kf"]) if "seq_qf" in extras else None
     return _mods.sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
-                              bounds=bounds, backward=backward)
+                              bounds=bounds, backward=backward, mask_lens=mask_lens)
 
 
 def _dims(t: torch.Tensor, b: int, s: int) -> tuple[list, list]:
@@ -253,9 +258,8 @@ class _Built:
 
     Host time: the frontend's mapping form of ``execute`` validates every binding in Python on every call (~0.2 ms
     with 12 tensors, frontend 1.32, H200); its ordered form (``tensor_uids=``, frontend >= 1.30) caches that per
-    graph, so it is used where available (``_ORDERED_EXECUTE``). Graphs with host scalars take the mapping form with
-    the tensors themselves (as the frontend's own samples bind pass-by-value tensors) unless ``_FIXED_FORM`` says
-    "ordered".
+    graph, so it is used where available (``_ORDERED_EXECUTE``), also with host scalars (H200: same results as the
+    mapping form with the tensors themselves, the frontend samples' way, which ``_FIXED_FORM = "mapping"`` selects).
     """
 
     def __init__(self, graph: Any, uids: dict, workspace: int, fixed: Optional[dict] = None) -> None:
@@ -281,7 +285,7 @@ class _Built:
 
 
 _ORDERED_EXECUTE = True  # private knob: the frontend's ordered execute where it exists (benchmarks compare both)
-_FIXED_FORM = "mapping"  # private knob: how graphs with host scalars execute ("mapping" or "ordered")
+_FIXED_FORM = "ordered"  # private knob: how graphs with host scalars execute ("ordered" or "mapping")
 
 
 def _takes_tensor_uids(graph: Any) -> bool:
@@ -312,7 +316,7 @@ def _tensor(graph: Any, cudnn: Any, dims: list, strides: list, dtype: Any, offse
     return t
 
 
-def _int_tensor(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
+def _column(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
     return graph.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
 
 
@@ -339,9 +343,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
     def build() -> _Built:
         g = _new_graph(cudnn, q.dtype, dev)
         i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
-        named = {n: _int_tensor(g, cudnn, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
-        named["seq_q"] = _int_tensor(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _int_tensor(g, cudnn, b, i32, "seq_k")
+        named = {n: _column(g, cudnn, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
+        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
+        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
         named["q"] = _tensor(g, cudnn, *_dims(q, b, s_q), io, named["off_q"], "q")
         named["k"] = _tensor(g, cudnn, *_dims(k, b, s_k), io, named["off_k"], "k")
         named["v"] = _tensor(g, cudnn, *_dims(v, b, s_k), io, named["off_v"], "v")
@@ -397,9 +401,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         g = _new_graph(cudnn, q.dtype, dev)
         i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
         roles = ("off_q", "off_k", "off_v", "off_o", "off_do", "off_dq", "off_dk", "off_dv", "off_s")
-        named = {n: _int_tensor(g, cudnn, b + 1, i64, n) for n in roles}
-        named["seq_q"] = _int_tensor(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _int_tensor(g, cudnn, b, i32, "seq_k")
+        named = {n: _column(g, cudnn, b + 1, i64, n) for n in roles}
+        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
+        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
         for name, t, s in (("q", q, s_q), ("k", k, s_k), ("v", v, s_k), ("o", out, s_q), ("do", dout, s_q)):
             named[name] = _tensor(g, cudnn, *_dims(t, b, s), io, named["off_" + name], name)
         named["stats"] = _tensor(g, cudnn, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
