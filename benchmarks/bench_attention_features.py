@@ -154,6 +154,8 @@ class Bench:
 
     def measure(self, name: str, seqlen: int, make: Callable[[], Callable[[], None]], n_pairs: int, heads: int = H,
                 d_qk: int = D, d_v: int = D, profile: bool = False, **extra) -> Optional[dict]:
+        if self.args.rows and name not in self.args.rows:
+            return None
         if time.perf_counter() - self.t0 > self.args.budget_s:
             self.rows.append({"name": name, "seqlen": seqlen, "skipped": "time budget"})
             return None
@@ -307,7 +309,7 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
     win = (w - 1, 0)
     causal_pairs, win_pairs, full_pairs = pairs(s, s, True, None), pairs(s, s, True, win), s * s
     m = bench.measure
-    if baseline is not None:  # its own timing (median of 10 after 3 warm-ups), 32-head MHA causal SDPA
+    if baseline is not None and (not args.rows or "baseline_sdpa_mha" in args.rows):  # its own timing (median of 10 after 3 warm-ups), 32-head MHA causal SDPA
         row = {"name": "baseline_sdpa_mha", "seqlen": s, "pairs": causal_pairs, "note": "measure_single, MHA"}
         ms = attempt(row, "measure_single", lambda: baseline.measure_single(s))
         row.update(ms=round(ms, 3) if ms else None, tflops=tflops(causal_pairs, H, D, D, ms))
@@ -471,6 +473,7 @@ def main() -> None:
     ap.add_argument("--lean", action="store_true", help="no probe rows (no-mask, forward-only, unfused sinks, "
                     "FlexAttention causal / softcap): the target rows only")
     ap.add_argument("--baseline", default=None, help="path of shared/tools/torch_cp_baseline.py")
+    ap.add_argument("--rows", nargs="+", default=None, help="only these rows (names as in the docstring)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--row-budget-s", type=float, default=4.0)
     ap.add_argument("--budget-s", type=float, default=500.0, help="no new row starts after this many seconds")

@@ -100,7 +100,8 @@ class ScoreMod:
     square causal mask, the form on which H200 showed cuDNN skipping the tiles above the diagonal); the left bound
     ``col + wl > row``; each applied with its own ``binary_select``. Index arithmetic is in fp32 (exact below 2**24
     tokens): cuDNN 9.19's fused kernels refuse int32 operands of pointwise arithmetic and int32 graph inputs of
-    pointwise operations (H200), so every tensor the masks read is fp32.
+    pointwise operations (H200), so every tensor the masks read is fp32 — except the square causal mask alone, which
+    compares int32 indices as the frontend's causal sample does.
 
     ``lens``: fp32 ``[B, 1, 1, 1]`` graph tensors ``(seq_q, seq_kv)`` for packed sequences, else None (dense).
     ``bounds``: ``(wl, hi)`` per sequence as fp32 graph tensors ``[B, 1, 1, 1]`` (packed blocks, bottom-right band:
@@ -144,8 +145,10 @@ class ScoreMod:
         dt, band = self.cudnn.data_type, self.band
         if band is None and self.lens is None:
             return []
-        row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=dt.FLOAT), dt.FLOAT)
-        col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=dt.FLOAT), dt.FLOAT)
+        causal_only = self.lens is None and self.square and band == Band(-1, 0)
+        it = dt.INT32 if causal_only else dt.FLOAT  # int32 indices: the frontend's own causal form, as measured
+        row = self._typed(g.gen_index(input=ref, axis=2, compute_data_type=it), it)
+        col = self._typed(g.gen_index(input=ref, axis=3, compute_data_type=it), it)
 
         def cmp(op: str, a: Any, b: Any) -> Any:
             return self._typed(getattr(g, op)(input=a, comparison=b, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
