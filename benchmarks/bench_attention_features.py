@@ -125,10 +125,10 @@ def block_fns(route: str, scale: float, causal: bool, window=None, softcap=None,
     if route == "plain":
         return (lambda q, k, v: blocks._cuda_forward(q, k, v, scale, causal, vl),
                 lambda do, q, k, v, o, lse: blocks._cuda_backward(do, q, k, v, o, lse, scale, causal, vl))
-    on = route == "cudnn"
-    return (lambda q, k, v: _kernels.forward(q, k, v, scale, causal, vl, window, softcap, cudnn=on, exact=None),
+    on, ef, eb = route == "cudnn", blocks._cpu_forward, blocks._cpu_backward
+    return (lambda q, k, v: _kernels.forward(q, k, v, scale, causal, vl, window, softcap, cudnn=on, exact=ef),
             lambda do, q, k, v, o, lse: _kernels.backward(do, q, k, v, o, lse, scale, causal, vl, window, softcap,
-                                                          cudnn=on, exact=None))
+                                                          cudnn=on, exact=eb))
 
 
 def _leaves(dev, *shapes) -> list[torch.Tensor]:
@@ -329,7 +329,7 @@ def run_rows(bench: Bench, s: int, first: bool, baseline: Any) -> None:
         m("cpscope_full_softcap", s, _cp_step(dev, s, s, "cudnn", False, None, cap), full_pairs)
         for name, sc in (("cpscope_causal_fwd", None), ("cpscope_causal_softcap_fwd", cap)):
             m(name, s, _cp_step(dev, s, s, "cudnn", True, (-1, 0), sc, fwd_only=True), causal_pairs,
-              note="forward only; tflops counts forward + backward flops, so halve the ratio's meaning")
+              note="forward only (tflops counts forward + backward flops: not a rate)")
     with_s, without_s, how = _sinks_steps(dev, s)
     m("cpscope_causal_sinks", s, with_s, causal_pairs, how=how)
     m("cpscope_causal_no_sinks", s, without_s, causal_pairs, how=how)
@@ -497,7 +497,10 @@ def main() -> None:
     if not args.no_rows:
         for i, s in enumerate(args.seqlens):
             run_rows(bench, s, i == 0, baseline)
+    from cpscope.attention import _kernels
+
     result["rows"], result["targets"] = bench.rows, targets(bench, args.seqlens)
+    result["cudnn_refused"] = {str(k): why for k, why in _kernels.fallbacks().items()}  # rows that ran elsewhere
     path = write_json(result, args.out, args.json)
     print_tables(result)
     print(f"\nwrote {path}")

@@ -236,6 +236,11 @@ def _io_type(cudnn: Any, dtype: torch.dtype) -> Any:
     raise ValueError(f"cuDNN packed attention supports fp16/bf16, got {dtype}")
 
 
+class GraphUnsupported(RuntimeError):
+    """cuDNN (or its frontend) refused to build a graph; raised before any kernel ran, so another kernel may take
+    the block (see :mod:`cpscope.attention._kernels`)."""
+
+
 def _cached(key: tuple, build) -> Any:
     with _lock:
         g = _graphs.get(key)
@@ -243,7 +248,10 @@ def _cached(key: tuple, build) -> Any:
             _graphs.move_to_end(key)
             return g
     t0 = time.perf_counter()
-    g = build()
+    try:
+        g = build()
+    except Exception as e:  # noqa: BLE001 - the frontend raises many types; none of them ran a kernel
+        raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}") from e
     log.debug("cuDNN packed-attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
     with _lock:
         _graphs[key] = g

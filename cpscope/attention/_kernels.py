@@ -12,6 +12,10 @@ blocks, :mod:`~cpscope.attention._cudnn_thd` for packed ones) and hands the othe
    cut off); its ``lse`` of +inf for rows that see no key becomes -inf.
 3. **exact math** (``exact``: the CPU block, which runs on any device) for a softcap without cuDNN.
 
+A graph that cuDNN refuses to build (:class:`~cpscope.attention._cudnn_thd.GraphUnsupported`: raised before any
+kernel runs) sends that kind of block to the next route for the rest of the process, with one warning;
+:func:`fallbacks` lists what fell back and why (the GPU tests assert it stays empty for what they expect on cuDNN).
+
 Example::
 
     out, lse = forward(q, k, v, 0.125, True, None, (4095, 0), None, cudnn=True, exact=blocks._cpu_forward)
@@ -26,10 +30,28 @@ import torch.nn.functional as F
 
 from . import _cudnn_graphs, _cudnn_mods, _cudnn_thd
 
-__all__ = ["forward", "backward", "route"]
+__all__ = ["forward", "backward", "route", "fallbacks"]
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
+_REFUSED: dict[tuple, str] = {}  # kind of block -> why cuDNN refused it (see the module docstring)
+
+
+def fallbacks() -> dict[tuple, str]:
+    """The kinds of block that cuDNN refused in this process, with the reason (a copy)."""
+    return dict(_REFUSED)
+
+
+def _kind(direction: str, q, k, v, causal, vl, window, softcap) -> tuple:
+    band = _cudnn_mods.band_of(causal, window)
+    return (direction, vl is None, band is not None, band is not None and band.left != -1,
+            band is not None and band.right not in (-1, 0), softcap is not None, q.dtype, q.shape[-1], v.shape[-1],
+            q.shape[-2], k.shape[-2], q.device)
+
+
+def _refused(kind: tuple, err: Exception) -> None:
+    _REFUSED[kind] = str(err)[:500]
+    log.warning("cuDNN refused a %s block (%s); this kind of block runs on the next route from now on", kind[0], err)
 
 
 def route(q: torch.Tensor, softcap: Optional[float], cudnn: bool) -> str:
@@ -85,11 +107,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
             exact: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block (dense ``[b, s, h, d]`` or packed ``[t, h, d]`` with ``vl``), as
     :func:`~cpscope.attention.blocks.block_forward` returns them."""
-    how = route(q, softcap, cudnn)
+    how, kind = route(q, softcap, cudnn), _kind("forward", q, k, v, causal, vl, window, softcap)
+    if how == "cudnn" and kind not in _REFUSED:
+        try:
+            if vl is None:
+                return _cudnn_graphs.forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
+            return _cudnn_thd.forward(q, k, v, vl, scale=scale, causal=causal, window=window, softcap=softcap)
+        except _cudnn_thd.GraphUnsupported as e:
+            _refused(kind, e)
     if how == "cudnn":
-        if vl is None:
-            return _cudnn_graphs.forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
-        return _cudnn_thd.forward(q, k, v, vl, scale=scale, causal=causal, window=window, softcap=softcap)
+        how = route(q, softcap, False)
     if how == "flash":
         return _flash_forward(q, k, v, scale, causal, vl, window)
     return exact(q, k, v, scale, causal, vl, window=window, softcap=softcap)
@@ -100,13 +127,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              softcap: Optional[float], *, cudnn: bool, exact: Callable
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the merged ``out`` and ``lse`` of its queries."""
-    how = route(q, softcap, cudnn)
+    how, kind = route(q, softcap, cudnn), _kind("backward", q, k, v, causal, vl, window, softcap)
+    if how == "cudnn" and kind not in _REFUSED:
+        try:
+            if vl is None:
+                return _cudnn_graphs.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
+                                              softcap=softcap)
+            return _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=scale, causal=causal, window=window,
+                                       softcap=softcap)
+        except _cudnn_thd.GraphUnsupported as e:
+            _refused(kind, e)
     if how == "cudnn":
-        if vl is None:
-            return _cudnn_graphs.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,
-                                          softcap=softcap)
-        return _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=scale, causal=causal, window=window,
-                                   softcap=softcap)
+        how = route(q, softcap, False)
     if how == "flash":
         return _flash_backward(dout, q, k, v, out, lse, scale, causal, vl, window)
     return exact(dout, q, k, v, out, lse, scale, causal, vl, window=window, softcap=softcap)

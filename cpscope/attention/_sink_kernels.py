@@ -33,7 +33,8 @@ _MAX_TILE = 4096  # elements of one program's [BLOCK_H, BLOCK_D] tile
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[Any]:
+def _jitted() -> Optional[tuple]:
+    """``(merge, terms)`` jitted kernels, or None without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -41,7 +42,7 @@ def _kernels() -> Optional[Any]:
         return None
 
     @triton.jit
-    def merge_kernel(O, L, SK, H, D, so_b, so_s, so_h, so_d, sl_b, sl_h, sl_s,
+    def sink_merge_kernel(O, L, SK, H, D, so_b, so_s, so_h, so_d, sl_b, sl_h, sl_s,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
@@ -61,7 +62,7 @@ def _kernels() -> Optional[Any]:
         tl.store(lp, new, mask=mh)
 
     @triton.jit
-    def terms_kernel(DO, O, L, SK, T, H, D, sd_b, sd_s, sd_h, sd_d, so_b, so_s, so_h, so_d, sl_b, sl_h, sl_s,
+    def sink_terms_kernel(DO, O, L, SK, T, H, D, sd_b, sd_s, sd_h, sd_d, so_b, so_s, so_h, so_d, sl_b, sl_h, sl_s,
                      st_b, st_s, st_h, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
@@ -77,7 +78,7 @@ def _kernels() -> Optional[Any]:
         w = tl.where(lse == float("-inf"), 0.0, tl.exp(sk - lse))
         tl.store(T + b * st_b + s * st_s + hh * st_h, -w * delta, mask=mh)
 
-    return merge_kernel, terms_kernel
+    return sink_merge_kernel, sink_terms_kernel
 
 
 def _batched(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +89,7 @@ def _batched(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _triton(*tensors: torch.Tensor) -> Optional[Any]:
     if not all(t.is_cuda for t in tensors) or any(t.dtype == torch.float64 for t in tensors):
         return None
-    return _kernels()
+    return _jitted()
 
 
 def _tile(h: int, d: int) -> tuple[int, int]:

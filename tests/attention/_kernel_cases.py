@@ -5,7 +5,8 @@ Each case runs one block through the kernel route it names (``cudnn``: the cuDNN
 flash-attention-2 with a window; ``plain``: the block's plain routes, e.g. multi-latent head dims on aten's cuDNN),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
-``out = 0, lse = -inf``, and ``ok``. ``split`` cases cut the keys of one windowed block in two blocks (each with
+``out = 0, lse = -inf``, ``ok``, and what cuDNN refused to build (``cudnn_refused``: the block then ran on the next
+route, see :mod:`cpscope.attention._kernels`). ``split`` cases cut the keys of one windowed block in two blocks (each with
 the window that the bottom-right alignment gives it), merge the two by their log-sum-exp and run both backwards
 with the merged statistics: external statistics, blocks with more queries than keys, and rows with no key.
 
@@ -131,10 +132,10 @@ def _block_fns(route: str, vl: Any):
     if route == "plain":
         return (lambda q, k, v, s, c, w, sc: blocks._cuda_forward(q, k, v, s, c, vl),
                 lambda do, q, k, v, o, l, s, c, w, sc: blocks._cuda_backward(do, q, k, v, o, l, s, c, vl))
-    on = route == "cudnn"
-    return (lambda q, k, v, s, c, w, sc: _kernels.forward(q, k, v, s, c, vl, w, sc, cudnn=on, exact=None),
+    on, ef, eb = route == "cudnn", blocks._cpu_forward, blocks._cpu_backward
+    return (lambda q, k, v, s, c, w, sc: _kernels.forward(q, k, v, s, c, vl, w, sc, cudnn=on, exact=ef),
             lambda do, q, k, v, o, l, s, c, w, sc: _kernels.backward(do, q, k, v, o, l, s, c, vl, w, sc, cudnn=on,
-                                                                   exact=None))
+                                                                   exact=eb))
 
 
 def _errors(out, lse, grads, ref) -> dict:
@@ -176,10 +177,16 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         lens = [[b - a for a, b in zip(c[:-1], c[1:])] for c in cu]
         t = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
         vl = Varlen(t(cu[0]), t(cu[1]), max(lens[0]), max(lens[1]), tuple(cu[0]), tuple(cu[1]))
+    from cpscope.attention import _kernels
+
     fwd, bwd = _block_fns(route, vl)
+    before = set(_kernels.fallbacks())
     if layout == "split":
-        return {"route": route, "layout": layout, **_split(q, k, v, do, fwd, bwd, scale, causal, window, softcap)}
-    out, lse = fwd(q, k, v, scale, causal, window, softcap)
-    ref = reference(q, k, v, do, scale, causal, window, softcap, cu)
-    grads = bwd(do, q, k, v, ref[0].to(q.dtype), ref[1].float(), scale, causal, window, softcap)
-    return {"route": route, "layout": layout, **_errors(out, lse, grads, ref)}
+        res = _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap)
+    else:
+        out, lse = fwd(q, k, v, scale, causal, window, softcap)
+        ref = reference(q, k, v, do, scale, causal, window, softcap, cu)
+        grads = bwd(do, q, k, v, ref[0].to(q.dtype), ref[1].float(), scale, causal, window, softcap)
+        res = _errors(out, lse, grads, ref)
+    refused = {str(k[0]): why for k, why in _kernels.fallbacks().items() if k not in before}
+    return {"route": route, "layout": layout, **res, "cudnn_refused": refused}

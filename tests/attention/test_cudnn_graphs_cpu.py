@@ -68,3 +68,29 @@ def test_leading_rows_with_no_key(fake):
     out, lse = _cudnn_graphs.forward(q[:, :3], k, k, scale=0.3, causal=True, window=(1, 0))
     assert torch.all(out[:, :1] == 0) and torch.all(lse[..., :1] == float("-inf"))
     assert torch.all(torch.isfinite(lse[..., 1:]))
+
+
+def test_refused_graph_falls_back_to_the_next_route(fake, monkeypatch):
+    """A graph cuDNN will not build (here: every score-modifier graph) sends that kind of block to the exact math,
+    recorded in ``_kernels.fallbacks()``; the result is the exact block's."""
+    from cpscope.attention import _kernels, blocks
+
+    def refuse(graph):
+        if any(p.get("mod") is not None for _, p in graph.ops):
+            raise RuntimeError("no engine for this graph")
+
+    monkeypatch.setattr(type(fake.pygraph(io_data_type=None, intermediate_data_type=None, compute_data_type=None,
+                                          handle=None)), "check_support", refuse)
+    monkeypatch.setattr(_cudnn_thd, "available", lambda device: True)
+    monkeypatch.setattr(_kernels, "_REFUSED", {})
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 12, h, 8).bfloat16() for h in (4, 2, 2))
+    kw = dict(window=(3, 0), softcap=2.5)
+    got = _kernels.forward(q, k, v, 0.3, True, None, kw["window"], kw["softcap"], cudnn=True,
+                           exact=blocks._cpu_forward)
+    want = blocks._cpu_forward(q, k, v, 0.3, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(_kernels.fallbacks()) == 1 and "no engine" in next(iter(_kernels.fallbacks().values()))
+    # plain windows still build
+    out, _ = _kernels.forward(q, k, v, 0.3, True, None, (3, 0), None, cudnn=True, exact=blocks._cpu_forward)
+    assert len(_kernels.fallbacks()) == 1 and out.shape == q.shape

@@ -27,6 +27,7 @@ def test_block_kernel_parity(name):
     res = run_case(name, torch.device("cuda", 0), seed=sorted(CASES).index(name))
     assert res["unseen_ok"], f"{name}: rows that see no key must come out as out 0, lse -inf ({res})"
     assert res["ok"], f"{name}: relative errors above {REL_TOL} (lse 1e-3): {res}"
+    assert not res["cudnn_refused"], f"{name}: cuDNN refused the graph, another kernel ran: {res['cudnn_refused']}"
 
 
 @pytest.mark.gpu
