@@ -210,10 +210,10 @@ def _planned_step(world: int, capacity: int) -> list[int]:
     ref = copy.deepcopy(model).double()
     with cpscope.sentinel(every=1) as sentinel:
         mbs = prepare_microbatches(plan.microbatches_for_rank(dist.get_rank()), docs, groups)
-        n = global_num_targets(mbs)
-        local = run_microbatches(model, mbs, num_targets=n)
-    allreduce_gradients(model)
-    loss = allreduce_sum(local).item() / n
+        n = global_num_targets(mbs, dp_group=dist.group.WORLD)
+        local = run_microbatches(model, mbs, num_targets=n, dp_group=dist.group.WORLD)
+    allreduce_gradients(model, dp_group=dist.group.WORLD)
+    loss = allreduce_sum(local, group=dist.group.WORLD).item() / n
     ref_loss = reference_loss(ref, docs)
     ref_loss.backward()
     assert abs(loss - ref_loss.item()) <= 1e-6 * abs(ref_loss.item()), (loss, ref_loss.item())

@@ -178,17 +178,17 @@ def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, i
         logs[next(i for i, p in enumerate(plan) if p.seqs == mb.seqs)] = log
         return out
 
-    n = global_num_targets(mbs)
+    n = global_num_targets(mbs, dp_group=dist.group.WORLD)
     with _moe_cpu_shims():
-        local = run_microbatches(model, mbs, num_targets=n, forward=forward)
-    allreduce_gradients(model)
+        local = run_microbatches(model, mbs, num_targets=n, dp_group=dist.group.WORLD, forward=forward)
+    allreduce_gradients(model, dp_group=dist.group.WORLD)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, logs)
     summed: dict[int, list] = {}
     for rank_logs in gathered:
         for i, log in rank_logs.items():
             summed[i] = log if i not in summed else [a + b for a, b in zip(summed[i], log)]
-    return float(allreduce_sum(local)) / n, n, summed
+    return float(allreduce_sum(local, group=dist.group.WORLD)) / n, n, summed
 
 
 def _packed(docs: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
