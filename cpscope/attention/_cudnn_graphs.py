@@ -186,6 +186,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     """One dense block: ``(out [b, s_q, h, d_v] contiguous, lse [b, h, s_q] fp32)``; rows that see no key give
     ``out = 0`` and ``lse = -inf``."""
     _check(("q", q), ("k", k), ("v", v))
+    _thd._io_type(_thd._cudnn_module(), q.dtype)  # the caller's error, raised before any graph is built
     softcap = None if softcap is None else float(softcap)
     b, n_q, h, _ = q.shape
     out = torch.zeros((b, n_q, h, v.shape[3]), dtype=q.dtype, device=q.device)
@@ -208,6 +209,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Gradients of one dense block given the merged ``out`` and ``lse`` ([b, h, s_q] fp32) of its queries;
     ``dq``/``dk``/``dv`` contiguous ``[b, s, h, d]``."""
     _check(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+    _thd._io_type(_thd._cudnn_module(), q.dtype)
     softcap = None if softcap is None else float(softcap)
     dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     stats = lse.float().unsqueeze(-1)

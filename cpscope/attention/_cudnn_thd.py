@@ -337,6 +337,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
     dev = q.device
     meta = _meta(vl, dev)
     _check(q, k, v)
+    _io_type(cudnn, q.dtype)  # a dtype cuDNN cannot take is the caller's error, raised before any graph is built
     band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
     q, k, v = _packed(q), _packed(k), _packed(v)
     b = len(meta["host_q"]) - 1
@@ -391,6 +392,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     meta = _meta(vl, dev)
     _check(q, k, v)
     _check(dout, out, out)
+    _io_type(cudnn, q.dtype)
     band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
     q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     b = len(meta["host_q"]) - 1
