@@ -11,11 +11,13 @@ as logical ``[B, h, S, d]`` with strides ``[-, d, h * d, 1]`` plus a *ragged off
 The softmax statistics (log-sum-exp, fp32) are ragged too, token-major ``[t, h]`` (offset ``cu * h``); the ring
 keeps lse as ``[h, t]``, so they are transposed on the way out and in (``h * t * 4`` bytes, ~10 us).
 
-Causal blocks use cuDNN's top-left diagonal with right bound 0, which equals flash's bottom-right alignment only
-when every sequence has as many queries as keys — true of the only causal blocks the ring issues (the diagonal);
-anything else raises ``ValueError``.
+Causal blocks and windows (``window=(left, right)``, relative to each sequence's bottom-right-aligned diagonal, as
+in flash-attention) use cuDNN's diagonal band: top-left aligned when every sequence has as many queries as keys
+(the two alignments coincide), else bottom-right (per sequence, through the sequence lengths). A softcap turns the
+band and the padding mask into a score modifier (:mod:`cpscope.attention._cudnn_mods`). Query rows that see no key
+(a sequence with more queries than keys) come out as ``out = 0``, ``lse = -inf``.
 
-Graph cache: one graph per (direction, B, S buckets, heads, head dim, strides, dtype, causal, scale, device);
+Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, dtype, band, softcap, scale, device);
 ``S`` (longest sequence), the backward's total-token bound and the number of sequences (padded with empty ones)
 are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
 pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
@@ -46,6 +48,7 @@ from typing import Any, Optional
 import torch
 
 from .._tensor_cache import register_clear
+from . import _cudnn_mods as _mods
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,8 @@ def _handle(device: torch.device) -> Any:
 def _meta(vl: Any, device: torch.device) -> dict:
     """What the graphs need of one packing, kept on the :class:`~cpscope.attention.blocks.Varlen` itself (so it
     lives as long as the pack): host offsets (bucketed), sequence lengths ``[B,1,1,1]`` int32, offsets ``cu`` int64,
-    scaled offsets by (role, multiplier), and whether every sequence has as many queries as keys."""
+    scaled offsets by (role, multiplier), whether every sequence has as many queries as keys, and what bands derive
+    from the packing (``derived``: score-modifier bounds, rows that see no key)."""
     key = ("cudnn", device, _BUCKET_BATCH)
     meta = vl.memo.get(key)
     if meta is not None:
@@ -129,7 +133,7 @@ def _meta(vl: Any, device: torch.device) -> dict:
     cq = torch.tensor(hq, dtype=torch.int64)
     ck = torch.tensor(hk, dtype=torch.int64)
     meta = {
-        "host_q": hq, "host_k": hk, "square": square, "scaled": {},
+        "host_q": hq, "host_k": hk, "square": square, "scaled": {}, "derived": {},
         "seq_q": (cq[1:] - cq[:-1]).to(torch.int32).view(-1, 1, 1, 1).to(device),
         "seq_k": (ck[1:] - ck[:-1]).to(torch.int32).view(-1, 1, 1, 1).to(device),
         "cu_q": cq.view(-1, 1, 1, 1).to(device), "cu_k": ck.view(-1, 1, 1, 1).to(device),
@@ -166,14 +170,58 @@ def _pad_batch(cu: tuple) -> tuple:
     return cu + (cu[-1],) * (_pow2(n, 1) - n)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: dict, causal: bool) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3 or t.stride(-1) != 1:
             raise ValueError(f"cuDNN packed attention needs [t, h, d] tensors with unit stride in d; {name} has "
                              f"shape {tuple(t.shape)} and strides {t.stride()}")
-    if causal and not meta["square"]:
-        raise ValueError("cuDNN packed causal blocks need as many queries as keys in every sequence "
-                         f"(cu_q={meta['host_q'][:8]}..., cu_k={meta['host_k'][:8]}...)")
+
+
+def _lens(meta: dict) -> list[tuple[int, int]]:
+    hq, hk = meta["host_q"], meta["host_k"]
+    return [(b - a, e - c) for a, b, c, e in zip(hq[:-1], hq[1:], hk[:-1], hk[1:])]
+
+
+def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float], device: torch.device) -> dict:
+    """What a score modifier reads per sequence, as fp32 ``[B, 1, 1, 1]`` (see
+    :class:`~cpscope.attention._cudnn_mods.ScoreMod`): the lengths (``seq_qf``/``seq_kf``) and, for a band that is
+    not the square causal one, its bounds (``wl``/``hi``); empty without a softcap."""
+    if softcap is None:
+        return {}
+    key = ("score_mod", band)
+    got = meta["derived"].get(key)
+    if got is None:
+        lens = _lens(meta)
+        cols = {"seq_qf": [lq for lq, _ in lens], "seq_kf": [lk for _, lk in lens]}
+        if band is not None and not (meta["square"] and band == _mods.Band(-1, 0)):
+            lo, hi = zip(*(band.bounds(lq, lk) for lq, lk in lens))
+            cols.update(wl=[1 - x for x in lo], hi=list(hi))
+        got = {n: torch.tensor(x, dtype=torch.float32).view(-1, 1, 1, 1).to(device) for n, x in cols.items()}
+        got = meta["derived"].setdefault(key, got)
+    return got
+
+
+def _masked_rows(meta: dict, band: Optional[_mods.Band], device: torch.device) -> Optional[torch.Tensor]:
+    """Packed indices of the query rows that see no key (sequences with more queries than keys), or None."""
+    if band is None or meta["square"] or band.right == -1:
+        return None
+    key = ("masked", band)
+    if key not in meta["derived"]:
+        rows = [i for (lq, lk), a in zip(_lens(meta), meta["host_q"]) for i in range(a, a + band.masked_prefix(lq, lk))]
+        meta["derived"][key] = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
+    return meta["derived"][key]
+
+
+def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[_mods.Band], softcap: Optional[float],
+             extras: dict, backward: bool) -> tuple[dict, dict]:
+    """The sdpa options of a packed block (padding mask or score modifier, band) and the host tensors to bind;
+    declares ``extras`` in ``named``."""
+    for n in extras:
+        named[n] = _column(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.FLOAT, n)
+    bounds = (named["wl"], named["hi"]) if "wl" in extras else None
+    mask_lens = (named["seq_qf"], named["seq_kf"]) if "seq_qf" in extras else None
+    return _mods.sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
+                              bounds=bounds, backward=backward, mask_lens=mask_lens)
 
 
 def _dims(t: torch.Tensor, b: int, s: int) -> tuple[list, list]:
@@ -190,6 +238,11 @@ def _io_type(cudnn: Any, dtype: torch.dtype) -> Any:
     raise ValueError(f"cuDNN packed attention supports fp16/bf16, got {dtype}")
 
 
+class GraphUnsupported(RuntimeError):
+    """cuDNN (or its frontend) refused to build a graph; raised before any kernel ran, so another kernel may take
+    the block (see :mod:`cpscope.attention._kernels`)."""
+
+
 def _cached(key: tuple, build) -> Any:
     with _lock:
         g = _graphs.get(key)
@@ -197,7 +250,10 @@ def _cached(key: tuple, build) -> Any:
             _graphs.move_to_end(key)
             return g
     t0 = time.perf_counter()
-    g = build()
+    try:
+        g = build()
+    except Exception as e:  # noqa: BLE001 - the frontend raises many types; none of them ran a kernel
+        raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}") from e
     log.debug("cuDNN packed-attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
     with _lock:
         _graphs[key] = g
@@ -207,32 +263,39 @@ def _cached(key: tuple, build) -> Any:
 
 
 class _Built:
-    """A built cuDNN graph, its tensors' uids by role, and its workspace size.
+    """A built cuDNN graph, its tensors' uids by role, its workspace size, and the host tensors bound at every execute
+    (``fixed``: pass-by-value scalars of a score modifier).
 
     Host time: the frontend's mapping form of ``execute`` validates every binding in Python on every call (~0.2 ms
     with 12 tensors, frontend 1.32, H200); its ordered form (``tensor_uids=``, frontend >= 1.30) caches that per
-    graph, so it is used where available (``_ORDERED_EXECUTE``).
+    graph, so it is used where available (``_ORDERED_EXECUTE``), also with host scalars (H200: same results as the
+    mapping form with the tensors themselves, the frontend samples' way, which ``_FIXED_FORM = "mapping"`` selects).
     """
 
-    def __init__(self, graph: Any, uids: dict, workspace: int) -> None:
-        self.graph, self.uids, self.workspace = graph, uids, workspace
+    def __init__(self, graph: Any, uids: dict, workspace: int, fixed: Optional[dict] = None) -> None:
+        self.graph, self.uids, self.workspace, self.fixed = graph, uids, workspace, dict(fixed or {})
         self.names = tuple(uids)
         self.order = tuple(uids[n] for n in self.names)
-        self.ordered = _ORDERED_EXECUTE and _takes_tensor_uids(graph)
+        self.ordered = _ORDERED_EXECUTE and _takes_tensor_uids(graph) and (not self.fixed or _FIXED_FORM == "ordered")
 
     def run(self, device: torch.device, tensors: dict) -> None:
         cudnn = _cudnn_module()
         handle = _handle(device)
         cudnn.set_stream(handle=handle, stream=_stream(device))
         ws = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
+        if self.fixed:
+            tensors = {**tensors, **self.fixed}
         if self.ordered:
             self.graph.execute(tuple(tensors[n] for n in self.names), ws, handle=handle, tensor_uids=self.order)
+        elif self.fixed:
+            self.graph.execute({self.uids[name]: t for name, t in tensors.items()}, ws, handle=handle)
         else:
             pack = {self.uids[name]: t.data_ptr() for name, t in tensors.items()}
             self.graph.execute(pack, ws.data_ptr() if ws is not None else 0, handle=handle)
 
 
 _ORDERED_EXECUTE = True  # private knob: the frontend's ordered execute where it exists (benchmarks compare both)
+_FIXED_FORM = "ordered"  # private knob: how graphs with host scalars execute ("ordered" or "mapping")
 
 
 def _takes_tensor_uids(graph: Any) -> bool:
@@ -247,13 +310,13 @@ def _new_graph(cudnn: Any, dtype: torch.dtype, device: torch.device) -> Any:
                          compute_data_type=cudnn.data_type.FLOAT, handle=_handle(device))
 
 
-def _finish(cudnn: Any, graph: Any, named: dict) -> _Built:
+def _finish(cudnn: Any, graph: Any, named: dict, fixed: Optional[dict] = None) -> _Built:
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
-    return _Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()))
+    return _Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()), fixed)
 
 
 def _tensor(graph: Any, cudnn: Any, dims: list, strides: list, dtype: Any, offset: Any = None, name: str = "") -> Any:
@@ -263,101 +326,111 @@ def _tensor(graph: Any, cudnn: Any, dims: list, strides: list, dtype: Any, offse
     return t
 
 
-def _int_tensor(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
+def _column(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
     return graph.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale: float,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One packed block: ``(out [t_q, h, d] contiguous, lse [h, t_q] fp32)``, like the flash block; ``lse`` is a
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale: float, causal: bool,
+            window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed block: ``(out [t_q, h, d_v] contiguous, lse [h, t_q] fp32)``, like the flash block; ``lse`` is a
     transposed view of cuDNN's token-major statistics (the backward reads it back without a copy)."""
     cudnn = _cudnn_module()
     dev = q.device
     meta = _meta(vl, dev)
-    _check(q, k, v, meta, causal)
+    _check(q, k, v)
+    _io_type(cudnn, q.dtype)  # a dtype cuDNN cannot take is the caller's error, raised before any graph is built
+    band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
     q, k, v = _packed(q), _packed(k), _packed(v)
     b = len(meta["host_q"]) - 1
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
     out = torch.empty((t_q, h, v.shape[2]), dtype=q.dtype, device=dev)
     stats = torch.empty((t_q, h), dtype=torch.float32, device=dev)
-    key = ("fwd", b, s_q, s_k, h, k.shape[1], d, q.stride(), k.stride(), v.stride(), q.dtype, causal, float(scale),
-           dev)
+    extras = _band_extras(meta, band, softcap, dev)
+    key = ("fwd", b, s_q, s_k, h, k.shape[1], d, v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype, band,
+           softcap, meta["square"], float(scale), dev)
 
     def build() -> _Built:
         g = _new_graph(cudnn, q.dtype, dev)
         i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
-        named = {n: _int_tensor(g, cudnn, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
-        named["seq_q"] = _int_tensor(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _int_tensor(g, cudnn, b, i32, "seq_k")
+        named = {n: _column(g, cudnn, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
+        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
+        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
         named["q"] = _tensor(g, cudnn, *_dims(q, b, s_q), io, named["off_q"], "q")
         named["k"] = _tensor(g, cudnn, *_dims(k, b, s_k), io, named["off_k"], "k")
         named["v"] = _tensor(g, cudnn, *_dims(v, b, s_k), io, named["off_v"], "v")
-        mask = dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0) if causal \
-            else {}
+        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=False)
         o, st = g.sdpa(name="sdpa", q=named["q"], k=named["k"], v=named["v"], generate_stats=True,
-                       attn_scale=float(scale), use_padding_mask=True, seq_len_q=named["seq_q"],
-                       seq_len_kv=named["seq_k"], **mask)
+                       attn_scale=float(scale), **opts)
         o.set_output(True).set_dim(_dims(out, b, s_q)[0]).set_stride(_dims(out, b, s_q)[1])
         o.set_ragged_offset(named["off_o"])
         st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim([b, h, s_q, 1]).set_stride(
             [s_q * h, 1, h, 1])
         st.set_ragged_offset(named["off_s"])
         named["o"], named["stats"] = o, st
-        return _finish(cudnn, g, named)
+        return _finish(cudnn, g, named, fixed)
 
     built = _cached(key, build)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "stats": stats, "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],
         "off_q": _offsets(meta, "q", q.stride(0)), "off_k": _offsets(meta, "k", k.stride(0)),
         "off_v": _offsets(meta, "k", v.stride(0)), "off_o": _offsets(meta, "q", out.stride(0)),
-        "off_s": _offsets(meta, "q", h),
+        "off_s": _offsets(meta, "q", h), **extras,
     })
+    masked = _masked_rows(meta, band, dev)
+    if masked is not None:  # rows that see no key: whatever the kernel left there becomes out 0, lse -inf
+        out.index_fill_(0, masked, 0.0)
+        stats.index_fill_(0, masked, float("-inf"))
     return out, stats.t()  # [h, t] as a view of the token-major statistics: no transpose kernel (host time)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, vl: Any, *, scale: float, causal: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             lse: torch.Tensor, vl: Any, *, scale: float, causal: bool, window: Optional[tuple[int, int]] = None,
+             softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one packed block given the merged ``out`` and ``lse`` ([h, t_q] fp32); contiguous results."""
     cudnn = _cudnn_module()
     dev = q.device
     meta = _meta(vl, dev)
-    _check(q, k, v, meta, causal)
-    _check(dout, out, out, meta, False)
+    _check(q, k, v)
+    _check(dout, out, out)
+    _io_type(cudnn, q.dtype)
+    band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
     q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     b = len(meta["host_q"]) - 1
     s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
     t_q, h, d = q.shape
     t_k = k.shape[0]
     stats = lse.t().contiguous()  # [t, h] token-major, as the forward wrote it (a no-op for the forward's view)
+    if band is not None:  # a row with no key anywhere (lse -inf) gets no gradient: exp(s - inf) = 0
+        stats = stats.masked_fill(stats == float("-inf"), float("inf"))
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
-    key = ("bwd", b, s_q, s_k, _pow2(t_q), _pow2(t_k), h, k.shape[1], d, q.stride(), k.stride(), v.stride(),
-           out.stride(), dout.stride(), q.dtype, causal, float(scale), dev)
+    extras = _band_extras(meta, band, softcap, dev)
+    key = ("bwd", b, s_q, s_k, _pow2(t_q), _pow2(t_k), h, k.shape[1], d, v.shape[2], q.stride(), k.stride(),
+           v.stride(), out.stride(), dout.stride(), q.dtype, band, softcap, meta["square"], float(scale), dev)
 
     def build() -> _Built:
         g = _new_graph(cudnn, q.dtype, dev)
         i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
         roles = ("off_q", "off_k", "off_v", "off_o", "off_do", "off_dq", "off_dk", "off_dv", "off_s")
-        named = {n: _int_tensor(g, cudnn, b + 1, i64, n) for n in roles}
-        named["seq_q"] = _int_tensor(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _int_tensor(g, cudnn, b, i32, "seq_k")
+        named = {n: _column(g, cudnn, b + 1, i64, n) for n in roles}
+        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
+        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
         for name, t, s in (("q", q, s_q), ("k", k, s_k), ("v", v, s_k), ("o", out, s_q), ("do", dout, s_q)):
             named[name] = _tensor(g, cudnn, *_dims(t, b, s), io, named["off_" + name], name)
         named["stats"] = _tensor(g, cudnn, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
                                  named["off_s"], "stats")
-        mask = dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0) if causal \
-            else {}
+        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=True)
         gq, gk, gv = g.sdpa_backward(
             name="sdpa_backward", q=named["q"], k=named["k"], v=named["v"], o=named["o"], dO=named["do"],
-            stats=named["stats"], attn_scale=float(scale), use_padding_mask=True, seq_len_q=named["seq_q"],
-            seq_len_kv=named["seq_k"], max_total_seq_len_q=_pow2(t_q), max_total_seq_len_kv=_pow2(t_k), **mask)
+            stats=named["stats"], attn_scale=float(scale), max_total_seq_len_q=_pow2(t_q),
+            max_total_seq_len_kv=_pow2(t_k), **opts)
         for name, gt, ref, s in (("dq", gq, dq, s_q), ("dk", gk, dk, s_k), ("dv", gv, dv, s_k)):
             dims, strides = _dims(ref, b, s)
             gt.set_output(True).set_dim(dims).set_stride(strides)
             gt.set_ragged_offset(named["off_" + name])
             named[name] = gt
-        return _finish(cudnn, g, named)
+        return _finish(cudnn, g, named, fixed)
 
     built = _cached(key, build)
     off = functools.partial(_offsets, meta)
@@ -366,6 +439,6 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],
         "off_q": off("q", q.stride(0)), "off_k": off("k", k.stride(0)), "off_v": off("k", v.stride(0)),
         "off_o": off("q", out.stride(0)), "off_do": off("q", dout.stride(0)), "off_dq": off("q", dq.stride(0)),
-        "off_dk": off("k", dk.stride(0)), "off_dv": off("k", dv.stride(0)), "off_s": off("q", h),
+        "off_dk": off("k", dk.stride(0)), "off_dv": off("k", dv.stride(0)), "off_s": off("q", h), **extras,
     })
     return dq, dk, dv

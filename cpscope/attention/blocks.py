@@ -257,14 +257,23 @@ def _varlen_on_cudnn(q: torch.Tensor) -> bool:
     return ok
 
 
-def _cuda_features(window: Window, softcap: Optional[float]) -> None:
-    if window is not None or softcap is not None:
-        raise NotImplementedError(
-            f"window={window} / softcap={softcap} have no CUDA block kernel in this build (CPU blocks compute them)")
+def _features_route(q, k, v, vl, window, softcap) -> Optional[bool]:
+    """Whether the block's cuDNN route is on (to pass to :mod:`._kernels`) when the block needs that module (a window,
+    a softcap, or a v head dim other than q/k's off cuDNN); None when the plain routes below run it."""
+    if window is None and softcap is None and v.shape[-1] == q.shape[-1]:
+        return None
+    on_cudnn = _use_cudnn(q, k) if vl is None else _varlen_on_cudnn(q)
+    if window is None and softcap is None and on_cudnn:
+        return None  # multi-latent head dims: cuDNN takes them as they are
+    return on_cudnn
 
 
 def _cuda_forward(q, k, v, scale, causal, vl, window=None, softcap=None):
-    _cuda_features(window, softcap)
+    on_cudnn = _features_route(q, k, v, vl, window, softcap)
+    if on_cudnn is not None:
+        from . import _kernels
+
+        return _kernels.forward(q, k, v, scale, causal, vl, window, softcap, cudnn=on_cudnn, exact=_cpu_forward)
     if vl is None:
         # [b, s, h, d] -> [b, h, s, d] views; the kernels read the bshd strides without copying.
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -287,7 +296,12 @@ def _cuda_forward(q, k, v, scale, causal, vl, window=None, softcap=None):
 
 
 def _cuda_backward(dout, q, k, v, out, lse, scale, causal, vl, window=None, softcap=None):
-    _cuda_features(window, softcap)
+    on_cudnn = _features_route(q, k, v, vl, window, softcap)
+    if on_cudnn is not None:
+        from . import _kernels
+
+        return _kernels.backward(dout, q, k, v, out, lse, scale, causal, vl, window, softcap, cudnn=on_cudnn,
+                                 exact=_cpu_backward)
     if vl is None:
         args = [t.transpose(1, 2) for t in (dout, q, k, v, out)]
         if _use_cudnn(q, k):

@@ -174,10 +174,20 @@ def test_cpu_block_window_is_banded():
     assert sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in full) <= 2 * 4096 * 4097 // 2 + 4096 * 128  # causal
 
 
-def test_cuda_entry_points_take_the_features(fake_aten):
-    q = torch.zeros(1, 4, 2, 8)
-    for kw in ({"window": (3, 0)}, {"softcap": 30.0}):
-        with pytest.raises(NotImplementedError, match="CUDA block kernel"):
-            blocks._cuda_forward(q, q, q, 0.5, True, None, **kw)
-        with pytest.raises(NotImplementedError, match="CUDA block kernel"):
-            blocks._cuda_backward(q, q, q, q, q, q[..., 0], 0.5, True, None, **kw)
+def test_cuda_entry_points_route_the_features(monkeypatch):
+    """Blocks with a window / softcap / their own v head dim go to cpscope.attention._kernels: off cuDNN a softcap
+    runs the exact block math (here on CPU tensors, so it must equal the CPU block), a window flash-attention-2."""
+    from cpscope.attention import _kernels
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 9, 1, 8), torch.randn(1, 9, 1, 4)
+    assert blocks._features_route(q, k, k, None, None, None) is None  # plain: the routes of this module
+    assert _kernels.route(q, 30.0, cudnn=True) == "exact" and _kernels.route(q, None, cudnn=True) == "flash"
+    kw = dict(window=(3, 0), softcap=30.0)
+    got = blocks._cuda_forward(q, k, v, 0.5, True, None, **kw)
+    want = blocks._cpu_forward(q, k, v, 0.5, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    dout = torch.randn(1, 6, 2, 4)
+    got = blocks._cuda_backward(dout, q, k, v, *want, 0.5, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, blocks._cpu_backward(dout, q, k, v, *want, 0.5, True, None,
+                                                                            **kw)))

@@ -1,0 +1,96 @@
+"""cpscope's dense cuDNN graphs with windows and softcapping (``cpscope.attention._cudnn_graphs``) on CPU, against
+the fake cuDNN frontend of ``tests/attention/_fake_cudnn.py`` (which interprets strides, bands and score modifiers
+the way cuDNN documents them), vs a float64 reference of the block contract. Real cuDNN: test_kernels_gpu.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cpscope.attention import _cudnn_graphs, _cudnn_thd
+from tests.attention._fake_cudnn import block_reference, fake_cudnn, rel
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cudnn = fake_cudnn()
+    monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
+    monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
+    monkeypatch.setattr(_cudnn_thd, "_handle", lambda device: object())
+    _cudnn_thd.clear_cache()
+    yield cudnn
+    _cudnn_thd.clear_cache()
+
+
+def _check(n_q, n_k, causal, window, softcap, d_v=8, layout="bshd"):
+    b, h, h_kv, d = 2, 4, 2, 8
+    mk = lambda n, heads, dd: torch.randn(b, n, heads, dd).bfloat16()  # noqa: E731
+    q, k, v, dout = mk(n_q, h, d), mk(n_k, h_kv, d), mk(n_k, h_kv, d_v), mk(n_q, h, d_v)
+    if layout == "sbhd":  # [s, b, h, d] memory seen as [b, s, h, d] views
+        q, k, v, dout = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v, dout))
+    kw = dict(scale=1 / math.sqrt(d), causal=causal, window=window, softcap=softcap)
+    out, lse = _cudnn_graphs.forward(q, k, v, **kw)
+    ref = block_reference(q, k, v, dout, **kw)
+    assert out.shape == (b, n_q, h, d_v) and lse.shape == (b, h, n_q) and lse.dtype == torch.float32
+    seen = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key must have lse -inf, and only those"
+    assert torch.all(out.float().transpose(1, 2)[~seen] == 0)
+    assert rel(out, ref[0]) < 1e-2 and rel(lse[seen], ref[1][seen]) < 1e-5
+    grads = _cudnn_graphs.backward(dout, q, k, v, ref[0].bfloat16(), ref[1].float(), **kw)
+    for got, want in zip(grads, ref[2:]):
+        assert got.shape == want.shape and rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("shape", [(12, 12), (12, 17), (17, 12)], ids=["square", "halo", "more_q"])
+@pytest.mark.parametrize("feature", ["window", "window_full", "softcap_causal", "mla_softcap_window"])
+def test_dense_window_softcap_mla_vs_float64(fake, feature, shape):
+    torch.manual_seed(2)
+    causal = feature != "window_full"
+    window = {"window": (3, 0), "window_full": (3, 2), "mla_softcap_window": (4, 0)}.get(feature)
+    softcap = 2.5 if "softcap" in feature else None
+    _check(*shape, causal, window, softcap, d_v=4 if feature.startswith("mla") else 8)
+
+
+def test_dense_sbhd_views_and_graph_cache(fake):
+    torch.manual_seed(3)
+    _check(12, 12, True, (3, 0), None, layout="sbhd")
+    n = len(_cudnn_thd._graphs)
+    _check(12, 12, True, (3, 0), None, layout="sbhd")  # same shapes, strides and options: no new graph
+    assert len(_cudnn_thd._graphs) == n == 2
+
+
+def test_leading_rows_with_no_key(fake):
+    """More queries than keys, causal: the first query's diagonal lies before the first key (out 0, lse -inf)."""
+    q = torch.randn(1, 8, 2, 8).bfloat16()
+    k = torch.randn(1, 2, 2, 8).bfloat16()
+    out, lse = _cudnn_graphs.forward(q[:, :3], k, k, scale=0.3, causal=True, window=(1, 0))
+    assert torch.all(out[:, :1] == 0) and torch.all(lse[..., :1] == float("-inf"))
+    assert torch.all(torch.isfinite(lse[..., 1:]))
+
+
+def test_refused_graph_falls_back_to_the_next_route(fake, monkeypatch):
+    """A graph cuDNN will not build (here: every score-modifier graph) sends that kind of block to the exact math,
+    recorded in ``_kernels.fallbacks()``; the result is the exact block's."""
+    from cpscope.attention import _kernels, blocks
+
+    def refuse(graph):
+        if any(p.get("mod") is not None for _, p in graph.ops):
+            raise RuntimeError("no engine for this graph")
+
+    monkeypatch.setattr(type(fake.pygraph(io_data_type=None, intermediate_data_type=None, compute_data_type=None,
+                                          handle=None)), "check_support", refuse)
+    monkeypatch.setattr(_cudnn_thd, "available", lambda device: True)
+    monkeypatch.setattr(_kernels, "_REFUSED", {})
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 12, h, 8).bfloat16() for h in (4, 2, 2))
+    kw = dict(window=(3, 0), softcap=2.5)
+    got = _kernels.forward(q, k, v, 0.3, True, None, kw["window"], kw["softcap"], cudnn=True,
+                           exact=blocks._cpu_forward)
+    want = blocks._cpu_forward(q, k, v, 0.3, True, None, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(_kernels.fallbacks()) == 1 and "no engine" in next(iter(_kernels.fallbacks().values()))
+    # plain windows still build
+    out, _ = _kernels.forward(q, k, v, 0.3, True, None, (3, 0), None, cudnn=True, exact=blocks._cpu_forward)
+    assert len(_kernels.fallbacks()) == 1 and out.shape == q.shape
