@@ -90,10 +90,6 @@ def _a2a_replicating_kv(world: int) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "cpscope/attention/ulysses.py check_heads (called by attention/variants.py for comm='a2a') requires the k/v "
-    "heads to divide by the CP size too and raises ValueError; CONTRACT.md: a2a replicates k/v heads as needed "
-    "(fewer k/v heads than the CP size included). Not implemented yet in the attention package."))
 @pytest.mark.parametrize("world", WORLDS)
 def test_a2a_replicates_kv_heads_at_cp_world(world: int) -> None:
     got = run_ranks(world, _a2a_replicating_kv, world)

@@ -591,23 +591,19 @@ def test_member_order_disagreeing_with_cp_rank_is_caught_before_the_ring():
 
 
 def _with_window(windows):
-    """A prepared call carrying a sliding window (an attribute the reference does not implement), per rank."""
-    from cpscope.attention.api import AttentionCall, prepare_call, run_call
-
-    @dataclasses.dataclass(frozen=True, eq=False)
-    class WindowedCall(AttentionCall):
-        window: object = None
+    """A prepared call carrying a sliding window (a feature the reference does not implement), per rank."""
+    from cpscope.attention.api import prepare_call, run_call
 
     groups = cpscope.new_cp_groups([1, 2])
     with cpscope.runtime_cp(groups[2]):
         scope = cpscope.capture_scope()
     q = torch.randn(16, 2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
-    call = prepare_call(q, q, q, scope, "thd", True, torch.tensor([0, 32], dtype=torch.int32), None, None, None, None)
-    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(AttentionCall)}
-    windowed = WindowedCall(**fields, window=windows[dist.get_rank()])
+    call = prepare_call(q, q, q, scope, "thd", True, torch.tensor([0, 32], dtype=torch.int32), None, None, None, None,
+                        window=windows[dist.get_rank()])
+    assert call.error is None, call.error
     with cpscope.sentinel(every=1) as s:
         try:
-            s.on_attention(windowed, run_call)
+            s.on_attention(call, run_call)
         except cpscope.SentinelError as e:
             return _summary(e), s.summary().checks
     return _summary(s.reports), s.summary().checks

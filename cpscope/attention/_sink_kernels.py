@@ -107,15 +107,15 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
 def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     """In place: ``lse = logaddexp(lse, sinks[h])``, ``out *= exp(lse_old - lse)`` (see the module docstring)."""
     o, lb = _batched(out, lse)
-    sk = sinks.detach().to(device=lse.device, dtype=torch.float32).contiguous()
     k = _triton(out, lse)
     if k is None or lse.dtype != torch.float32:
         dt = torch.float64 if torch.float64 in (out.dtype, lse.dtype) else torch.float32
-        new = torch.logaddexp(lb.to(dt), sk.to(dt).view(1, -1, 1))
+        new = torch.logaddexp(lb.to(dt), sinks.detach().to(device=lse.device, dtype=dt).view(1, -1, 1))
         w = torch.exp(lb.to(dt) - new)
         o.copy_(o.to(dt) * _head_major(w).unsqueeze(-1))
         lb.copy_(new)
         return
+    sk = sinks.detach().to(device=lse.device, dtype=torch.float32).contiguous()
     b, s, h, d = o.shape
     bh, bd = _tile(h, d)
     grid = (s, b, (h + bh - 1) // bh)

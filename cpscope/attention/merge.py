@@ -292,41 +292,10 @@ def rows_add_(acc: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.
 # ----------------------------------------------------------------------------------------------------------------
 # attention sinks: one more "block" per head with lse = sinks[h] and out = 0
 
-
-def _head_major(x: torch.Tensor) -> torch.Tensor:
-    """A q-like ``[b, s, h]`` / ``[t, h]`` per-row-per-head tensor in the lse layout ``[b, h, s]`` / ``[h, t]``."""
-    return x.transpose(-1, -2)
+from ._sink_kernels import merge_sinks_, sink_terms  # noqa: E402
 
 
-def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """Merge sinks into the final ``(out, lse)`` in place: ``lse' = logaddexp(lse, sink[h])``,
-    ``out' = out * exp(lse - lse')`` (fp32 math, fp64 for fp64; one rounding to ``out``'s dtype).
-
-    ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``, or ``[t, h, d]`` with ``[h, t]``; ``sinks`` ``[h]``. A row
-    that saw no key gets ``out = 0`` and ``lse = sinks[h]``.
-
-    Example::
-
-        out, lse = ring_forward(q, k, v, plan, group)
-        merge_sinks_(out, lse, sinks)          # the block backward then takes this out and lse
-    """
-    dt = _acc_dtype(out, lse)
-    new = torch.logaddexp(lse.to(dt), sinks.detach().to(device=lse.device, dtype=dt).unsqueeze(-1))
-    w = torch.exp(lse.to(dt) - torch.where(torch.isneginf(new), 0.0, new))  # 0 where lse is -inf
-    out.copy_(out.to(dt) * _head_major(w).unsqueeze(-1))
-    lse.copy_(new)
-
-
-def sink_terms(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Each row's share of d loss / d sinks: ``-exp(sinks[h] - lse) * (dout . out)``, ``[b, s, h]`` / ``[t, h]``.
-
-    ``out`` / ``lse`` are the final ones (sinks merged); summing over rows gives the sinks' gradient of those rows.
-    """
-    dt = _acc_dtype(out, lse)
-    delta = (dout.to(dt) * out.to(dt)).sum(-1)  # [b, s, h] / [t, h]
-    lse = lse.to(dt)
-    w = torch.exp(sinks.detach().to(device=lse.device, dtype=dt).unsqueeze(-1) - lse.masked_fill(lse.isneginf(), 0))
-    return -(_head_major(w.masked_fill(lse.isneginf(), 0)) * delta)
+# merge_sinks_ / sink_terms: one fused pass each (Triton on CUDA, torch elsewhere), in ._sink_kernels
 
 
 def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
