@@ -1,0 +1,94 @@
+"""The registry's groups for tensor parallelism beside runtime CP (:mod:`cpscope.groups.tp_cp`).
+
+Pure block plans against a direct enumeration of Megatron's rank order (TP fastest); on gloo (4 ranks TP2 × CP1/2,
+6 ranks TP2 × CP1/3) each group's members and an all-reduce over it, the lookup without communication, the cache
+(a second call creates nothing) and the refusals.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpscope.groups import group_ranks, lookup_tp_cp, new_cp_groups, new_tp_cp_groups
+from cpscope.groups.tp_cp import plan_tp_cp_blocks
+from tests.distributed import run_ranks
+
+
+def _expected(rank: int, world: int, tp: int, cp: int) -> tuple[list[int], list[int]]:
+    """Megatron's order: rank = tp_rank + tp * position; a CP-cp block holds positions [b·cp, (b+1)·cp)."""
+    t, pos = rank % tp, rank // tp
+    b = pos // cp
+    return [t + tp * p for p in range(b * cp, (b + 1) * cp)], list(range(b * cp * tp, (b + 1) * cp * tp))
+
+
+@pytest.mark.parametrize("world,tp", [(4, 2), (8, 2), (8, 4), (12, 2), (12, 3), (6, 1)])
+def test_plan_matches_megatron_order(world, tp):
+    positions = world // tp
+    sizes = [d for d in range(1, positions + 1) if positions % d == 0]
+    plan = plan_tp_cp_blocks(sizes, tp, None, world=world)
+    for s in sizes:
+        for r in range(world):
+            cp, tp_cp = _expected(r, world, tp, s)
+            assert list(plan.block_of(r, plan.cp[s])) == cp and list(plan.block_of(r, plan.tp_cp[s])) == tp_cp
+        assert sorted(r for b in plan.cp[s] for r in b) == list(range(world))  # a partition
+    assert plan.domain == tuple(range(world))
+
+
+def test_plan_refusals_name_the_values():
+    with pytest.raises(ValueError, match="tp_size 3 does not divide the 4 ranks"):
+        plan_tp_cp_blocks([1], 3, None, world=4)
+    with pytest.raises(ValueError, match=r"CP sizes \[4\] do not divide the 2 DP×CP positions.*\[1, 2\]"):
+        plan_tp_cp_blocks([1, 4], 2, None, world=4)
+    with pytest.raises(ValueError, match="tp_size must be an int"):
+        plan_tp_cp_blocks([1], 2.0, None, world=4)
+    with pytest.raises(ValueError, match="distinct global ranks"):
+        plan_tp_cp_blocks([1], 2, [0, 0, 1, 2], world=4)
+
+
+def _check(tp: int, sizes: list[int]) -> int:
+    import cpscope.groups.registry as reg
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    got = new_tp_cp_groups(sizes, tp_size=tp)
+    tp_ranks = [me - me % tp + t for t in range(tp)]
+    for s in sizes:
+        cp, tp_cp = _expected(me, world, tp, s)
+        g = got[s]
+        assert group_ranks(g.cp) == (cp if s > 1 else [me])
+        assert (g.cp is None) == (s == 1) and (g.tp_cp is None) == (s * tp == 1)
+        assert group_ranks(g.tp_cp) == (tp_cp if s * tp > 1 else [me])
+        assert group_ranks(g.tp_dp_cp) == list(range(world))
+        for group, members in ((g.cp, cp), (g.tp_cp, tp_cp)):
+            if group is not None:  # the group communicates among exactly those ranks
+                x = torch.tensor([float(2 ** me)])
+                dist.all_reduce(x, group=group)
+                assert int(x) == sum(2 ** r for r in members)
+        assert lookup_tp_cp(g.cp, tp_ranks=tp_ranks) is g.tp_cp  # no collective: a lookup
+    report = reg._LAST_REPORT
+    again = new_tp_cp_groups(sizes, tp_size=tp)  # cached: no collective, same groups
+    assert reg._LAST_REPORT is report and all(again[s] == got[s] for s in sizes)
+    if tp > 1:  # a CP group across the TP ranks is refused by the lookup
+        with pytest.raises(ValueError, match="holds ranks .* of this rank's TP group"):
+            lookup_tp_cp(new_cp_groups([tp])[tp], tp_ranks=tp_ranks)
+    assert lookup_tp_cp(got[sizes[-1]].cp, tp_ranks=[me]) is None  # a TP group never registered: not made here
+    return report.created
+
+
+def test_tp2_cp_groups_on_4_ranks():
+    created = run_ranks(4, _check, 2, [1, 2])
+    assert created == [3, 3, 3, 3]  # CP2 pair, [tp, cp] = domain (shared with tp_dp_cp), TP pair (CP1's [tp, cp])
+
+
+def test_tp2_cp3_groups_on_6_ranks():
+    run_ranks(6, _check, 2, [1, 3])
+
+
+def _same_as_new_cp_groups() -> bool:
+    a = new_cp_groups([1, 2, 4])
+    b = new_tp_cp_groups([1, 2, 4], tp_size=1)
+    return all(b[s].cp is a[s] and b[s].tp_cp is a[s] for s in (1, 2, 4)) and b[4].tp_dp_cp is a[4]
+
+
+def test_tp1_shares_new_cp_groups():
+    assert all(run_ranks(4, _same_as_new_cp_groups))
