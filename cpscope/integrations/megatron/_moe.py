@@ -54,12 +54,14 @@ from ...scope import CPScope
 from ...sharding import zigzag_indices
 from ._carrier import consumer_scope
 
-__all__ = ["MoELayerMixin", "is_moe_layer", "moe_refusals"]
+__all__ = ["MoELayerMixin", "check_cp_beside_tp", "is_moe_layer", "moe_refusals"]
 
 _PAD_ATTR = "_cpscope_moe_padding"
 _TP_CP_METRICS = ("load_balancing_loss", "seq_load_balancing_loss")
 # CP groups already checked to lie inside a router's tp_dp_cp group (by the latter's id)
 _CHECKED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+# CP groups already checked to hold one rank per TP group (by the TP group's ranks)
+_TP_CHECKED: "weakref.WeakKeyDictionary[Any, set[tuple[int, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def is_moe_layer(module: Any) -> bool:
@@ -132,6 +134,23 @@ def _tp_cp_group(router: Any, scope: CPScope) -> Any:
             )
         checked.add(id(domain))
     return scope.group
+
+
+def check_cp_beside_tp(group: Any, tp_ranks: tuple[int, ...]) -> None:
+    """``ValueError`` unless the CP group holds one rank of each TP group — of this rank's own, this rank alone —
+    as the groups of :func:`cpscope.groups.new_tp_cp_groups` do (checked once per CP and TP group; no collective)."""
+    checked = _TP_CHECKED.setdefault(group, set())
+    if tp_ranks in checked:
+        return
+    members = group_ranks(group)
+    shared = sorted(set(members) & set(tp_ranks) - {torch.distributed.get_rank()})
+    if shared:
+        raise ValueError(
+            f"runtime CP beside tensor parallelism: the microbatch's CP group {members} holds ranks {shared} of "
+            f"this rank's TP group {list(tp_ranks)}; a CP group must hold one rank of each TP group (the same TP "
+            "rank): build the groups with cpscope.groups.new_tp_cp_groups(sizes, tp_size=...) and bind their .cp"
+        )
+    checked.add(tp_ranks)
 
 
 def _padding_mask(psp: Any, scope: CPScope, hidden: torch.Tensor,
