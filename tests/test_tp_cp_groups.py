@@ -92,3 +92,29 @@ def _same_as_new_cp_groups() -> bool:
 
 def test_tp1_shares_new_cp_groups():
     assert all(run_ranks(4, _same_as_new_cp_groups))
+
+
+def test_simulated_4096_ranks_each_rank_creates_only_its_own_groups():
+    """One rank of 4096 at TP8, every divisor of the 512 positions as a CP size (10): it creates its CP group of
+    each size > 1 (9) and its [tp, cp] group of each size (10, the largest being the domain) — 19 calls, each
+    among the members only, none in lockstep."""
+    from cpscope.groups import clear_cp_group_cache
+    from cpscope.groups import registry as G
+    from cpscope.groups.sim import SimulatedLayer
+
+    real, rank = G._LAYER, 2049
+    G._LAYER = layer = SimulatedLayer(4096, rank)
+    try:
+        clear_cp_group_cache()
+        sizes = [d for d in range(1, 513) if 512 % d == 0]
+        got = new_tp_cp_groups(sizes, tp_size=8, method="local")
+        made = [c for c in layer.calls if c[0] == "new_group"]
+        assert len(made) == G._LAST_REPORT.created == 19 and G._LAST_REPORT.lockstep == 0
+        assert all(rank in c[1] and c[2] for c in made)
+        for s in sizes:
+            cp, tp_cp = _expected(rank, 4096, 8, s)
+            assert (got[s].cp is None and s == 1) or got[s].cp.ranks == cp
+            assert got[s].tp_cp.ranks == tp_cp and got[s].tp_dp_cp.ranks == list(range(4096))
+    finally:
+        G._LAYER = real
+        clear_cp_group_cache()
