@@ -387,7 +387,10 @@ def _refusals() -> None:
                 expert_tensor_parallel_size=1, recompute_granularity=None, recompute_modules=None,
                 moe_router_load_balancing_type="aux_loss")
     assert moe_refusals(SimpleNamespace(**base)) == [] and moe_refusals(SimpleNamespace(num_moe_experts=None)) == []
-    for change, text in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2"),
+    assert moe_refusals(SimpleNamespace(**{**base, "tensor_model_parallel_size": 2,
+                                           "expert_tensor_parallel_size": 2})) == []  # TP: test_megatron_tp_moe
+    for change, text in (({"tensor_model_parallel_size": 2}, "expert_tensor_parallel_size=1 with "
+                                                             "tensor_model_parallel_size=2"),
                          ({"expert_model_parallel_size": 4}, "expert_model_parallel_size=4"),
                          ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, "'moe'"),
                          ({"moe_router_load_balancing_type": "quantile_balancing"}, "quantile_balancing")):

@@ -8,7 +8,7 @@ the gathered output layer) run on gloo on CPU, so the test uses Megatron's own T
 1e-5) and 1 step (float64, 1e-9) with mixed CP2 / CP1 ``thd`` microbatches over the two DP×CP positions, and the
 loss, the gradients of every TP shard and the weights after training equal the *unmodified* TP2 model run without
 CP (each document alone, ``bshd`` with its causal mask, on every TP pair). Each TP rank's shards start from its own
-random weights, so a CP group that mixed TP ranks could not pass. Binding a CP group that holds both ranks of a TP
+random weights (replicated ones are equal on both), so a CP group that mixed TP ranks could not pass. Binding a CP group that holds both ranks of a TP
 pair (``new_cp_groups([2])`` here) is refused with a ``ValueError`` before any collective.
 
 CPU shims as in ``test_megatron_core`` (test-side only).
@@ -16,6 +16,7 @@ CPU shims as in ``test_megatron_core`` (test-side only).
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Any
 
 import pytest
@@ -74,11 +75,17 @@ def _build_tp(dtype: torch.dtype, tp_rank: int) -> Any:
     with _reference_cpu_shims():
         model = GPTModel(_config(tensor_model_parallel_size=TP), get_gpt_layer_local_spec(), vocab_size=VOCAB,
                          max_sequence_length=256, position_embedding_type="rope", parallel_output=False)
-    g = torch.Generator().manual_seed(100 + tp_rank)  # each TP rank's shards differ
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    init_tp_weights(model, tp_rank)
     return model.to(dtype)
+
+
+def init_tp_weights(model: Any, tp_rank: int) -> None:
+    """Random weights: each TP rank's shards its own, replicated weights (norms, router) equal on every TP rank."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            sharded = bool(getattr(p, "tensor_model_parallel", False))
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1 + tp_rank if sharded else 0))
+            p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3).to(p.dtype))
 
 
 def _cp_step(model: Any, plan: list, docs: list, cp_groups: dict, dp: Any) -> tuple[float, int]:

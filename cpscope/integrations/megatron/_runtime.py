@@ -244,7 +244,7 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         ImportError: megatron-core is not installed.
         RuntimeError: an unsupported megatron-core release (:data:`SUPPORTED_MEGATRON_CORE`).
         ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MLA, YaRN /
-            mRoPE, Mamba / linear attention, CUDA graphs, MoE with tensor / expert parallelism or MoE recompute;
+            mRoPE, Mamba / linear attention, CUDA graphs, MoE with expert parallelism or MoE recompute;
             with the local spec also attention dropout, sliding windows, non-vanilla softmax), or no module of it
             takes ``packed_seq_params``.
 
