@@ -398,13 +398,28 @@ def _refusals() -> None:
         assert len(got) == 1 and text in got[0], got
     _init_megatron()
     model = _build_moe(torch.float32, "allgather", PER_MICROBATCH)
-    model.decoder.add_module("mamba", type("MambaMixer", (torch.nn.Module,), {})())
-    with pytest.raises(ValueError, match="MambaMixer"):
-        enable_runtime_cp(model)
-    moe = _build_moe(torch.float32, "allgather", PER_MICROBATCH, mtp_num_layers=None)
-    moe.config.mtp_num_layers = 1
-    with pytest.raises(ValueError, match="mtp_num_layers=1"):
-        enable_runtime_cp(moe)
+    # Mamba and linear-attention (gated delta net) mixers need mamba-ssm / fla kernels, absent here: stand-ins by
+    # class name, which is what the refusal reads
+    for mixer in ("MambaMixer", "GatedDeltaNet"):
+        model = _build_moe(torch.float32, "allgather", PER_MICROBATCH)
+        model.decoder.add_module("mixer", type(mixer, (torch.nn.Module,), {})())
+        with pytest.raises(ValueError, match=f"{mixer} modules"):
+            enable_runtime_cp(model)
+    mtp = _build_mtp()  # a real multi-token-prediction block (megatron-core 0.19.2 builds it on CPU)
+    assert type(mtp.mtp).__name__ == "MultiTokenPredictionBlock"
+    with pytest.raises(ValueError, match="mtp_num_layers=1 .multi-token prediction"):
+        enable_runtime_cp(mtp)
+
+
+def _build_mtp() -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    config = _moe_config(torch.float32, "allgather", PER_MICROBATCH, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    with _moe_cpu_shims():
+        return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=256, position_embedding_type="rope",
+                        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
 
 
 # ------------------------------------------------------------------------------------------------ tests
