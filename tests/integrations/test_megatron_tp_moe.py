@@ -6,7 +6,8 @@ top-2, ``aux_loss`` + ``seq_aux_loss`` + z-loss, CP1. Each TP rank's router sees
 tokens and all-reduces its token counts over the ``[tp, cp]`` group — with a CP2 microbatch the 4 ranks of
 :func:`cpscope.groups.new_tp_cp_groups`' ``tp_cp`` group, which :func:`enable_runtime_cp` binds per call.
 
-It trains 3 steps (fp32, 1e-5) with mixed CP2 / CP1 ``thd`` microbatches over the two DP×CP positions, and the
+It trains 3 steps (fp32, 1e-5) with mixed CP2 / CP1 ``thd`` microbatches over the two DP×CP positions (and, on 6
+ranks, 2 steps of CP3 / CP1 over three positions: a CP size that is not a power of two), and the
 loss, every auxiliary loss of every microbatch and layer (summed over the ranks that ran it: each rank attaches its
 part), the gradients of every shard and the weights equal the unmodified TP2 model run without CP (each microbatch's
 documents as one ``bshd`` row with a block-diagonal causal mask, as in ``test_megatron_moe``). As Megatron's
@@ -27,7 +28,14 @@ import torch.distributed as dist
 
 import cpscope
 from tests.distributed import run_ranks
-from tests.integrations.test_megatron_core import VOCAB, _assert_close, _grads, _megatron_available, _megatron_batch
+from tests.integrations.test_megatron_core import (
+    VOCAB,
+    _assert_close,
+    _grads,
+    _mb,
+    _megatron_available,
+    _megatron_batch,
+)
 from tests.integrations.test_megatron_moe import (
     EXPERTS,
     PER_MICROBATCH,
@@ -128,7 +136,7 @@ def _reference(ref: Any, plan: list, docs: list, n: int, ps: Any) -> tuple[float
     return float(total) / n, _summed(logs, tp)
 
 
-def _train(ps: Any, dispatcher: str, steps: int, tol: float, groups: dict) -> list[float]:
+def _train(ps: Any, dispatcher: str, steps: int, tol: float, groups: dict, plans: list = PLANS) -> list[float]:
     from cpscope.integrations.megatron import documents_from_batch, enable_runtime_cp
 
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -140,7 +148,7 @@ def _train(ps: Any, dispatcher: str, steps: int, tol: float, groups: dict) -> li
     losses = []
     for step in range(steps):
         docs = documents_from_batch(_megatron_batch(LENGTHS, seed=50 + step))
-        plan = PLANS[step % len(PLANS)]
+        plan = plans[step % len(plans)]
         loss, n, aux = _cp_step(model, plan, docs, groups, ps)
         ref_loss, ref_aux = _reference(ref, plan, docs, n, ps)
         assert abs(loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (step, loss, ref_loss)
@@ -202,6 +210,25 @@ def _moe_tp_runtime_cp(dispatchers: tuple) -> dict:
         out["static"] = _static_groups(ps, groups)
         out["refused"] = _unregistered_cp_group_refused(ps)
         return out
+
+
+def _moe_tp_cp3() -> list[float]:
+    with _tensor_parallel(TP) as ps:
+        groups = cpscope.groups.new_tp_cp_groups([1, 3], tp_size=TP)
+        return _train(ps, "alltoall", 2, 1e-5, groups, PLANS_CP3)
+
+
+# TP2 x CP3 on 6 ranks: mixed CP3 / CP1 plans over the 3 DP×CP positions
+PLANS_CP3 = [
+    [_mb(3, 0, (0,)), _mb(3, 0, (1, 2)), _mb(1, 0, (3,)), _mb(1, 1, (4, 5)), _mb(1, 2, (6, 7))],
+    [_mb(3, 0, (3, 1)), _mb(1, 0, (0,)), _mb(1, 1, (2, 4)), _mb(1, 2, (5, 6, 7))],
+]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: 6 ranks, each building two MoE models
+def test_moe_tp2_cp3_on_6_ranks_equals_tp2_without_cp():
+    out = run_ranks(6, _moe_tp_cp3)
+    assert all(o == out[0] for o in out)
 
 
 def test_moe_tp2_with_runtime_cp_equals_tp2_without_cp():
