@@ -118,3 +118,19 @@ def test_simulated_4096_ranks_each_rank_creates_only_its_own_groups():
     finally:
         G._LAYER = real
         clear_cp_group_cache()
+
+
+def test_benchmark_simulation_rows():
+    """``benchmarks/bench_tp_cp_groups.py``'s simulated part runs and counts what the registry makes."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_tp_cp_groups
+
+    rows = bench_tp_cp_groups.simulate([64], 8)  # 8 positions: CP sizes 1, 2, 4, 8
+    assert [r["method"] for r in rows] == ["local", "split"]
+    # per rank: CP groups of 2, 4, 8 (3) and [tp, cp] groups of 8, 16, 32, 64 ranks (4, the last the domain)
+    assert all(r["created_per_rank"] == 7 and r["cp_sizes"] == 4 for r in rows)
+    assert rows[0]["groups_in_job"] == 32 + 16 + 8 + 8 + 4 + 2 + 1  # CP 2/4/8 blocks, [tp, cp] 1/2/4/8 blocks
+    assert rows[0]["lockstep"] == 0 and rows[1]["lockstep"] == 7
