@@ -182,5 +182,5 @@ class TEAttentionMixin(ForwardSignature):
             call.arguments["packed_seq_params"] = te_psp
         query = call.arguments.get("query")
         device = query.device if isinstance(query, torch.Tensor) else None
-        with bind_te_cp(self, scope, device=device):  # type: ignore[arg-type]
+        with bind_te_cp(self, scope, device=device, call=call.arguments):  # type: ignore[arg-type]
             return super().forward(*call.args, **call.kwargs)  # type: ignore[misc]
