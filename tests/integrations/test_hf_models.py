@@ -231,3 +231,35 @@ def test_window_options():
         cphf.cpscope_attention_forward(attn, q, kv, kv, None, softcap=-1.0)
     with pytest.raises(ValueError, match=r"sinks must have shape \[4\]"):
         cphf.cpscope_attention_forward(attn, q, kv, kv, None, s_aux=torch.zeros(2, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+
+def _windowed_attention_adds_no_host_sync(family: str, packed: bool) -> dict[str, list[str]]:
+    """Host synchronisations counted per attention module (not per decoder layer: gpt-oss's eager MoE routing
+    syncs in every layer by itself)."""
+    from types import SimpleNamespace
+
+    from tests.integrations.test_hf import _HostSyncCounter
+
+    cfg = _config(family)
+    cfg.num_hidden_layers = 4
+    cfg.layer_types = _TWO_KINDS * 2  # sliding, full, sliding, full: the second of each kind must add nothing
+    model = _build(family, "cpscope", cfg)
+    attention = SimpleNamespace(model=SimpleNamespace(layers=[layer.self_attn for layer in model.model.layers]))
+    group = cpscope.new_cp_groups([2])[2]
+    with cpscope.runtime_cp(group):
+        local = cphf.shard_batch(_batch(packed))
+        with _HostSyncCounter(attention) as counter:
+            model(**local)
+    counter.counts.pop("CPU kernel (not counted)", None)
+    later = {k: v for k, v in counter.counts.items() if k in ("layer 2", "layer 3")}
+    assert later == {}, later  # attention after the first of each kind adds no host synchronisation
+    return counter.counts
+
+
+def test_windowed_attention_adds_no_host_sync_2_ranks():
+    for family, packed in (("gpt_oss", True), ("gemma2", False)):
+        counts = run_ranks(2, _windowed_attention_adds_no_host_sync, family, packed)
+        assert all("layer 0" in c for c in counts)  # the counter sees the first attention's one-off work
