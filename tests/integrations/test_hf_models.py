@@ -197,6 +197,18 @@ def test_features_change_the_reference(family):
             assert (_logits(ref, batch) - base).abs().max() > 1e3 * TOL["atol"]
 
 
+def test_trainer_model_check_accepts_the_models():
+    """The hybrid-CP trainers' pre-flight check (switch to cpscope, every layer through it, a packed probe that
+    must not mix documents) passes for each of these models built with eager attention."""
+    from cpscope.integrations._hf_model_check import check_model_for_cp, use_cpscope_attention
+
+    for family in FAMILIES:
+        _, ref = _models(family)
+        use_cpscope_attention(ref)
+        check_model_for_cp(ref)
+        assert ref.config._attn_implementation == "cpscope", family
+
+
 def test_mla_value_head_dim_reaches_attention():
     """DeepSeek-V3's attention function gets v with its own head dim (not padded to q/k's)."""
     model, _ = _models("deepseek_v3")
