@@ -9,8 +9,11 @@ only) and reports:
   imported name is followed to where it is defined, a class to its methods and class attributes);
 * **imports** — ``from cpscope.x import a, b`` in code: each name must be defined in ``cpscope.x``;
 * **paths** — every repository path (``cpscope/…``, ``benchmarks/…``, ``scripts/…``, ``docs/…``, ``tests/…``,
-  ``examples/…``, ``.ci/…``) must exist; a path with a wildcard (``*``, ``{``, ``<``) must match at least one file;
-* **file names** — a bare ``name.py`` / ``name.sh`` / ``name.json`` must be the name of some file of the repository;
+  ``examples/…``, ``.ci/…``) must exist, unless it follows ``--out`` / ``--json`` / ``>`` (what a command would
+  write); a path with a wildcard (``*``, ``{``, ``<``) must match at least one file;
+* **file names** — a bare ``name.py`` / ``name.sh`` / ``name.json`` must be the name of some file of the repository
+  or a name that its code spells out (an output a script writes, a file a benchmark looks for outside the
+  repository); ``<name.py>`` is a placeholder and ``*_x.json`` a pattern, neither checked;
 * **test names** — ``test_xxx`` in backticks must be a test function or a test file of ``tests/``.
 
 Usage::
@@ -37,7 +40,8 @@ _SKIP_DIRS = {".git", ".venv", ".venv-ci", "__pycache__", ".pytest_cache", "node
 _DOTTED = re.compile(r"(?<![\w./-])cpscope(?:\.[A-Za-z_]\w*)+")
 _FROM_IMPORT = re.compile(r"from\s+(cpscope(?:\.\w+)*)\s+import\s+\(?([\w\s,]+)\)?")
 _PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*{}<>,-]*)" % "|".join(re.escape(r) for r in PATH_ROOTS))
-_FILE = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|sh|json|png|log|toml|cfg))\b(?![\w/-])")
+_FILE = re.compile(r"(?<![\w./<*-])([A-Za-z_][\w-]*\.(?:py|sh|json|png|log|toml|cfg))\b(?![\w/-])")
+_OUTPUT_FLAG = re.compile(r"(?:--out|--json|-o)[ =]$|> ?$")
 _CODE_SPAN = re.compile(r"`([^`\n]+)`")
 
 
@@ -188,6 +192,18 @@ def _repo_files(root: str) -> Tuple[Set[str], Set[str]]:
     return paths, names
 
 
+def _spelled_names(root: str) -> Set[str]:
+    """File names that the repository's code and scripts spell out (outputs they write, files they look for)."""
+    names: Set[str] = set()
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _SKIP_DIRS and not x.endswith(".egg-info")]
+        for f in files:
+            if f.endswith((".py", ".sh")) and not f == "check_docs.py":
+                with open(os.path.join(d, f), encoding="utf-8", errors="replace") as fh:
+                    names.update(_FILE.findall(fh.read()))
+    return names
+
+
 def _test_names(root: str) -> Set[str]:
     names: Set[str] = set()
     for d, dirs, files in os.walk(os.path.join(root, "tests")):
@@ -216,6 +232,7 @@ def check(root: str = ROOT, files: Optional[List[str]] = None) -> List[Stale]:
     """Every stale name or path in ``files`` (default: :func:`doc_files`)."""
     pkg = _Package(root)
     paths, names = _repo_files(root)
+    names |= _spelled_names(root)
     tests = _test_names(root)
     out: List[Stale] = []
     for doc in files if files is not None else doc_files(root):
@@ -241,7 +258,7 @@ def _check_line(doc: str, i: int, line: str, pkg: _Package, paths: Set[str], nam
                 out.append(Stale(doc, i, "import", f"{module}.{name}"))
     for m in _PATH.finditer(line):
         p = m.group(1).rstrip(".,:;)")
-        if p.count("/") == 0 or p.endswith("/..."):
+        if p.count("/") == 0 or p.endswith("/...") or _OUTPUT_FLAG.search(line[:m.start()]):
             continue
         if not _path_exists(p, paths):
             out.append(Stale(doc, i, "path", p))
