@@ -19,9 +19,11 @@ only) and reports:
 Usage::
 
     python scripts/check_docs.py          # list what is stale; exit 1 if anything is
+    python scripts/check_docs.py --code   # the package's and the examples' sources as well
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import fnmatch
 import os
@@ -30,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-__all__ = ["Stale", "check", "doc_files", "main"]
+__all__ = ["Stale", "check", "code_files", "doc_files", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "cpscope"
@@ -121,6 +123,10 @@ def _top_level(root: str, path: str, module: str) -> Dict[str, object]:
     for node in _module_level(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out[node.name] = "def"
+            if node.name == "__getattr__":  # module-level __getattr__: the names it compares against are defined
+                for n in ast.walk(node):
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+                        out.setdefault(n.value, "value")
         elif isinstance(node, ast.ClassDef):
             out[node.name] = _members(node)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -132,7 +138,8 @@ def _top_level(root: str, path: str, module: str) -> Dict[str, object]:
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(pkg, node.module, node.level)
             for a in node.names:
-                out[a.asname or a.name] = (f"{base}.{a.name}", None) if _is_module(root, base, a.name) else (base, a.name)
+                sub = _is_module(root, base, a.name)
+                out[a.asname or a.name] = (f"{base}.{a.name}", None) if sub else (base, a.name)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 out[(a.asname or a.name).split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], None)
@@ -272,11 +279,25 @@ def _check_line(doc: str, i: int, line: str, pkg: _Package, paths: Set[str], nam
     return out
 
 
+def code_files(root: str = ROOT) -> List[str]:
+    """The package's and the examples' Python files (docstrings, comments and messages name things too)."""
+    out: List[str] = []
+    for top in ("cpscope", "examples"):
+        for d, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
+            out += sorted(os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py"))
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    stale = check()
+    ap = argparse.ArgumentParser(description="Names and paths in the prose that do not exist.")
+    ap.add_argument("--code", action="store_true", help="also check cpscope/ and examples/ (docstrings, messages)")
+    args = ap.parse_args(argv)
+    files = doc_files() + (code_files() if args.code else [])
+    stale = check(files=files)
     for s in stale:
         print(s)
-    print(f"{len(stale)} stale name(s) or path(s) in {len(doc_files())} file(s)")
+    print(f"{len(stale)} stale name(s) or path(s) in {len(files)} file(s)")
     return 1 if stale else 0
 
 

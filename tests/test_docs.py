@@ -33,7 +33,7 @@ def test_checker_finds_each_kind_of_stale_reference(tmp_path):
     _write(tmp_path, "cpscope/a.py", "def live():\n    pass\n\nclass Box:\n    def open(self):\n        pass\n")
     _write(tmp_path, "cpscope/sub/__init__.py", "from .impl import Thing as Alias\n")
     _write(tmp_path, "cpscope/sub/impl.py", "class Thing:\n    size = 1\n")
-    _write(tmp_path, "benchmarks/bench_x.py", "")
+    _write(tmp_path, "benchmarks/bench_x.py", 'DEFAULT_JSON = "out_x.json"\n')
     _write(tmp_path, "benchmarks/results/x.json", "{}")
     _write(tmp_path, "tests/test_a.py", "def test_live():\n    pass\n")
     _write(tmp_path, "README.md", """\
@@ -46,6 +46,7 @@ def test_checker_finds_each_kind_of_stale_reference(tmp_path):
         Run `python benchmarks/bench_x.py` (writes `benchmarks/results/x.json`, see `benchmarks/results/*.json`),
         not `benchmarks/bench_y.py`, `benchmarks/results/*.csv` or `bench_z.py`; `bench_x.py` is fine.
         `test_live` passes; `test_dead` does not exist.
+        `bench_x.py --json benchmarks/results/new.json` writes `out_x.json`; run `<your_script.py>` or `*_y.json`.
         """)
     stale = _checker().check(str(tmp_path), ["README.md"])
     found = sorted((s.kind, s.text) for s in stale)
