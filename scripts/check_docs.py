@@ -10,7 +10,8 @@ only) and reports:
 * **imports** — ``from cpscope.x import a, b`` in code: each name must be defined in ``cpscope.x``;
 * **paths** — every repository path (``cpscope/…``, ``benchmarks/…``, ``scripts/…``, ``docs/…``, ``tests/…``,
   ``examples/…``, ``.ci/…``) must exist, unless it follows ``--out`` / ``--json`` / ``>`` (what a command would
-  write); a path with a wildcard (``*``, ``{``, ``<``) must match at least one file;
+  write); a path with a wildcard (``*``, ``{``, ``<``) must match at least one file; a path inside the package
+  written from a subpackage (``attention/ring.py``, ``megatron/_moe.py``) must be the end of an existing one;
 * **file names** — a bare ``name.py`` / ``name.sh`` / ``name.json`` must be the name of some file of the repository
   or a name that its code spells out (an output a script writes, a file a benchmark looks for outside the
   repository); ``<name.py>`` is a placeholder and ``*_x.json`` a pattern, neither checked;
@@ -225,6 +226,19 @@ def _test_names(root: str) -> Set[str]:
     return names
 
 
+_SUBPATH_CACHE: Dict[frozenset, "re.Pattern[str]"] = {}
+
+
+def _subpath_re(paths: Set[str]) -> "re.Pattern[str]":
+    """``sub/…/name.py`` for every subpackage ``sub`` of the package (``attention/``, ``megatron/``, …)."""
+    subs = frozenset(p.rstrip("/").rsplit("/", 1)[-1] for p in paths
+                     if p.startswith(PACKAGE + "/") and p.endswith("/") and "__pycache__" not in p)
+    if subs not in _SUBPATH_CACHE:
+        alt = "|".join(sorted(re.escape(x) for x in subs)) or "(?!)"
+        _SUBPATH_CACHE[subs] = re.compile(r"(?<![\w./-])((?:%s)/[\w/-]*\.py)\b" % alt)
+    return _SUBPATH_CACHE[subs]
+
+
 def _path_exists(p: str, paths: Set[str]) -> bool:
     p = p.rstrip(".,:;)")
     if p.endswith("/"):
@@ -268,6 +282,10 @@ def _check_line(doc: str, i: int, line: str, pkg: _Package, paths: Set[str], nam
         if p.count("/") == 0 or p.endswith("/...") or _OUTPUT_FLAG.search(line[:m.start()]):
             continue
         if not _path_exists(p, paths):
+            out.append(Stale(doc, i, "path", p))
+    for m in _subpath_re(paths).finditer(line):  # attention/ring.py: a path inside the package, written short
+        p = m.group(1)
+        if not any(q == p or q.endswith("/" + p) for q in paths):
             out.append(Stale(doc, i, "path", p))
     for m in _FILE.finditer(line):
         if m.group(1) not in names:

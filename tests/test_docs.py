@@ -47,6 +47,7 @@ def test_checker_finds_each_kind_of_stale_reference(tmp_path):
         not `benchmarks/bench_y.py`, `benchmarks/results/*.csv` or `bench_z.py`; `bench_x.py` is fine.
         `test_live` passes; `test_dead` does not exist.
         `bench_x.py --json benchmarks/results/new.json` writes `out_x.json`; run `<your_script.py>` or `*_y.json`.
+        `sub/impl.py` is short for `cpscope/sub/impl.py`; `sub/gone.py` is not there.
         """)
     stale = _checker().check(str(tmp_path), ["README.md"])
     found = sorted((s.kind, s.text) for s in stale)
@@ -55,9 +56,9 @@ def test_checker_finds_each_kind_of_stale_reference(tmp_path):
         ("import", "cpscope.sub.Missing"),
         ("path", "benchmarks/bench_y.py"), ("path", "benchmarks/results/*.csv"),
         ("file", "bench_z.py"),
-        ("test", "test_dead"),
+        ("test", "test_dead"), ("path", "sub/gone.py"),
     ]), found
-    assert all(s.line in (2, 5, 8, 9) for s in stale), [str(s) for s in stale]
+    assert all(s.line in (2, 5, 8, 9, 11) for s in stale), [str(s) for s in stale]
 
 
 def test_docs_name_only_what_exists():
