@@ -203,12 +203,13 @@ def _repo_files(root: str) -> Tuple[Set[str], Set[str]]:
 def _spelled_names(root: str) -> Set[str]:
     """File names that the repository's code and scripts spell out (outputs they write, files they look for)."""
     names: Set[str] = set()
-    for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in _SKIP_DIRS and not x.endswith(".egg-info")]
-        for f in files:
-            if f.endswith((".py", ".sh")) and not f == "check_docs.py":
-                with open(os.path.join(d, f), encoding="utf-8", errors="replace") as fh:
-                    names.update(_FILE.findall(fh.read()))
+    for top in (PACKAGE, "benchmarks", "scripts", "examples"):  # not tests/: their literals are made-up names
+        for d, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = [x for x in dirs if x not in _SKIP_DIRS]
+            for f in files:
+                if f.endswith((".py", ".sh")) and f != "check_docs.py":
+                    with open(os.path.join(d, f), encoding="utf-8", errors="replace") as fh:
+                        names.update(_FILE.findall(fh.read()))
     return names
 
 
