@@ -85,7 +85,7 @@ class EntryMixin(ForwardSignature):
                     "Megatron activation recompute (recompute_granularity="
                     f"{self.config.recompute_granularity!r}) under cpscope's runtime CP needs packed_seq_params: "  # type: ignore[attr-defined]
                     "it carries the microbatch's CP scope into the recompute during backward. Pass "
-                    "packed_seq_params (e.g. cpscope.integrations.megatron.packed_seq_params_for(...)) or "
+                    "packed_seq_params (e.g. cpscope.integrations.megatron.MegatronMicrobatch.packed_seq_params()) or "
                     "turn Megatron's recompute off and checkpoint with cpscope.checkpoint"
                 )
             _check_dense(arguments, scope)
