@@ -437,6 +437,8 @@ def _versions() -> dict:
 
 def run_checks(dev: torch.device) -> dict:
     from cpscope.attention import _cudnn_mods, _cudnn_thd
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
     from tests.attention._kernel_cases import CASES, run_case
 
     res = {}

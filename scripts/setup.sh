@@ -143,7 +143,8 @@ setup_system() {
   if has_extra hf-train; then
     try_pip "the hf-train extra" -e ".[hf-train]" || true
   fi
-  importable cudnn || try_pip "nvidia-cudnn-frontend" "nvidia-cudnn-frontend>=1.14" || true
+  # --no-deps: cpscope uses its graph API only; its CUTLASS DSL dependency (for other kernels) is often not there.
+  importable cudnn || try_pip "nvidia-cudnn-frontend" --no-deps "nvidia-cudnn-frontend>=1.14" || true
   if ! importable triton; then
     # only the triton this torch build asks for: another version breaks its compiled kernels
     local want

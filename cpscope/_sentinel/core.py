@@ -33,7 +33,7 @@ Example::
 
     with cpscope.sentinel(every=100):              # context manager ...
         for step in range(steps):
-            run_microbatches(model, mbs, num_targets=n)
+            run_microbatches(model, mbs, num_targets=n, dp_group=dist.group.WORLD)
 
     s = cpscope.sentinel(every=100)                # ... or a switch
     train()
@@ -115,7 +115,7 @@ class sentinel:
 
         with cpscope.sentinel(every=100, on_mismatch="raise") as s:
             for step in range(steps):
-                run_microbatches(model, mbs, num_targets=n)        # marks microbatches, checks the loss count
+                run_microbatches(model, mbs, num_targets=n, dp_group=dp)   # marks microbatches, checks the loss count
         print(s.summary().text())
 
         # your own loop: mark each microbatch so that sampling follows microbatches

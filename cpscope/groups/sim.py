@@ -42,7 +42,7 @@ class SimulatedLayer(TorchLayer):
     Example::
 
         layer = SimulatedLayer(4096, rank=17)
-        # cpscope.groups._LAYER = layer; cpscope.new_cp_groups([1, 2, 4, ..., 4096]); layer.calls
+        # cpscope.groups.registry._LAYER = layer; cpscope.new_cp_groups([1, 2, 4, ..., 4096]); layer.calls
     """
 
     def __init__(self, world: int, rank: int, *, split: bool = False, bound: bool = False,

@@ -21,9 +21,13 @@ then skips its own shift and each rank's loss is its share of the full-batch mea
 full loss; summing the gradients over the CP group (as data parallelism over the CP ranks does) gives the gradient
 of the full-batch mean loss.
 
+The per-layer attention options of today's decoders run under CP as in the model's own eager attention:
+``sliding_window`` (Mistral, Qwen2/3, Gemma 2/3, gpt-oss: query ``i`` sees keys ``i - W < j <= i``), ``softcap``
+(Gemma 2), ``s_aux`` (gpt-oss sinks, differentiable) and a v head dim other than q/k's (DeepSeek-V3's multi-latent
+attention); see :mod:`cpscope.integrations._hf_options`.
+
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
-(query and key lengths differ), sliding windows shorter than the sequence, logit soft-capping, attention sinks,
-attention dropout.
+(query and key lengths differ), a sliding window without a causal mask, attention dropout.
 
 Activation checkpointing works as is: ``model.gradient_checkpointing_enable()`` /
 ``model.activation_checkpointing_enable()`` with any ``use_reentrant`` (and ``offload``, ``every_n_layers``). The
@@ -63,6 +67,7 @@ from .._pack import cu_seqlens_list
 from ..attention import context_parallel_attention
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ..sharding import zigzag_positions, zigzag_shard
+from ._hf_options import attention_options, longest_sequence
 from ._hf_recompute import (
     ATTN_IMPLEMENTATION,
     ScopedCheckpointFunction,
@@ -228,16 +233,12 @@ def _host_int(value: Any) -> Optional[int]:
     return hit
 
 
-def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
-                        kwargs: dict[str, Any]) -> None:
-    """``ValueError`` for what the ring cannot honour: masks with padding / 4-D, dropout, softcap, sinks, KV caches."""
+def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float) -> None:
+    """``ValueError`` for what the ring cannot honour: masks with padding / 4-D, dropout, KV caches."""
     if attention_mask is not None:
         _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
     if dropout:
         raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise _unsupported(f"{name}={kwargs[name]!r}")
     if query.shape[2] != key.shape[2]:
         raise _unsupported(
             f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
@@ -274,12 +275,14 @@ def cpscope_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: cpscope ring attention over the active scope.
 
-    ``query`` is ``[b, h, s_local, d]``, ``key`` / ``value`` ``[b, h_kv, s_local, d]`` (local zigzag tokens); the
-    result is ``([b, s_local, h, d], None)``. With ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (global document offsets,
-    from :func:`shard_batch`) the batch is packed: ``b`` must be 1 and attention is masked per document.
+    ``query`` / ``key`` are ``[b, h, s_local, d]`` / ``[b, h_kv, s_local, d]``, ``value`` ``[b, h_kv, s_local, d_v]``
+    (local zigzag tokens; ``d_v`` may differ from ``d``); the result is ``([b, s_local, h, d_v], None)``.
+    ``sliding_window``, ``softcap`` and ``s_aux`` (sinks) in ``kwargs`` are honoured. With ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` (global document offsets, from :func:`shard_batch`) the batch is packed: ``b`` must be 1 and
+    attention is masked per document.
 
     Raises:
-        ValueError: see the module docstring (padding / 4-D masks, KV cache, sliding window, softcap, sinks,
+        ValueError: see the module docstring (padding / 4-D masks, KV cache, a non-causal sliding window,
             dropout, mismatched packed offsets, unsharded or packed ``position_ids`` without offsets).
 
     Example::
@@ -291,16 +294,12 @@ def cpscope_attention_forward(
     scope = resolve_scope()  # read once, here in forward
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
-    _refuse_unsupported(query, key, attention_mask, dropout, kwargs)
+    _refuse_unsupported(query, key, attention_mask, dropout)
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
     cu, cu_list = _packed_offsets(kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None:  # harmless only when it covers the whole (global) sequence / longest document
-        longest = query.shape[2] * scope.size if cu_list is None else max(b - a for a, b in zip(cu_list, cu_list[1:]))
-        if window < longest:
-            raise _unsupported(f"sliding_window={window} shorter than the global sequence length {longest}")
+    options = attention_options(kwargs, causal=causal, longest=longest_sequence(query.shape[2], scope.size, cu_list))
     if torch.is_autocast_enabled(query.device.type):  # like SDPA under autocast (RoPE leaves q/k in fp32)
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
@@ -310,7 +309,7 @@ def cpscope_attention_forward(
         if position_ids is not None:  # the same tensor in every layer: checked (one sync) in the first only
             _check_position_ids(position_ids, scope, q.shape[1])
         out = context_parallel_attention(
-            q, k, v, qkv_format="bshd", causal=causal, softmax_scale=scaling, group=scope.group
+            q, k, v, qkv_format="bshd", causal=causal, softmax_scale=scaling, group=scope.group, **options
         )
         return out, None
     if q.shape[0] != 1:
@@ -320,7 +319,7 @@ def cpscope_attention_forward(
         max_len = kwargs.get("max_length_k")
     out = context_parallel_attention(  # cu as given (int32 or int64): its validated host copy is reused
         q[0], k[0], v[0], qkv_format="thd", causal=causal, cu_seqlens=cu, max_seqlen=_host_int(max_len),
-        softmax_scale=scaling, group=scope.group,
+        softmax_scale=scaling, group=scope.group, **options,
     )  # [t, h, d]
     return out.unsqueeze(0), None
 

@@ -71,6 +71,7 @@ from ..rope import call_te_rope, checked_rope_inputs, te_rope
 from ..scope import UNSET as _UNSET, CPScope, build_time_scope, resolve_scope, runtime_scope_or, scope_for
 from ..streams import cp_stream
 from ._swap import ForwardSignature, call_with_attributes, swap_class, unswap_all
+from ._te_features import te_variant
 
 __all__ = [
     "CP_SETTINGS",
@@ -134,6 +135,7 @@ def bind_te_cp(
     cp_comm_type: Optional[str] = None,
     stream_provider: StreamProvider = cp_stream,
     device: Optional[torch.device] = None,
+    call: Optional[dict[str, Any]] = None,
 ) -> Iterator[None]:
     """Give a TE attention module the CP settings of ``scope`` inside the block; restore its own ones on exit.
 
@@ -148,10 +150,12 @@ def bind_te_cp(
         stream_provider: ``provider(device)`` → the CUDA stream for CP communication; default
             :func:`cpscope.cp_stream`.
         device: passed to ``stream_provider``.
+        call: the forward's arguments, if known (a per-call ``window_size``, the key / value head dims).
 
     Raises:
-        ValueError: CP > 1 and the provider returned ``None`` (no CUDA stream for ``device``), or a variant the
-            module's heads / the CP size cannot run (``"a2a"``, ``"a2a+p2p"``).
+        ValueError: CP > 1 and the provider returned ``None`` (no CUDA stream for ``device``), a variant the
+            module's heads / the CP size cannot run (``"a2a"``, ``"a2a+p2p"``), or one TE 2.20.2 does not run the
+            module's sliding window / sinks / MLA head dims with (:mod:`._te_features`; ``"auto"`` avoids those).
 
     Example::
 
@@ -165,9 +169,7 @@ def bind_te_cp(
         comm = comm if comm in VARIANTS else saved["cp_comm_type"]  # TE ignores it without CP
         bound: dict[str, Any] = {"cp_group": None, "cp_global_ranks": None, "cp_stream": None, "cp_comm_type": comm}
     else:
-        from ..attention.variants import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
-
-        cp_group, comm = te_binding(scope, comm, module)
+        cp_group, comm = te_variant(scope, comm, module, call)  # what TE runs the module's features with
         stream = stream_provider(device)
         if stream is None:
             raise ValueError(
@@ -292,7 +294,7 @@ def _scoped_dpa_call(
     if scope.size > 1:
         _prepare(module, call, query, scope.size, opts.validate)
     with bind_te_cp(
-        module, scope, cp_comm_type=opts.cp_comm_type, stream_provider=opts.stream_provider, device=device
+        module, scope, cp_comm_type=opts.cp_comm_type, stream_provider=opts.stream_provider, device=device, call=call
     ):
         return forward(*bound.args, **bound.kwargs)
 

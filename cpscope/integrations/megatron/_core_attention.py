@@ -5,7 +5,10 @@
   place: the same call (``query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params``),
   ``sbhd`` ``[s, b, h, d]`` → ``[s, b, h·d]`` and ``thd`` ``[t, h, d]`` → ``[t, h·d]``, computed by
   :func:`cpscope.attention.attention_with_scope` with the carried scope (grouped-query attention natively, causal
-  or not, document-masked in ``thd``). It has no parameters, so the model's ``state_dict`` is unchanged.
+  or not, document-masked in ``thd``), with the layer's sliding window (``window_size``, where
+  ``window_attn_skip_freq`` makes it a window layer) and softmax offset (``softmax_type`` "off-by-one" /
+  "learnable": one sink logit per head, the learnable one the same ``Parameter`` under the same key). It holds no
+  other parameter, so the model's ``state_dict`` is unchanged.
 * **TE spec** — :class:`TEAttentionMixin` replaces ``TEDotProductAttention.forward``: it binds the carried scope to
   the module with :func:`cpscope.integrations.te.bind_te_cp` (group, global ranks and :func:`cpscope.cp_stream`,
   created lazily — 0.19.2 creates its stream only when the static CP size is > 1) for the call and restores the
@@ -83,20 +86,30 @@ class RingCoreAttention(nn.Module):
         out = attn.core_attention(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
     """
 
-    def __init__(self, attn_mask_type: Any, softmax_scale: float, layer_number: int = 1) -> None:
+    def __init__(self, attn_mask_type: Any, softmax_scale: float, layer_number: int = 1,
+                 window: Optional[tuple[int, int]] = None, softmax_offset: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = float(softmax_scale)
         self.layer_number = layer_number
+        self.window = None if window is None else (int(window[0]), int(window[1]))
+        if isinstance(softmax_offset, nn.Parameter):  # softmax_type="learnable": the same parameter, the same key
+            self.softmax_offset = softmax_offset
+        else:  # "off-by-one": a fixed zero logit (a plain tensor, as in Megatron); "vanilla": None
+            self.__dict__["softmax_offset"] = softmax_offset
         self.__dict__["_cpscope_replaced"] = None  # the original module (not a submodule: state_dict unchanged)
 
     @classmethod
     def replacing(cls, core: nn.Module) -> "RingCoreAttention":
-        """A ring replacement for Megatron's local ``DotProductAttention`` ``core`` (kept for :meth:`original`)."""
+        """A ring replacement for Megatron's local ``DotProductAttention`` ``core`` (kept for :meth:`original`):
+        its mask type, scale, this layer's sliding window (``window_size`` where ``window_attn_skip_freq`` makes the
+        layer a window layer) and its softmax offset (``softmax_type``: the sink logit of every head)."""
         scale = float(core.softmax_scale)
         if getattr(core.config, "apply_query_key_layer_scaling", False):
             scale *= max(1, core.layer_number)  # Megatron divides by the layer coefficient and the softmax multiplies
-        new = cls(core.attn_mask_type, scale, getattr(core, "layer_number", 1))
+        window = getattr(getattr(core, "scale_mask_softmax", None), "window_size", None)
+        new = cls(core.attn_mask_type, scale, getattr(core, "layer_number", 1), window=window,
+                  softmax_offset=getattr(core, "softmax_offset", None))
         new.train(core.training)
         new.__dict__["_cpscope_replaced"] = core
         return new
@@ -130,18 +143,22 @@ class RingCoreAttention(nn.Module):
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, causal: bool,
              psp: Any) -> torch.Tensor:
+        sinks = self.softmax_offset
+        if sinks is not None and sinks.device != q.device:  # Megatron moves its offset to the scores' device too
+            sinks = sinks.to(q.device)
+        options = {"softmax_scale": self.softmax_scale, "window": self.window, "sinks": sinks}
         if psp is not None and getattr(psp, "qkv_format", None) == "thd":  # [t, h, d]
             out = attention_with_scope(
                 q, k, v, scope, qkv_format="thd", causal=causal, max_seqlen=psp.max_seqlen_q,
-                softmax_scale=self.softmax_scale, **attention_offsets(psp, causal=causal),
+                **attention_offsets(psp, causal=causal), **options,
             )
             return out.reshape(out.shape[0], -1)  # [t, h*d]
-        out = attention_with_scope(q, k, v, scope, qkv_format="sbhd", causal=causal, softmax_scale=self.softmax_scale)
+        out = attention_with_scope(q, k, v, scope, qkv_format="sbhd", causal=causal, **options)
         return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, h*d]
 
     def extra_repr(self) -> str:
         return f"attn_mask_type={getattr(self.attn_mask_type, 'name', self.attn_mask_type)}, " \
-               f"softmax_scale={self.softmax_scale:.6g}"
+               f"softmax_scale={self.softmax_scale:.6g}, window={self.window}"
 
 
 class TEAttentionMixin(ForwardSignature):
@@ -165,5 +182,5 @@ class TEAttentionMixin(ForwardSignature):
             call.arguments["packed_seq_params"] = te_psp
         query = call.arguments.get("query")
         device = query.device if isinstance(query, torch.Tensor) else None
-        with bind_te_cp(self, scope, device=device):  # type: ignore[arg-type]
+        with bind_te_cp(self, scope, device=device, call=call.arguments):  # type: ignore[arg-type]
             return super().forward(*call.args, **call.kwargs)  # type: ignore[misc]

@@ -48,7 +48,7 @@ from ..._pack import cu_seqlens_list
 from ...groups import group_ranks
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
-from ._core_attention import RingCoreAttention, TEAttentionMixin
+from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
 from ._moe import MoELayerMixin, check_cp_beside_tp, is_moe_layer, moe_refusals
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
@@ -89,7 +89,7 @@ class EntryMixin(ForwardSignature):
                     "Megatron activation recompute (recompute_granularity="
                     f"{self.config.recompute_granularity!r}) under cpscope's runtime CP needs packed_seq_params: "  # type: ignore[attr-defined]
                     "it carries the microbatch's CP scope into the recompute during backward. Pass "
-                    "packed_seq_params (e.g. cpscope.integrations.megatron.packed_seq_params_for(...)) or "
+                    "packed_seq_params (e.g. cpscope.integrations.megatron.MegatronMicrobatch.packed_seq_params()) or "
                     "turn Megatron's recompute off and checkpoint with cpscope.checkpoint"
                 )
             _check_dense(arguments, scope)
@@ -179,8 +179,9 @@ def _refusals(config: Any, modules: list[nn.Module]) -> list[str]:
     if getattr(config, "mtp_num_layers", None):
         out.append(f"mtp_num_layers={config.mtp_num_layers} (multi-token prediction rolls tensors over the static CP group)")
     out += moe_refusals(config)  # MoE routers follow the scope (._moe); what they cannot is refused there
-    if getattr(config, "multi_latent_attention", False):
-        out.append("multi_latent_attention=True (MLA has its own CP RoPE path)")
+    if getattr(config, "multi_latent_attention", False):  # local spec: 0.19.2's DotProductAttention takes no
+        out.append("multi_latent_attention=True (MLA's own CP RoPE path; megatron-core 0.19.2's local spec cannot "
+                   "build MLA (its DotProductAttention takes no k_channels / v_channels), so it is not verified)")
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):
         out.append(f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (graphs capture static CP shapes)")
     names = {type(m).__name__ for m in modules}
@@ -191,15 +192,19 @@ def _refusals(config: Any, modules: list[nn.Module]) -> list[str]:
     return out
 
 
-def _local_refusals(config: Any) -> list[str]:
+def _local_refusals(config: Any, cores: list[nn.Module]) -> list[str]:
+    """What the ring cannot take over from the local spec's ``DotProductAttention`` modules ``cores``."""
     out = []
     if getattr(config, "attention_dropout", 0.0):
         out.append(f"attention_dropout={config.attention_dropout} (cpscope's ring attention has no dropout: build "
                    "with attention_dropout=0.0)")
-    if getattr(config, "window_size", None) is not None:
-        out.append(f"window_size={config.window_size} (sliding windows)")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        out.append(f"softmax_type={config.softmax_type!r}")
+    window = getattr(config, "window_size", None)
+    causal = [c for c in cores if getattr(getattr(c, "scale_mask_softmax", None), "window_size", None) is not None
+              and is_causal(c.attn_mask_type)]
+    if window is not None and causal and int(window[1]) != 0:
+        out.append(  # local: the window replaces the causal mask; TE (and the ring) apply both
+            f"window_size={tuple(window)} with a causal mask (Megatron's local attention then drops the causal mask, "
+            "TE keeps it; use window_size=(left, 0))")
     return out
 
 
@@ -245,7 +250,7 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         RuntimeError: an unsupported megatron-core release (:data:`SUPPORTED_MEGATRON_CORE`).
         ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MLA, YaRN /
             mRoPE, Mamba / linear attention, CUDA graphs, MoE with expert parallelism or MoE recompute;
-            with the local spec also attention dropout, sliding windows, non-vanilla softmax), or no module of it
+            with the local spec also attention dropout and a causal window reaching right), or no module of it
             takes ``packed_seq_params``.
 
     Example::
@@ -305,8 +310,9 @@ def _check_supported(modules: dict[str, nn.Module], classes: _Classes) -> Any:
     configs = [m.config for m in modules.values() if getattr(m, "config", None) is not None]
     config = configs[0] if configs else None
     bad = _refusals(config, list(modules.values())) if config is not None else []
-    if any(type(m) is classes.local_core for m in modules.values()) and config is not None:
-        bad += _local_refusals(config)
+    cores = [m for m in modules.values() if type(m) is classes.local_core]
+    if cores and config is not None:
+        bad += _local_refusals(config, cores)
     if bad:
         raise ValueError("enable_runtime_cp: not supported with runtime CP: " + "; ".join(bad))
     return config

@@ -11,8 +11,8 @@ tensors — ``tokens``, ``labels`` (already the next-token targets, as Megatron'
    where Megatron's ``BalancedCPScheduler`` sits);
 3. :func:`prepare_megatron_microbatches` — pack each planned microbatch, pad every document to ``2·cp``, shard it
    per document in the zigzag layout (Megatron's ``get_batch_on_this_cp_rank`` per-document convention, TE's
-   ``thd_get_partitioned_indices``) → :class:`MegatronMicrobatch`, a :class:`cpscope.hybrid.LocalMicrobatch`;
-4. :func:`cpscope.hybrid.run_microbatches` with ``forward=megatron_forward`` — each microbatch under its group,
+   ``thd_get_partitioned_indices``) → :class:`MegatronMicrobatch`, a :class:`cpscope.train.prepare.LocalMicrobatch`;
+4. :func:`cpscope.train.loop.run_microbatches` with ``forward=megatron_forward`` — each microbatch under its group,
    the loss normalised by the global number of targets;
 5. back to Megatron: :meth:`MegatronMicrobatch.packed_seq_params` (``cp_group`` / ``local_cp_size`` set, real and
    padded offsets) and :meth:`MegatronMicrobatch.megatron_batch` — the dict Megatron's ``forward_step`` consumes.
@@ -25,9 +25,10 @@ Example::
     docs = documents_from_batch(megatron_batches)               # the global batch, on every rank
     plan = plan_hybrid([len(d) for d in docs], n_ranks=world, capacity=16384)
     mbs = prepare_megatron_microbatches(plan.microbatches_for_rank(rank), docs, groups)
-    n = global_num_targets(mbs)
-    run_microbatches(model, mbs, num_targets=n, forward=megatron_forward)
-    allreduce_gradients(model)
+    dp = dist.group.WORLD                                       # the data-parallel group, always named
+    n = global_num_targets(mbs, dp_group=dp)
+    run_microbatches(model, mbs, num_targets=n, dp_group=dp, forward=megatron_forward)
+    allreduce_gradients(model, dp_group=dp)
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def documents_from_batch(
 
 @dataclass(frozen=True)
 class MegatronMicrobatch(LocalMicrobatch):
-    """A :class:`cpscope.hybrid.LocalMicrobatch` with what a Megatron forward needs besides it.
+    """A :class:`cpscope.train.prepare.LocalMicrobatch` with what a Megatron forward needs besides it.
 
     Attributes (besides the base class's — ``cu_seqlens`` are the padded, layout offsets):
         cu_seqlens_real: ``[docs + 1]`` int32 global offsets of the real (unpadded) documents.
@@ -249,7 +250,8 @@ def prepare_megatron_microbatches(
 
 
 def megatron_forward(model: Any, mb: MegatronMicrobatch) -> torch.Tensor:
-    """``forward=`` for :func:`cpscope.hybrid.run_microbatches`: a megatron-core GPT model on ``mb``; logits ``[T/cp, V]``.
+    """``forward=`` for :func:`cpscope.train.loop.run_microbatches`: a megatron-core GPT model on ``mb``; logits
+    ``[T/cp, V]``.
 
     The model should have :func:`~cpscope.integrations.megatron.enable_runtime_cp` applied; it runs with this
     microbatch's group (carried by ``packed_seq_params``).
