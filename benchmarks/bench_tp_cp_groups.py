@@ -44,26 +44,27 @@ def _real(tp: int, repeats: int) -> dict:
 
     world = dist.get_world_size()
     sizes = _divisors(world // tp)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     seconds, created, calls = [], None, None
     for _ in range(repeats):
         clear_cp_group_cache()
         dist.barrier()
         t0 = time.perf_counter()
         got = new_tp_cp_groups(sizes, tp_size=tp)
-        t = torch.tensor([time.perf_counter() - t0])
+        t = torch.tensor([time.perf_counter() - t0], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds.append(float(t))
         rep = G._LAST_REPORT
         created, calls = rep.created, rep.calls
         for g in got.values():  # each group communicates
             for group in {id(x): x for x in g if x is not None}.values():
-                x = torch.ones(1)
+                x = torch.ones(1, device=dev)
                 dist.all_reduce(x, group=group)
                 assert int(x) == group.size()
     counts = [None] * world
     dist.all_gather_object(counts, (created, calls))
     return {"world": world, "tp": tp, "sizes": sizes, "repeats": repeats,
-            "seconds_median": statistics.median(seconds), "seconds": seconds,
+            "backend": str(dist.get_backend()), "seconds_median": statistics.median(seconds), "seconds": seconds,
             "groups_created_per_rank": sorted({c for c, _ in counts}), "calls_per_rank": sorted({c for _, c in counts})}
 
 
