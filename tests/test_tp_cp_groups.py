@@ -134,3 +134,13 @@ def test_benchmark_simulation_rows():
     assert all(r["created_per_rank"] == 7 and r["cp_sizes"] == 4 for r in rows)
     assert rows[0]["groups_in_job"] == 32 + 16 + 8 + 8 + 4 + 2 + 1  # CP 2/4/8 blocks, [tp, cp] 1/2/4/8 blocks
     assert rows[0]["lockstep"] == 0 and rows[1]["lockstep"] == 7
+
+
+def _subset() -> list:
+    """A domain of some ranks only (one pipeline stage): the others call too, and get nothing."""
+    got = new_tp_cp_groups([1, 2], tp_size=1, ranks=[2, 3])
+    return [] if not got else group_ranks(got[2].cp) + group_ranks(got[2].tp_dp_cp)
+
+
+def test_a_domain_of_some_ranks():
+    assert run_ranks(4, _subset) == [[], [], [2, 3, 2, 3], [2, 3, 2, 3]]
