@@ -43,12 +43,15 @@ __all__ = ["VARIANTS", "choose", "predict", "variant_allowed"]
 
 def predict(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int, kv_heads: int, head_dim: int,
             dtype: Any, causal: bool = True, inner: Optional[int] = None,
-            candidates: Optional[Sequence[str]] = None) -> dict[str, float]:
+            candidates: Optional[Sequence[str]] = None,
+            window: Optional[tuple[int, int]] = None) -> dict[str, float]:
     """Predicted seconds of one call (forward + backward) for every variant that is fitted for ``dtype``,
     allowed at this shape and among ``candidates`` (default: all of ``VARIANTS``), in ``VARIANTS`` order.
 
     ``lengths`` are the global document lengths of the microbatch (``[b · s]`` repeated ``b`` times for
-    ``bshd`` / ``sbhd``); ``inner`` defaults to the model's (``cost.inner``).
+    ``bshd`` / ``sbhd``); ``inner`` defaults to the model's (``cost.inner``); ``window`` (``(left, right)``,
+    ``-1`` unbounded) prices a sliding window (:meth:`CommCostModel.time`: fewer score pairs, and ``p2p`` receives
+    only its halos).
 
     Raises:
         ValueError: bad shapes or lengths, an unknown candidate, or a dtype the model has no fit for.
@@ -67,6 +70,10 @@ def predict(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int,
     out = {}
     for v in cost.variants(dt):
         if v in wanted and variant_allowed(v, cp, heads, kv_heads, inner):
+            if window is not None:
+                out[v] = cost.time(v, lengths, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dt,
+                                   causal=causal, inner=inner, window=window)
+                continue
             q2, q1, fixed = cost.split(v, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dt,
                                        causal=causal, inner=inner)
             out[v] = q2 * s2 + q1 * s1 + fixed
@@ -75,7 +82,7 @@ def predict(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int,
 
 def choose(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int, kv_heads: int, head_dim: int,
            dtype: Any, causal: bool = True, inner: Optional[int] = None,
-           candidates: Optional[Sequence[str]] = None) -> str:
+           candidates: Optional[Sequence[str]] = None, window: Optional[tuple[int, int]] = None) -> str:
     """The variant with the least predicted time for this microbatch (``"p2p"`` at ``cp = 1``).
 
     Pure and deterministic (ties to the earlier of ``VARIANTS``). Arguments as :func:`predict`.
@@ -87,7 +94,7 @@ def choose(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int, 
         _check_shape(cp, heads, kv_heads, head_dim)
         return "p2p"
     times = predict(cost, lengths, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                    causal=causal, inner=inner, candidates=candidates)
+                    causal=causal, inner=inner, candidates=candidates, window=window)
     if not times:
         raise ValueError(f"no communication variant is both fitted (for {dtype_name(dtype)}: "
                          f"{list(cost.variants(dtype))}) and allowed at cp={cp}, heads={heads}, kv_heads={kv_heads}"

@@ -113,7 +113,7 @@ def auto_chooser(cost: CommCostModel, *, inner: Optional[int] = None,
     """A chooser for ``comm="auto"`` in ``cpscope.attention`` (``set_auto_chooser(auto_chooser(cost))``).
 
     The returned function takes the dispatch's query (attributes ``cp``, ``heads``, ``kv_heads``, ``head_dim``,
-    ``causal``, ``seq_lens``, ``dtype``) and returns :func:`~cpscope.hybrid.variants.choose`'s answer,
+    ``causal``, ``seq_lens``, ``dtype``, ``window``) and returns :func:`~cpscope.hybrid.variants.choose`'s answer,
     ``"a2a+p2p:N"`` with its sub-group size. Where the query cannot be priced — no ``seq_lens`` (e.g. a TE module
     bound before its forward), or no ``dtype`` and a model of several dtypes — it returns ``fallback(query)``
     (default ``"p2p"``). Pure and deterministic: every rank of a group, asked the same query, answers the same.
@@ -135,7 +135,8 @@ def auto_chooser(cost: CommCostModel, *, inner: Optional[int] = None,
         if not lens or dtype is None or dtype_name(dtype) not in dtypes:
             return fallback(query) if fallback is not None else "p2p"
         name = choose(cost, lens, cp=query.cp, heads=query.heads, kv_heads=query.kv_heads,
-                      head_dim=query.head_dim, dtype=dtype, causal=bool(query.causal), inner=inner)
+                      head_dim=query.head_dim, dtype=dtype, causal=bool(query.causal), inner=inner,
+                      window=getattr(query, "window", None))
         if name == "a2a+p2p":
             sub = inner if inner is not None else cost.inner
             name = f"a2a+p2p:{sub if sub is not None else default_inner(query.cp, query.heads, query.kv_heads)}"

@@ -432,3 +432,19 @@ def test_formula_at_non_power_of_two_sizes() -> None:
         hier = (base + c[2] * (2 * (h + g) * d * e * lp * (a - 1) / (a * cp) + 2 * (g / a) * d * e * lp * (r - 1) / r)
                 + c[3] * ((a - 1) + (r - 1)))
         assert m.time("a2a+p2p", [4096], inner=inner, **kw) == pytest.approx(hier)
+
+
+def test_choose_prices_the_window_at_any_cp_size() -> None:
+    """A window reaches the cost model (fewer pairs; the ring receives only halos): at CP3 a 256-token window on
+    64k tokens turns Ulysses' win into the ring's, and the chooser passes the query's window through."""
+    from cpscope.train.auto import auto_chooser
+
+    model = CommCostModel({"bfloat16": TRUE})
+    kw = dict(cp=3, heads=12, kv_heads=12, head_dim=128, dtype="bfloat16")
+    times = predict(model, [65536], window=(256, 0), **kw)
+    assert times == {v: model.time(v, [65536], window=(256, 0), **kw) for v in times}
+    assert choose(model, [65536], **kw) == "a2a" and choose(model, [65536], window=(256, 0), **kw) == "p2p"
+    q = Query(3, 12, 12, seq_lens=(65536,))
+    assert auto_chooser(model)(q) == "a2a"
+    q.window = (256, 0)
+    assert auto_chooser(model)(q) == "p2p"

@@ -44,6 +44,7 @@ from tests.integrations.test_megatron_core import (
     _init_megatron,
     _megatron_available,
     _megatron_batch,
+    _mb,
     _reference_cpu_shims,
 )
 
@@ -233,11 +234,13 @@ def _index_sets(plan: list, world: int) -> list[list[int]]:
     return [sorted({lst[j] for lst in per_rank}) for j in range(len(per_rank[0]))]
 
 
-def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: float, bind: bool = True) -> dict:
+def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: float, bind: bool = True,
+           plans: Any = None) -> dict:
     from cpscope.integrations.megatron import documents_from_batch, enable_runtime_cp
 
     _init_megatron()
-    groups = cpscope.new_cp_groups([1, 2, 4])
+    plans = PLANS if plans is None else plans
+    groups = cpscope.new_cp_groups(sorted({mb.cp for plan in plans for mb in plan} | {1}))
     per_index = "global_aux_loss" in losses["moe_router_load_balancing_type"]
     model = _build_moe(dtype, dispatcher, losses)
     ref = _build_moe(dtype, dispatcher, losses, pg_collection=_single_process_groups() if per_index else None)
@@ -251,7 +254,7 @@ def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: f
     out: dict = {"loss": [], "ref_loss": [], "aux": [], "ref_aux": [], "grad_err": [], "aux_err": []}
     for step in range(steps):
         docs = documents_from_batch(_megatron_batch(LENGTHS, seed=10 + step))
-        plan = PLANS[step % len(PLANS)]
+        plan = plans[step % len(plans)]
         loss, n, aux = _cp_step(model, plan, docs, groups)
         ref_aux: dict[int, list] = {}
         total = torch.zeros((), dtype=torch.float64)
@@ -387,7 +390,10 @@ def _refusals() -> None:
                 expert_tensor_parallel_size=1, recompute_granularity=None, recompute_modules=None,
                 moe_router_load_balancing_type="aux_loss")
     assert moe_refusals(SimpleNamespace(**base)) == [] and moe_refusals(SimpleNamespace(num_moe_experts=None)) == []
-    for change, text in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2"),
+    assert moe_refusals(SimpleNamespace(**{**base, "tensor_model_parallel_size": 2,
+                                           "expert_tensor_parallel_size": 2})) == []  # TP: test_megatron_tp_moe
+    for change, text in (({"tensor_model_parallel_size": 2}, "expert_tensor_parallel_size=1 with "
+                                                             "tensor_model_parallel_size=2"),
                          ({"expert_model_parallel_size": 4}, "expert_model_parallel_size=4"),
                          ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, "'moe'"),
                          ({"moe_router_load_balancing_type": "quantile_balancing"}, "quantile_balancing")):
@@ -395,13 +401,28 @@ def _refusals() -> None:
         assert len(got) == 1 and text in got[0], got
     _init_megatron()
     model = _build_moe(torch.float32, "allgather", PER_MICROBATCH)
-    model.decoder.add_module("mamba", type("MambaMixer", (torch.nn.Module,), {})())
-    with pytest.raises(ValueError, match="MambaMixer"):
-        enable_runtime_cp(model)
-    moe = _build_moe(torch.float32, "allgather", PER_MICROBATCH, mtp_num_layers=None)
-    moe.config.mtp_num_layers = 1
-    with pytest.raises(ValueError, match="mtp_num_layers=1"):
-        enable_runtime_cp(moe)
+    # Mamba and linear-attention (gated delta net) mixers need mamba-ssm / fla kernels, absent here: stand-ins by
+    # class name, which is what the refusal reads
+    for mixer in ("MambaMixer", "GatedDeltaNet"):
+        model = _build_moe(torch.float32, "allgather", PER_MICROBATCH)
+        model.decoder.add_module("mixer", type(mixer, (torch.nn.Module,), {})())
+        with pytest.raises(ValueError, match=f"{mixer} modules"):
+            enable_runtime_cp(model)
+    mtp = _build_mtp()  # a real multi-token-prediction block (megatron-core 0.19.2 builds it on CPU)
+    assert type(mtp.mtp).__name__ == "MultiTokenPredictionBlock"
+    with pytest.raises(ValueError, match="mtp_num_layers=1 .multi-token prediction"):
+        enable_runtime_cp(mtp)
+
+
+def _build_mtp() -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    config = _moe_config(torch.float32, "allgather", PER_MICROBATCH, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    with _moe_cpu_shims():
+        return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=256, position_embedding_type="rope",
+                        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -418,6 +439,18 @@ def test_moe_trains_with_mixed_cp_equal_to_no_cp(dispatcher):
     """aux_loss + seq_aux_loss + z-loss, fp32, 3 steps (CP4 / CP2 / CP1 microbatches)."""
     out = run_ranks(4, _train, torch.float32, dispatcher, PER_MICROBATCH, 3, 1e-5)[0]
     assert out["loss"][-1] < out["loss"][0]
+
+
+# Mixed CP3 / CP1 plans for 3 ranks (a CP size that is not a power of two)
+PLANS_CP3 = [
+    [_mb(3, 0, (0,)), _mb(3, 0, (1, 2)), _mb(1, 0, (3,)), _mb(1, 1, (4, 5)), _mb(1, 2, (6, 7))],
+    [_mb(3, 0, (3, 1)), _mb(1, 0, (0,)), _mb(1, 1, (2, 4)), _mb(1, 2, (5, 6, 7))],
+]
+
+
+def test_moe_trains_with_cp3_equal_to_no_cp():
+    """aux_loss + seq_aux_loss + z-loss at CP3 / CP1 on 3 ranks, fp32, 2 steps (zigzag padding to multiples of 6)."""
+    run_ranks(3, _train, torch.float32, "alltoall", PER_MICROBATCH, 2, 1e-5, True, PLANS_CP3)
 
 
 def test_moe_global_aux_loss_equal_to_no_cp():

@@ -15,12 +15,15 @@ forward:
     on all ranks — not so when ranks run different CP sizes.
 
 :class:`MoELayerMixin` (on every ``TransformerLayer`` whose ``mlp`` is a ``MoELayer``) binds, for the call of its
-MLP, the router's ``tp_cp_group`` / ``cp_group`` to the microbatch's CP group (with tensor parallelism of 1 the
-``[tp, cp]`` group of a CP-``k`` microbatch *is* its CP-``k`` group; CP1 is the layer's size-1 ``tp`` group) and
-keeps ``tp_dp_cp_group`` (the whole DP×CP domain, which holds every CP group of the job; checked). The scope comes
+MLP, the router's ``cp_group`` to the microbatch's CP group and its ``tp_cp_group`` to the microbatch's ``[tp, cp]``
+group: with tensor parallelism of 1 that *is* the CP group; CP1 is the router's own ``tp`` group; with TP > 1 it is
+the group :func:`cpscope.groups.new_tp_cp_groups` made up front for that CP group (looked up with
+:func:`~cpscope.groups.lookup_tp_cp`; missing, or a CP group that holds two ranks of one TP group, is a
+``ValueError``). It keeps ``tp_dp_cp_group`` (the whole DP×CP domain, which holds every CP group of the job; checked). The scope comes
 from the ``packed_seq_params`` carrier (:mod:`._carrier`), so Megatron's full-layer recompute binds the same groups
 in backward. It also hands the router a padding mask — the zigzag padding tokens of ``thd`` microbatches
-(``cu_seqlens_q`` vs ``cu_seqlens_q_padded``), none elsewhere — so token counts come from the all-reduced counts
+(``cu_seqlens_q`` vs ``cu_seqlens_q_padded``; with sequence parallelism this TP rank's contiguous part of them),
+none elsewhere — so token counts come from the all-reduced counts
 (exact whatever each rank holds) and padding never enters the statistics, and weights each rank's z-loss by its
 share of the microbatch's real tokens. No group is created in forward; nothing is left on the modules after a call.
 
@@ -32,8 +35,8 @@ per rank (Megatron's ``BalancedCPScheduler`` groups do) or the all-reduce waits 
 Megatron's metrics tracker keeps one reduction group per metric (the last one recorded); after each call it is set
 back to the router's own group, so every rank reduces the logged values over the same groups at report time.
 
-Refused (``ValueError`` from :func:`moe_refusals`): tensor or expert parallelism > 1 (their ``[tp, cp]`` groups per
-CP size / lockstep all-to-alls are not built or checked here), ``recompute_modules`` with ``"moe"`` (its recompute in
+Refused (``ValueError`` from :func:`moe_refusals`): expert parallelism > 1 (its lockstep all-to-alls are not
+checked here), an ``expert_tensor_parallel_size`` other than the TP size, ``recompute_modules`` with ``"moe"`` (its recompute in
 backward would not see the bound groups), quantile balancing.
 
 Example::
@@ -49,17 +52,19 @@ from typing import Any, Optional
 import torch
 
 from ..._pack import cu_seqlens_list
-from ...groups import group_ranks
+from ...groups import group_ranks, lookup_tp_cp
 from ...scope import CPScope
 from ...sharding import zigzag_indices
 from ._carrier import consumer_scope
 
-__all__ = ["MoELayerMixin", "is_moe_layer", "moe_refusals"]
+__all__ = ["MoELayerMixin", "check_cp_beside_tp", "is_moe_layer", "moe_refusals"]
 
 _PAD_ATTR = "_cpscope_moe_padding"
 _TP_CP_METRICS = ("load_balancing_loss", "seq_load_balancing_loss")
 # CP groups already checked to lie inside a router's tp_dp_cp group (by the latter's id)
 _CHECKED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+# CP groups already checked to hold one rank per TP group (by the TP group's ranks)
+_TP_CHECKED: "weakref.WeakKeyDictionary[Any, set[tuple[int, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def is_moe_layer(module: Any) -> bool:
@@ -75,11 +80,15 @@ def moe_refusals(config: Any) -> list[str]:
     if not getattr(config, "num_moe_experts", None):
         return []
     out = []
-    for name in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
-        value = getattr(config, name, 1) or 1
-        if value != 1:
-            out.append(f"{name}={value} with num_moe_experts (runtime CP binds MoE routers with tensor and expert "
-                       "parallelism of 1 only)")
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp
+    if ep != 1:
+        out.append(f"expert_model_parallel_size={ep} with num_moe_experts (runtime CP binds MoE routers with expert "
+                   "parallelism of 1 only)")
+    if etp != tp:
+        out.append(f"expert_tensor_parallel_size={etp} with tensor_model_parallel_size={tp} (runtime CP binds MoE "
+                   "routers whose experts are split as the dense layers are)")
     modules = getattr(config, "recompute_modules", None) or []
     if getattr(config, "recompute_granularity", None) == "selective" and "moe" in modules:
         out.append("recompute_modules with 'moe' (the MoE recompute in backward would not see the microbatch's "
@@ -99,8 +108,9 @@ class MoELayerMixin:
         router = self.mlp.router  # type: ignore[attr-defined]
         static = (router.tp_cp_group, router.cp_group, router.config)  # what the router was built with
         tp_cp = _tp_cp_group(router, scope)
-        padding, z_scale = _padding_mask(packed_seq_params, scope, hidden_states, padding_mask)
-        router.tp_cp_group = router.cp_group = tp_cp
+        padding, z_scale = _padding_mask(packed_seq_params, scope, hidden_states, padding_mask, router.tp_group,
+                                         1 if tp_cp is None else tp_cp.size())
+        router.tp_cp_group, router.cp_group = tp_cp, (scope.group if scope.size > 1 else static[1])
         if z_scale != 1.0 and router.config.moe_z_loss_coeff:
             router.config = copy.copy(router.config)  # the router's own, for this call
             router.config.moe_z_loss_coeff = static[2].moe_z_loss_coeff * z_scale
@@ -113,36 +123,64 @@ class MoELayerMixin:
 
 
 def _tp_cp_group(router: Any, scope: CPScope) -> Any:
-    """The ``[tp, cp]`` group of this microbatch (TP1: its CP group; CP1: the size-1 ``tp`` group)."""
+    """The ``[tp, cp]`` group of this microbatch: CP1, the router's ``tp`` group; TP1, the CP group; else the one
+    :func:`cpscope.groups.new_tp_cp_groups` made for this CP group (looked up, never created here)."""
+    tp = router.tp_group
     if scope.size == 1:
-        tp = router.tp_group
-        if tp is None or tp.size() != 1:
-            raise ValueError(f"MoE router under runtime CP: a CP1 microbatch needs a size-1 tp group, the router has "
-                             f"{None if tp is None else tp.size()}")
         return tp
+    tp_ranks = tuple(group_ranks(tp))
+    if len(tp_ranks) == 1:
+        tp_cp = scope.group
+    else:
+        check_cp_beside_tp(scope.group, tp_ranks)
+        tp_cp = lookup_tp_cp(scope.group, tp_ranks=tp_ranks)
+        if tp_cp is None:
+            raise ValueError(
+                f"MoE router under runtime CP with TP{len(tp_ranks)}: no [tp, cp] group for the CP group "
+                f"{group_ranks(scope.group)} and the TP group {list(tp_ranks)}; create them up front on every rank "
+                "with cpscope.groups.new_tp_cp_groups(sizes, tp_size=...)"
+            )
     domain = router.tp_dp_cp_group
-    checked = _CHECKED.setdefault(scope.group, set())
+    checked = _CHECKED.setdefault(tp_cp, set())
     if id(domain) not in checked:
-        members = group_ranks(scope.group)
+        members = group_ranks(tp_cp)
         if not set(members) <= set(group_ranks(domain)):
             raise ValueError(
-                f"MoE router under runtime CP: the microbatch's CP group {members} is not inside the model's "
+                f"MoE router under runtime CP: the microbatch's [tp, cp] group {members} is not inside the model's "
                 f"tp_dp_cp group {group_ranks(domain)[:16]}: build the CP groups over the model's DP×CP ranks "
-                "(cpscope.new_cp_groups(sizes, ranks=...))"
+                "(cpscope.new_cp_groups(sizes, ranks=...), cpscope.groups.new_tp_cp_groups(..., ranks=...))"
             )
         checked.add(id(domain))
-    return scope.group
+    return tp_cp
 
 
-def _padding_mask(psp: Any, scope: CPScope, hidden: torch.Tensor,
-                  given: Optional[torch.Tensor]) -> tuple[torch.Tensor, float]:
-    """``[b, s]`` True where the router must not count a token — this rank's zigzag padding in ``thd`` (cached on
-    the per-forward carrier), OR-ed with a mask the caller gave — and the z-loss coefficient's factor.
+def check_cp_beside_tp(group: Any, tp_ranks: tuple[int, ...]) -> None:
+    """``ValueError`` unless the CP group holds one rank of each TP group — of this rank's own, this rank alone —
+    as the groups of :func:`cpscope.groups.new_tp_cp_groups` do (checked once per CP and TP group; no collective)."""
+    checked = _TP_CHECKED.setdefault(group, set())
+    if tp_ranks in checked:
+        return
+    members = group_ranks(group)
+    shared = sorted(set(members) & set(tp_ranks) - {torch.distributed.get_rank()})
+    if shared:
+        raise ValueError(
+            f"runtime CP beside tensor parallelism: the microbatch's CP group {members} holds ranks {shared} of "
+            f"this rank's TP group {list(tp_ranks)}; a CP group must hold one rank of each TP group (the same TP "
+            "rank): build the groups with cpscope.groups.new_tp_cp_groups(sizes, tp_size=...) and bind their .cp"
+        )
+    checked.add(tp_ranks)
 
-    Megatron's z-loss is each rank's mean over its own tokens times ``coeff / cp``, which is the microbatch's
-    mean only when every rank holds as many real tokens; zigzag padding breaks that. The factor ``cp · n_rank /
-    n_microbatch`` makes each rank's share its tokens' sum over the microbatch's real tokens (``thd``, where the
-    offsets give the count; 1 elsewhere)."""
+
+def _padding_mask(psp: Any, scope: CPScope, hidden: torch.Tensor, given: Optional[torch.Tensor], tp: Any,
+                  tp_cp_size: int) -> tuple[torch.Tensor, float]:
+    """``[b, s]`` True where the router must not count a token — this rank's zigzag padding in ``thd`` (its
+    sequence-parallel part with TP, cached on the per-forward carrier), OR-ed with a mask the caller gave — and the
+    z-loss coefficient's factor.
+
+    Megatron's z-loss is each rank's mean over its own tokens times ``coeff / |tp_cp|``, which is the microbatch's
+    mean only when every rank of the ``[tp, cp]`` group holds as many real tokens; zigzag padding breaks that. The
+    factor ``|tp_cp| · n_rank / n_microbatch`` makes each rank's share its tokens' sum over the microbatch's real
+    tokens (``thd``, where the offsets give the count; 1 elsewhere)."""
     s, b = hidden.shape[0], hidden.shape[1]
     if psp is None or getattr(psp, "qkv_format", None) != "thd":
         mask = torch.zeros(b, s, dtype=torch.bool, device=hidden.device)
@@ -150,16 +188,20 @@ def _padding_mask(psp: Any, scope: CPScope, hidden: torch.Tensor,
     cached = getattr(psp, _PAD_ATTR, None)
     if cached is None:
         is_pad, total = _thd_padding(psp, scope)
-        cached = (is_pad.to(hidden.device), scope.size * int((~is_pad).sum()) / total)
+        cached = (is_pad.to(hidden.device), total)
         setattr(psp, _PAD_ATTR, cached)
-    mask, z_scale = cached
-    if mask.numel() != s * b:
+    mask, total = cached
+    parts = tp.size() if tp is not None else 1
+    if mask.numel() == s * b * parts and parts > 1:  # sequence parallel: this TP rank's contiguous part
+        start = tp.rank() * s * b
+        mask = mask[start:start + s * b]
+    elif mask.numel() != s * b:
         raise ValueError(f"MoE router under runtime CP: {s * b} local tokens, but the microbatch's offsets give "
                          f"{mask.numel()} for CP{scope.size}")
     mask = mask.view(b, s)
     if given is not None:  # a caller's own mask as well: counts stay exact, the z-loss keeps Megatron's weighting
         return mask | given.to(torch.bool).view(b, s), 1.0
-    return mask, z_scale
+    return mask, tp_cp_size * int((~mask).sum()) / total
 
 
 def _thd_padding(psp: Any, scope: CPScope) -> tuple[torch.Tensor, int]:

@@ -45,10 +45,11 @@ from torch import nn
 
 from ..._checks import check_divisible_seq, check_local_thd_len
 from ..._pack import cu_seqlens_list
+from ...groups import group_ranks
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
-from ._moe import MoELayerMixin, is_moe_layer, moe_refusals
+from ._moe import MoELayerMixin, check_cp_beside_tp, is_moe_layer, moe_refusals
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
 from ._version import check_megatron_core
@@ -69,6 +70,7 @@ class EntryMixin(ForwardSignature):
     _cpscope_static: CPScope  # the model's static (build-time) CP scope, from its pg_collection.cp
     _cpscope_recompute: bool
     _cpscope_rotary: list  # the RotaryTableMixin modules below this entry
+    _cpscope_tp: Optional[tuple[int, ...]]  # the global ranks of the model's TP group (None: TP1)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = self._cpscope_signature.bind(*args, **kwargs)
@@ -79,6 +81,8 @@ class EntryMixin(ForwardSignature):
                 raise ValueError(f"{name} is given: inference is not supported under cpscope's runtime CP")
         self._cpscope_check_build_time()
         scope = consumer_scope(psp)  # named by packed_seq_params, else the enclosing scope — read once, here
+        if self._cpscope_tp is not None and scope.size > 1:
+            check_cp_beside_tp(scope.group, self._cpscope_tp)
         if psp is None:
             if self._cpscope_recompute and self.training:  # type: ignore[attr-defined]
                 raise ValueError(
@@ -204,6 +208,14 @@ def _local_refusals(config: Any, cores: list[nn.Module]) -> list[str]:
     return out
 
 
+def _tp_ranks(model: nn.Module) -> Optional[tuple[int, ...]]:
+    """The global ranks of the model's tensor-parallel group (its ``pg_collection.tp``), ``None`` for TP1."""
+    tp = getattr(getattr(model, "pg_collection", None), "tp", None)
+    if tp is None or tp.size() == 1:
+        return None
+    return tuple(group_ranks(tp))
+
+
 def _static_scope(model: nn.Module) -> CPScope:
     pgs = getattr(model, "pg_collection", None)
     cp = getattr(pgs, "cp", None) if pgs is not None else None
@@ -237,7 +249,7 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         ImportError: megatron-core is not installed.
         RuntimeError: an unsupported megatron-core release (:data:`SUPPORTED_MEGATRON_CORE`).
         ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MLA, YaRN /
-            mRoPE, Mamba / linear attention, CUDA graphs, MoE with tensor / expert parallelism or MoE recompute;
+            mRoPE, Mamba / linear attention, CUDA graphs, MoE with expert parallelism or MoE recompute;
             with the local spec also attention dropout and a causal window reaching right), or no module of it
             takes ``packed_seq_params``.
 
@@ -259,7 +271,8 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         )
     for _, module in entries:
         recompute = getattr(getattr(module, "config", None), "recompute_granularity", None) is not None
-        swap_class(module, EntryMixin, _cpscope_static=_static_scope(module), _cpscope_recompute=recompute)
+        swap_class(module, EntryMixin, _cpscope_static=_static_scope(module), _cpscope_recompute=recompute,
+                   _cpscope_tp=_tp_ranks(module))
     names = [name for name, _ in entries] + _convert_consumers(modules, config, classes)
     for _, entry in entries:
         entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
