@@ -4,8 +4,8 @@
    disabled by the user), over CP1, CP2, CP4 and another CP2 group with lengths and document counts that change
    per microbatch: equal to a float64 full-pack reference cut per rank (forward and every gradient), every
    projection inside a compiled graph (no silent eager fall-back), a bounded number of graphs, and graph breaks
-   only at cpscope's deliberate eager islands (the last two are marked ``xfail`` until the core keeps Dynamo out
-   of its host code; the tests say what is needed).
+   only at cpscope's deliberate eager islands (each public call's host side and collectives, one
+   ``torch.compiler.disable``d step per call site).
 2. The pattern of docs/autograd.md, "torch.compile": the ContextVar read and the ring's collectives kept eager by
    the caller (``torch.compiler.disable``), only tensors and plain ints reaching compiled code. A block is run over
    CP1, CP2, CP4 and a *second, different* CP2 group, twice, on a 4-rank gloo pool; the number of graphs is bounded
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention import context_parallel_attention
+from cpscope.attention import ContextParallelAttention, context_parallel_attention
 from cpscope.sharding import zigzag_position_ids, zigzag_shard
 from tests.attention._reference import zigzag_index
 from tests.distributed import run_ranks
@@ -97,7 +97,6 @@ _attention_with_scope = torch.compiler.disable(_attention_with_scope)
 
 def _compile_module_scope_read() -> list[int]:
     import torch._dynamo
-    from cpscope.attention import ContextParallelAttention
 
     assert cpscope.backward_read_check_enabled()  # compiled modules pass the default-on check
     torch._dynamo.reset()
@@ -186,7 +185,7 @@ def test_attention_module_scope_read_does_not_guard_on_group():
 # torch.compile(model) with cpscope RoPE and attention inside, nothing disabled by the user.
 #
 # A two-layer decoder whose layers call `cpscope.apply_rotary_pos_emb` and `cpscope.context_parallel_attention`
-# directly is compiled whole (`torch.compile(model)`) and run over microbatches of CP1, CP2, CP4 and a second,
+# (bshd) or a `ContextParallelAttention` module (thd) directly is compiled whole (`torch.compile(model)`) and run over microbatches of CP1, CP2, CP4 and a second,
 # different CP2 group, with lengths (and, in thd, document counts) that change from microbatch to microbatch, on a
 # 4-rank gloo pool. Backend: AOTAutograd with eager kernels (`aot_eager`) behind a counter: Dynamo's capture, guards
 # and recompiles and AOTAutograd's joint forward/backward tracing are what the model meets under inductor too;
@@ -205,10 +204,12 @@ CPSCOPE_CALLS_PER_LAYER = 3  # RoPE on q, RoPE on k, attention
 # 2·cp. The second pass has only lengths (and document counts) the first did not have: whatever became dynamic in
 # the first pass must stay so, and nothing may be keyed on a length, a CP size or a group.
 SCHEDULE = (
-    [("cp1", [16]), ("cp2", [24, 8]), ("cp4", [32]), ("cp2b", [16, 16, 8])],
+    [("cp1", [16]), ("cp2", [24, 16]), ("cp4", [32]), ("cp2b", [16, 16, 8])],
     [("cp4", [48, 16]), ("cp1", [8]), ("cp2b", [40, 8, 8, 24])],
 )
-WARMUP = 2  # microbatches after which automatic dynamic shapes has seen every input change once
+# Microbatches after which automatic dynamic shapes has seen every input change once: the second one changes the
+# local length in both layouts (16 -> 12 in bshd, 16 -> 20 in thd) and, in thd, the number of documents.
+WARMUP = 2
 
 
 class _Layer(torch.nn.Module):
@@ -218,6 +219,8 @@ class _Layer(torch.nn.Module):
         self.q = torch.nn.Linear(ME, MH * MD, bias=False, dtype=torch.float64)
         self.kv = torch.nn.Linear(ME, 2 * MHKV * MD, bias=False, dtype=torch.float64)
         self.o = torch.nn.Linear(MH * MD, ME, bias=False, dtype=torch.float64)
+        # thd runs attention through the module (its forward is the island), bshd through the function
+        self.attn = ContextParallelAttention(qkv_format="thd", causal=True) if qkv_format == "thd" else None
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cu: Any) -> torch.Tensor:
         """``x``: [1, s, e] (bshd) or [t, e] (thd) -> the same shape."""
@@ -225,7 +228,10 @@ class _Layer(torch.nn.Module):
         k, v = self.kv(x).unflatten(-1, (2, MHKV, MD)).unbind(-3)  # [.., h_kv, d] each
         q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
-        o = cpscope.context_parallel_attention(q, k, v, qkv_format=self.qkv_format, causal=True, cu_seqlens=cu)
+        if self.attn is not None:
+            o = self.attn(q, k, v, cu_seqlens=cu)
+        else:
+            o = cpscope.context_parallel_attention(q, k, v, qkv_format=self.qkv_format, causal=True, cu_seqlens=cu)
         return x + self.o(o.flatten(-2))
 
 
@@ -359,10 +365,8 @@ _RUNS: dict[str, Any] = {}
 
 
 def _compiled_model_results(qkv_format: str) -> list[dict]:
-    """Per-rank results of one run of the schedule, shared by the three tests below (run once per format).
-
-    A run that crashed raises ``RuntimeError`` (not an ``AssertionError``), so the ``xfail(raises=AssertionError)``
-    tests below report a crash as a failure instead of hiding it as an expected one."""
+    """Per-rank results of one run of the schedule, shared by the three tests below (run once per format); a run
+    that crashed raises ``RuntimeError`` in every test that reads it."""
     if qkv_format not in _RUNS:
         try:
             _RUNS[qkv_format] = run_ranks(4, _compiled_model_run, qkv_format)
@@ -372,10 +376,6 @@ def _compiled_model_results(qkv_format: str) -> list[dict]:
     if isinstance(res, BaseException):
         raise RuntimeError(f"the compiled run ({qkv_format}) failed: {res}") from res
     return res
-
-
-def _xfail(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
 @pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
@@ -389,12 +389,7 @@ def test_compiled_model_equals_reference(qkv_format):
             assert row["projections_compiled"] >= 3 * MLAYERS, (rank, row)
 
 
-@pytest.mark.parametrize("qkv_format", [
-    pytest.param("bshd", marks=_xfail("Dynamo traces cpscope's host code (scope read, pack cache, index math): "
-                                      "21-25 graphs per rank over the schedule, above the bound of 14")),
-    pytest.param("thd", marks=_xfail("Dynamo traces cpscope's host code (pack cache, offsets read with .item(), "
-                                     "data-dependent index math): new graphs for every new pack, without end")),
-])
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_compiled_model_bounded_recompiles(qkv_format):
     """Bound: each cpscope call may be one eager island (a graph break), so one forward is at most
     ``3·layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at
@@ -402,9 +397,9 @@ def test_compiled_model_bounded_recompiles(qkv_format):
     schedule, and nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new
     document counts.
 
-    Needed in the core: the host side of each public call (scope read, validation, pack cache, index math) as one
-    ``torch.compiler.disable``d step that returns tensors, so that Dynamo traces only tensor math and guards on
-    nothing that changes per microbatch."""
+    What keeps it so: the host side of each public call (scope read, validation, pack cache, index math) is one
+    ``torch.compiler.disable``d step that returns tensors, so Dynamo traces only tensor math and guards on nothing
+    that changes per microbatch."""
     bound = 2 * (CPSCOPE_CALLS_PER_LAYER * MLAYERS + 1)
     for rank, res in enumerate(_compiled_model_results(qkv_format)):
         rows = res["rows"]
@@ -412,11 +407,7 @@ def test_compiled_model_bounded_recompiles(qkv_format):
         assert all(r["graphs"] == rows[WARMUP - 1]["graphs"] for r in rows[WARMUP:]), (rank, rows)
 
 
-@pytest.mark.parametrize("qkv_format", [
-    pytest.param(f, marks=_xfail("graph breaks inside cpscope's host code (graph-task probe returning an int, "
-                                 "an RLock, .item() on offsets, data-dependent shapes) besides its eager islands"))
-    for f in ("bshd", "thd")
-])
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_compiled_model_breaks_only_at_eager_islands(qkv_format):
     """Every graph break is a deliberate eager island (a ``torch.compiler.disable``d cpscope step: scope read and
     host bookkeeping, collectives), never an accident of tracing (an unsupported context manager, a data-dependent

@@ -47,13 +47,14 @@ from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
-from ..scope import UNSET as _UNSET, resolve_scope
+from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 
 logger = logging.getLogger(__name__)
 
 _IMPLS = ("auto", "triton", "te", "compiled", "eager")
+_TRACED_IMPLS = ("auto", "compiled", "eager")  # under torch.compile: torch math in the caller's graph
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,15 +220,16 @@ def apply_rotary_pos_emb(
         with cpscope.runtime_cp(groups[2]):
             q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens_padded)
     """
-    scope = resolve_scope(group)
+    if torch.compiler.is_compiling() and impl in _TRACED_IMPLS:
+        # under torch.compile: the host side is one eager island that returns the angles; the math joins the graph
+        angles = _angles_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, group=group, impl=impl,
+                                cu_seqlens_padded=cu_seqlens_padded)
+        return _rope_math(t, angles, interleaved)
+    if torch.compiler.is_compiling():  # a fused kernel asked for by name: the whole call is the island
+        return _rope_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, interleaved=interleaved,
+                            group=group, impl=impl, cu_seqlens_padded=cu_seqlens_padded)
+    scope, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, impl, cu_seqlens_padded)
     cp, rank = scope.size, scope.rank
-    check_qkv_format(qkv_format)
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
-                      cu_seqlens_padded=cu_seqlens_padded)
-    if _hooks.rope is not None:
-        _hooks.rope(scope, pack.cu, qkv_format, t)
 
     if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
         return _triton_rope(t, freqs, pack, qkv_format, interleaved)
@@ -243,6 +245,29 @@ def apply_rotary_pos_emb(
     if impl == "compiled" or (impl == "auto" and t.is_cuda):
         return _rope_math_compiled(t, angles, interleaved)
     return _rope_math(t, angles, interleaved)
+
+
+def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any, impl: str,
+                 cu_seqlens_padded: Any) -> tuple[CPScope, Pack]:
+    """The host side of a call: the scope read, validation, the pack (cached per offsets), the observer."""
+    scope = resolve_scope(group)
+    check_qkv_format(qkv_format)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=scope.size, rank=scope.rank,
+                      cu_seqlens_padded=cu_seqlens_padded)
+    if _hooks.rope is not None:
+        _hooks.rope(scope, pack.cu, qkv_format, t)
+    return scope, pack
+
+
+@torch.compiler.disable
+def _angles_island(t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, group: Any, impl: str,
+                   cu_seqlens_padded: Any) -> torch.Tensor:
+    """Eager under torch.compile (the call site's one graph break): the host side of a call and the angles of the
+    local tokens on ``t``'s device. Dynamo sees a tensor come back, so it guards on no group, size or offsets."""
+    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, impl, cu_seqlens_padded)
+    return _angles(freqs, pack, qkv_format).to(t.device)
 
 
 def _triton_rope(t: torch.Tensor, freqs: torch.Tensor, pack: Pack, qkv_format: str, interleaved: bool) -> torch.Tensor:
@@ -265,6 +290,9 @@ def _angles(freqs: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
     if qkv_format == "sbhd":
         return angles[:, None, None, :]  # [s, 1, 1, rot_dim]
     return angles[:, None, :]  # [t, 1, rot_dim]
+
+
+_rope_island = torch.compiler.disable(apply_rotary_pos_emb)
 
 
 def _check_base(base: float) -> float:
