@@ -199,7 +199,9 @@ def test_attention_module_scope_read_does_not_guard_on_group():
 
 MH, MHKV, MD, MLAYERS = 4, 2, 8, 2  # q heads, k/v heads (GQA), head dim, layers
 ME = MH * MD
-CPSCOPE_CALLS_PER_LAYER = 3  # RoPE on q, RoPE on k, attention
+# cpscope's eager islands per layer: attention (its ContextVar read, collectives and ring autograd stay eager);
+# RoPE is in the graph (its angles come from the `cpscope::rope_angles` op, which reads the scope when it runs)
+ISLANDS_PER_LAYER = 1
 # Microbatches: (CP group, document lengths). bshd takes the single length of each; every length is divisible by
 # 2·cp. The second pass has only lengths (and document counts) the first did not have: whatever became dynamic in
 # the first pass must stay so, and nothing may be keyed on a length, a CP size or a group.
@@ -391,16 +393,16 @@ def test_compiled_model_equals_reference(qkv_format):
 
 @pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_compiled_model_bounded_recompiles(qkv_format):
-    """Bound: each cpscope call may be one eager island (a graph break), so one forward is at most
-    ``3·layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at
-    most twice (static, then dynamic) and never again: ``unique_graphs ≤ 2·(3·layers + 1)`` over the whole
-    schedule, and nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new
-    document counts.
+    """Bound: each attention call is one eager island (a graph break) and RoPE none, so one forward is at most
+    ``layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at most
+    twice (static, then dynamic) and never again: ``unique_graphs ≤ 2·(layers + 1)`` over the whole schedule, and
+    nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new document
+    counts.
 
     What keeps it so: the host side of each public call (scope read, validation, pack cache, index math) is one
     ``torch.compiler.disable``d step that returns tensors, so Dynamo traces only tensor math and guards on nothing
     that changes per microbatch."""
-    bound = 2 * (CPSCOPE_CALLS_PER_LAYER * MLAYERS + 1)
+    bound = 2 * (ISLANDS_PER_LAYER * MLAYERS + 1)
     for rank, res in enumerate(_compiled_model_results(qkv_format)):
         rows = res["rows"]
         assert rows[-1]["unique_graphs"] <= bound, (rank, bound, rows)
@@ -415,3 +417,68 @@ def test_compiled_model_breaks_only_at_eager_islands(qkv_format):
     for rank, res in enumerate(_compiled_model_results(qkv_format)):
         accidental = {r: n for r, n in res["breaks"].items() if "torch.compiler.disable" not in r}
         assert not accidental, (rank, accidental)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The islands one by one, on one process (CP1): a graph break at each attention call and none at RoPE, the same
+# results as eager, and bad input still raising ValueError under torch.compile (an island is the eager call itself,
+# the rope_angles op validates as the eager call does: never a silent fallback).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _islands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, freqs: torch.Tensor, cu: torch.Tensor,
+             attn: ContextParallelAttention) -> torch.Tensor:
+    q = cpscope.apply_rotary_pos_emb(q * 2, freqs, qkv_format="thd", cu_seqlens=cu)
+    k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu)
+    o = cpscope.context_parallel_attention(q, k, v, qkv_format="thd", causal=True, cu_seqlens=cu)
+    return attn(o + 1, k, v, cu_seqlens=cu) * 3
+
+
+def test_islands_one_break_per_call_site_and_errors_raise():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs[0] += 1
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(24, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    freqs = cpscope.rotary_freqs(8, 32).double()
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    attn = ContextParallelAttention(qkv_format="thd", causal=True)
+    compiled = torch.compile(_islands, backend=backend)
+    with torch._dynamo.config.patch(suppress_errors=False):
+        got = compiled(q, k, v, freqs, cu, attn)
+        want = _islands(q, k, v, freqs, cu, attn)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        dq = torch.autograd.grad(got.sum(), q)[0]
+        torch.testing.assert_close(dq, torch.autograd.grad(want.sum(), q)[0], rtol=0, atol=0)
+        breaks = dict(counters["graph_break"])
+        # two attention call sites, each an island (the break is also counted in the frame Dynamo resumes); RoPE
+        # none: three compiled pieces around the islands
+        assert breaks and all("torch.compiler.disable" in r for r in breaks), breaks
+        assert graphs[0] == 3, graphs
+        # what the rope_angles op cannot take runs as an island: an explicit group, a table that requires grad
+        for fr, kw in ((freqs, {"group": None}), (freqs.clone().requires_grad_(), {})):
+            rope = torch.compile(lambda t, f: cpscope.apply_rotary_pos_emb(t, f, qkv_format="thd", cu_seqlens=cu,
+                                                                           **kw), backend=backend)
+            got = rope(q, fr)
+            want = cpscope.apply_rotary_pos_emb(q, fr, qkv_format="thd", cu_seqlens=cu, **kw)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            grads = [torch.autograd.grad(o.pow(2).sum(), [q] + [fr] * fr.requires_grad) for o in (got, want)]
+            for a, b in zip(*grads):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="freqs"):  # a table shorter than the longest document
+            compiled(q, k, v, freqs[:8], cu, attn)
+        with pytest.raises(ValueError, match="cu_seqlens"):  # offsets that do not cover the local tokens
+            compiled(q, k, v, freqs, torch.tensor([0, 8, 16], dtype=torch.int32), attn)
+        te_rope = torch.compile(lambda t: cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="thd", cu_seqlens=cu,
+                                                                       impl="te"), backend=backend)
+        with pytest.raises(ValueError, match="TransformerEngine"):  # a named fused kernel runs as the whole island
+            te_rope(q)
+    torch._dynamo.reset()

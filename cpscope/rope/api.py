@@ -220,12 +220,11 @@ def apply_rotary_pos_emb(
         with cpscope.runtime_cp(groups[2]):
             q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens_padded)
     """
-    if torch.compiler.is_compiling() and impl in _TRACED_IMPLS:
-        # under torch.compile: the host side is one eager island that returns the angles; the math joins the graph
-        angles = _angles_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, group=group, impl=impl,
-                                cu_seqlens_padded=cu_seqlens_padded)
-        return _rope_math(t, angles, interleaved)
-    if torch.compiler.is_compiling():  # a fused kernel asked for by name: the whole call is the island
+    if torch.compiler.is_compiling():
+        if impl in _TRACED_IMPLS:  # the host side gives the angles (an op, else an eager island); the math is traced
+            return _rope_math(t, _compiled_angles(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded),
+                              interleaved)
+        # a fused kernel asked for by name: the whole call is the island
         return _rope_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, interleaved=interleaved,
                             group=group, impl=impl, cu_seqlens_padded=cu_seqlens_padded)
     scope, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, impl, cu_seqlens_padded)
@@ -261,12 +260,46 @@ def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqle
     return scope, pack
 
 
+@torch.library.custom_op("cpscope::rope_angles", mutates_args=())
+def _angles_op(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
+               cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
+    """The angles of the local tokens of ``t`` under the scope active when the op *runs* (the scope read happens
+    here, per microbatch, not when the graph is traced), validated as an eager call validates them."""
+    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, _UNSET, "auto", cu_seqlens_padded)
+    return _angles(freqs, pack, qkv_format).to(t.device)
+
+
+@_angles_op.register_fake
+def _(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
+      cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
+    n = t.shape[1] if qkv_format == "bshd" else t.shape[0]  # the local tokens: one angle row each
+    angles = freqs.new_empty((n, freqs.shape[-1]), dtype=torch.promote_types(freqs.dtype, torch.float32),
+                             device=t.device)
+    return _broadcast_angles(angles, qkv_format)
+
+
+def _compiled_angles(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
+                     cu_seqlens_padded: Any) -> torch.Tensor:
+    """Under torch.compile: the angles from the ``cpscope::rope_angles`` op (no graph break; shape checks traced,
+    the rest at run time), or, for what the op cannot take (an explicit ``group=``, offsets given as a list, a
+    ``freqs`` that requires grad), from an eager island (one graph break)."""
+    offsets = (cu_seqlens, cu_seqlens_padded)
+    if (group is not _UNSET or not all(c is None or isinstance(c, torch.Tensor) for c in offsets)
+            or freqs.requires_grad):  # a table that learns: the island's index_select keeps its gradient
+        return _angles_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, group=group,
+                              cu_seqlens_padded=cu_seqlens_padded)
+    check_qkv_format(qkv_format)  # the checks that need only shapes, traced: bad input raises before the op
+    check_tensor_dims(t, qkv_format)
+    check_rope_freqs(freqs, t.shape[-1], 0)
+    return _angles_op(t.detach(), freqs, qkv_format, cu_seqlens, cu_seqlens_padded)  # t: only its shape
+
+
 @torch.compiler.disable
-def _angles_island(t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, group: Any, impl: str,
+def _angles_island(t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, group: Any,
                    cu_seqlens_padded: Any) -> torch.Tensor:
     """Eager under torch.compile (the call site's one graph break): the host side of a call and the angles of the
     local tokens on ``t``'s device. Dynamo sees a tensor come back, so it guards on no group, size or offsets."""
-    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, impl, cu_seqlens_padded)
+    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, "auto", cu_seqlens_padded)
     return _angles(freqs, pack, qkv_format).to(t.device)
 
 
@@ -285,6 +318,11 @@ def _angles(freqs: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
     pos = pack.positions(freqs.device)  # [n_local] global positions (cached per pack)
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
     angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
+    return _broadcast_angles(angles, qkv_format)
+
+
+def _broadcast_angles(angles: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """``[n_local, rot_dim]`` angles shaped to broadcast against the local tensor."""
     if qkv_format == "bshd":
         return angles[None, :, None, :]  # [1, s, 1, rot_dim]
     if qkv_format == "sbhd":
