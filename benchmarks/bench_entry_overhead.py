@@ -4,7 +4,7 @@ The entry points (``cpscope/rope/api.py``, ``cpscope/attention/api.py``, ``cpsco
 ``--baseline`` are loaded from git beside the checkout's own, under private module names, on top of the checkout's
 other modules; then every case runs both versions interleaved (the order alternates between repeats) and reports
 the median of the per-repeat ratios ``checkout / baseline`` of CPU time of the timing thread (``time.thread_time``,
-so other processes of a shared machine do not count). Tiny CP1 calls, where host time is all there is:
+so other processes of a shared machine do not count; one intra-op thread). Tiny CP1 calls, where host time is all there is:
 
 * ``rope_bshd``   — ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` tensor
 * ``rope_thd16``  — ``apply_rotary_pos_emb`` on ``[256, 2, 16]``, 16 documents (one cached pack)
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=2000, help="calls per sample")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    torch.set_num_threads(1)  # the kernels on this thread only: its CPU time is the whole call's
     old_rope = _load(args.baseline, "cpscope/rope/api.py", "cpscope.rope._baseline_api", {})
     old_attn = _load(args.baseline, "cpscope/attention/api.py", "cpscope.attention._baseline_api", {})
     old_module = _load(args.baseline, "cpscope/attention/module.py", "cpscope.attention._baseline_module",

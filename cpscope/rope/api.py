@@ -47,7 +47,7 @@ from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
-from ..scope import UNSET as _UNSET, CPScope, resolve_scope
+from ..scope import UNSET as _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 
@@ -227,8 +227,15 @@ def apply_rotary_pos_emb(
         # a fused kernel asked for by name: the whole call is the island
         return _rope_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, interleaved=interleaved,
                             group=group, impl=impl, cu_seqlens_padded=cu_seqlens_padded)
-    scope, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, impl, cu_seqlens_padded)
+    scope = resolve_scope(group)
     cp, rank = scope.size, scope.rank
+    check_qkv_format(qkv_format)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=cp, rank=rank,
+                      cu_seqlens_padded=cu_seqlens_padded)
+    if _hooks.rope is not None:
+        _hooks.rope(scope, pack.cu, qkv_format, t)
 
     if impl == "triton" or (impl == "auto" and _rope_kernel.usable(t)):
         return _triton_rope(t, freqs, pack, qkv_format, interleaved)
@@ -246,18 +253,16 @@ def apply_rotary_pos_emb(
     return _rope_math(t, angles, interleaved)
 
 
-def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any, impl: str,
-                 cu_seqlens_padded: Any) -> tuple[CPScope, Pack]:
-    """The host side of a call: the scope read, validation, the pack (cached per offsets), the observer."""
+def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
+                 cu_seqlens_padded: Any) -> Pack:
+    """The host side of a compiled call (the eager one inlines it): the scope read, validation, the pack (cached
+    per offsets), the observer."""
     scope = resolve_scope(group)
-    check_qkv_format(qkv_format)
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=scope.size, rank=scope.rank,
                       cu_seqlens_padded=cu_seqlens_padded)
     if _hooks.rope is not None:
         _hooks.rope(scope, pack.cu, qkv_format, t)
-    return scope, pack
+    return pack
 
 
 @torch.library.custom_op("cpscope::rope_angles", mutates_args=())
@@ -265,7 +270,7 @@ def _angles_op(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens
                cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
     """The angles of the local tokens of ``t`` under the scope active when the op *runs* (the scope read happens
     here, per microbatch, not when the graph is traced), validated as an eager call validates them."""
-    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, _UNSET, "auto", cu_seqlens_padded)
+    pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, _UNSET, cu_seqlens_padded)
     return _angles(freqs, pack, qkv_format).to(t.device)
 
 
@@ -299,7 +304,7 @@ def _angles_island(t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_
                    cu_seqlens_padded: Any) -> torch.Tensor:
     """Eager under torch.compile (the call site's one graph break): the host side of a call and the angles of the
     local tokens on ``t``'s device. Dynamo sees a tensor come back, so it guards on no group, size or offsets."""
-    _, pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, "auto", cu_seqlens_padded)
+    pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded)
     return _angles(freqs, pack, qkv_format).to(t.device)
 
 
