@@ -482,3 +482,41 @@ def test_islands_one_break_per_call_site_and_errors_raise():
         with pytest.raises(ValueError, match="TransformerEngine"):  # a named fused kernel runs as the whole island
             te_rope(q)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_compiled_model_inductor_cuda(qkv_format):
+    """The two-layer model on one GPU (CP1), bf16, compiled with inductor: RoPE's op and the rotation in inductor's
+    graphs, attention an eager island on cuDNN; forward and gradients equal the eager model's, two new lengths
+    compile nothing after the first change (automatic dynamic), the graphs stay within the bound."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _Model(qkv_format).to("cuda", torch.bfloat16)
+    compiled = torch.compile(model)
+    freqs = cpscope.rotary_freqs(MD, 256, device="cuda")
+    unique = []
+    with torch._dynamo.config.patch(suppress_errors=False, fail_on_recompile_limit_hit=True, recompile_limit=64):
+        for docs in ([64, 64], [32, 96, 64], [128, 32, 96], [64, 64, 64, 64]):
+            docs = docs if qkv_format == "thd" else docs[:1]
+            total = sum(docs)
+            x = torch.randn(total, ME, device="cuda", dtype=torch.bfloat16)
+            x = (x if qkv_format == "thd" else x[None]).requires_grad_()
+            cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))], dtype=torch.int32,
+                              device="cuda") if qkv_format == "thd" else None
+            got, want = compiled(x, freqs, cu), model(x, freqs, cu)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            params = [x] + list(model.parameters())
+            for a, b in zip(torch.autograd.grad(got.float().square().sum(), params),
+                            torch.autograd.grad(want.float().square().sum(), params)):
+                err = (a.float() - b.float()).norm() / b.float().norm()  # bf16: normwise, not elementwise
+                assert err < 2e-2, (docs, err)
+            unique.append(counters["stats"]["unique_graphs"])
+    breaks = {r.split("\n")[0]: n for r, n in counters["graph_break"].items()}
+    torch._dynamo.reset()
+    assert all("torch.compiler.disable" in r for r in breaks), breaks
+    assert unique[-1] <= 2 * (ISLANDS_PER_LAYER * MLAYERS + 1) and unique[1:] == [unique[1]] * 3, unique
