@@ -463,14 +463,21 @@ def test_islands_one_break_per_call_site_and_errors_raise():
         # none: three compiled pieces around the islands
         assert breaks and all("torch.compiler.disable" in r for r in breaks), breaks
         assert graphs[0] == 3, graphs
-        # what the rope_angles op cannot take runs as an island: an explicit group, a table that requires grad
-        for fr, kw in ((freqs, {"group": None}), (freqs.clone().requires_grad_(), {})):
-            rope = torch.compile(lambda t, f: cpscope.apply_rotary_pos_emb(t, f, qkv_format="thd", cu_seqlens=cu,
-                                                                           **kw), backend=backend)
-            got = rope(q, fr)
-            want = cpscope.apply_rotary_pos_emb(q, fr, qkv_format="thd", cu_seqlens=cu, **kw)
+        # the dense layouts through the op (their angles broadcast over batch and heads: the fake's shapes), and
+        # what the op cannot take through an island: an explicit group, a table that requires grad
+        x4 = q.detach()[None].requires_grad_()  # [1, 24, 2, 8]
+        cases = [(x4, freqs, {"qkv_format": "bshd", "interleaved": True}),
+                 (x4.transpose(0, 1), freqs, {"qkv_format": "sbhd"}),
+                 (q, freqs, {"qkv_format": "thd", "cu_seqlens": cu, "group": None}),
+                 (q, freqs.clone().requires_grad_(), {"qkv_format": "thd", "cu_seqlens": cu})]
+        for i, (t, fr, kw) in enumerate(cases):
+            rope = torch.compile(lambda t, f: cpscope.apply_rotary_pos_emb(t, f, **kw), backend=backend)
+            before = sum(counters["graph_break"].values())
+            got = rope(t, fr)
+            assert (sum(counters["graph_break"].values()) > before) == (i >= 2), (kw, dict(counters["graph_break"]))
+            want = cpscope.apply_rotary_pos_emb(t, fr, **kw)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-            grads = [torch.autograd.grad(o.pow(2).sum(), [q] + [fr] * fr.requires_grad) for o in (got, want)]
+            grads = [torch.autograd.grad(o.pow(2).sum(), [t] + [fr] * fr.requires_grad) for o in (got, want)]
             for a, b in zip(*grads):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         with pytest.raises(ValueError, match="freqs"):  # a table shorter than the longest document
