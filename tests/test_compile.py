@@ -527,3 +527,35 @@ def test_compiled_model_inductor_cuda(qkv_format):
     torch._dynamo.reset()
     assert all("torch.compiler.disable" in r for r in breaks), breaks
     assert unique[-1] <= 2 * (ISLANDS_PER_LAYER * MLAYERS + 1) and unique[1:] == [unique[1]] * 3, unique
+
+
+def _sentinel_over_compiled_model() -> tuple[dict, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    groups = cpscope.new_cp_groups([1, 2])
+    torch.manual_seed(0)
+    model = _Model("thd")
+    compiled = torch.compile(model, backend="aot_eager")
+    freqs = cpscope.rotary_freqs(MD, 128).double()
+    with cpscope.sentinel(every=1, on_mismatch="raise") as s:
+        for group in (groups[2], groups[1], groups[2]):
+            cp = 1 if group is None else group.size()
+            x = torch.randn(48 // cp, ME, dtype=torch.float64, requires_grad=True)
+            with cpscope.runtime_cp(group):
+                compiled(x, freqs, torch.tensor([0, 16, 48], dtype=torch.int32)).sum().backward()
+    breaks = {r.split("\n")[0]: n for r, n in counters["graph_break"].items()}
+    torch._dynamo.reset()
+    return breaks, s.summary()
+
+
+def test_sentinel_checks_a_compiled_model():
+    """The sentinel's observers run inside the islands (attention) and the rope_angles op (RoPE): every call of a
+    compiled model is checked, CP2 / CP1 / CP2 on 2 ranks, and agrees; its hooks add no graph break."""
+    for breaks, summary in run_ranks(2, _sentinel_over_compiled_model):
+        assert all("torch.compiler.disable" in r for r in breaks), breaks
+        calls = 3 * MLAYERS  # microbatches x layers
+        assert summary.checks["rope"] == 2 * calls and summary.checks["attention"] == calls, summary
+        assert summary.checks["attention-grad"] == calls and summary.mismatches == 0, summary
