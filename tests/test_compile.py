@@ -559,3 +559,41 @@ def test_sentinel_checks_a_compiled_model():
         calls = 3 * MLAYERS  # microbatches x layers
         assert summary.checks["rope"] == 2 * calls and summary.checks["attention"] == calls, summary
         assert summary.checks["attention-grad"] == calls and summary.mismatches == 0, summary
+
+
+# One process, rank 0 of a 2-rank world of torch's fake process group (RoPE needs no collective): RoPE compiled with
+# CUDA graphs, called under CP2 and then CP1 with the same local shape. A replayed graph would keep the CP2 angles;
+# the rope_angles op is tagged cudagraph_unsafe, so its host side runs at every call.
+_REDUCE_OVERHEAD_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import cpscope
+dev = sys.argv[1]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+groups = cpscope.new_cp_groups([1, 2])
+freqs = cpscope.rotary_freqs(16, 64, device=dev)
+rope = lambda t: cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd") * 2
+compiled = torch.compile(rope, mode="reduce-overhead" if dev == "cuda" else "default")
+x = torch.randn(1, 16, 2, 16, device=dev)
+for size in (2, 2, 2, 1, 1, 2, 1):
+    with cpscope.runtime_cp(groups[size]):
+        torch.testing.assert_close(compiled(x.clone()), rope(x), rtol=1e-5, atol=1e-5, msg=f"CP{size}")
+print("ok")
+"""
+
+
+def _reduce_overhead_check(device: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", _REDUCE_OVERHEAD_SCRIPT, device], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_rope_under_cuda_graphs_follows_the_scope():
+    _reduce_overhead_check("cuda")

@@ -265,7 +265,12 @@ def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqle
     return pack
 
 
-@torch.library.custom_op("cpscope::rope_angles", mutates_args=())
+# cudagraph_unsafe: its host side must run at every call (a CUDA graph replay would keep the angles of the scope it
+# was captured under), so inductor leaves it out of CUDA graphs (mode="reduce-overhead")
+_UNSAFE_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("cpscope::rope_angles", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
 def _angles_op(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
                cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
     """The angles of the local tokens of ``t`` under the scope active when the op *runs* (the scope read happens
