@@ -4,7 +4,8 @@ The entry points (``cpscope/rope/api.py``, ``cpscope/attention/api.py``, ``cpsco
 ``--baseline`` are loaded from git beside the checkout's own, under private module names, on top of the checkout's
 other modules; then every case runs both versions interleaved (the order alternates between repeats) and reports
 the median of the per-repeat ratios ``checkout / baseline`` of CPU time of the timing thread (``time.thread_time``,
-so other processes of a shared machine do not count; one intra-op thread). Tiny CP1 calls, where host time is all there is:
+so other processes of a shared machine do not count; one intra-op thread). Tiny CP1 calls, where host time is all
+there is:
 
 * ``rope_bshd``   — ``apply_rotary_pos_emb`` on a ``[1, 8, 2, 16]`` tensor
 * ``rope_thd16``  — ``apply_rotary_pos_emb`` on ``[256, 2, 16]``, 16 documents (one cached pack)

@@ -4,8 +4,10 @@
    disabled by the user), over CP1, CP2, CP4 and another CP2 group with lengths and document counts that change
    per microbatch: equal to a float64 full-pack reference cut per rank (forward and every gradient), every
    projection inside a compiled graph (no silent eager fall-back), a bounded number of graphs, and graph breaks
-   only at cpscope's deliberate eager islands (each public call's host side and collectives, one
-   ``torch.compiler.disable``d step per call site).
+   only at cpscope's deliberate eager islands (attention: its host side and collectives, one
+   ``torch.compiler.disable``d step per call site; RoPE has none, its host side is the ``cpscope::rope_angles``
+   op). Then the islands one by one on one process, the sentinel over a compiled model, and GPU checks (inductor,
+   CUDA graphs) that skip without CUDA.
 2. The pattern of docs/autograd.md, "torch.compile": the ContextVar read and the ring's collectives kept eager by
    the caller (``torch.compiler.disable``), only tensors and plain ints reaching compiled code. A block is run over
    CP1, CP2, CP4 and a *second, different* CP2 group, twice, on a 4-rank gloo pool; the number of graphs is bounded
@@ -185,11 +187,12 @@ def test_attention_module_scope_read_does_not_guard_on_group():
 # torch.compile(model) with cpscope RoPE and attention inside, nothing disabled by the user.
 #
 # A two-layer decoder whose layers call `cpscope.apply_rotary_pos_emb` and `cpscope.context_parallel_attention`
-# (bshd) or a `ContextParallelAttention` module (thd) directly is compiled whole (`torch.compile(model)`) and run over microbatches of CP1, CP2, CP4 and a second,
-# different CP2 group, with lengths (and, in thd, document counts) that change from microbatch to microbatch, on a
-# 4-rank gloo pool. Backend: AOTAutograd with eager kernels (`aot_eager`) behind a counter: Dynamo's capture, guards
-# and recompiles and AOTAutograd's joint forward/backward tracing are what the model meets under inductor too;
-# inductor itself would add minutes of C++ compilation on a 2-core CPU box without changing the counts.
+# (bshd) or a `ContextParallelAttention` module (thd) directly is compiled whole (`torch.compile(model)`) and run
+# over microbatches of CP1, CP2, CP4 and a second, different CP2 group, with lengths (and, in thd, document counts)
+# that change from microbatch to microbatch, on a 4-rank gloo pool. Backend: AOTAutograd with eager kernels
+# (`aot_eager`) behind a counter: Dynamo's capture, guards and recompiles and AOTAutograd's joint forward/backward
+# tracing are what the model meets under inductor too; inductor itself would add minutes of C++ compilation on a
+# 2-core CPU box without changing the counts (the GPU test below runs inductor).
 #
 # What is measured, per microbatch: the graphs handed to the backend, Dynamo's `unique_graphs`, the graph-break
 # reasons, and the projections that ran inside compiled graphs. Eager fall-back is made loud: `suppress_errors`
