@@ -266,11 +266,12 @@ def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqle
 
 
 # cudagraph_unsafe: its host side must run at every call (a CUDA graph replay would keep the angles of the scope it
-# was captured under), so inductor leaves it out of CUDA graphs (mode="reduce-overhead")
-_UNSAFE_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+# was captured under), so inductor leaves it out of CUDA graphs (mode="reduce-overhead"). An older torch without the
+# tag gets the op without it (and may lack the ``tags=`` option too).
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 
 
-@torch.library.custom_op("cpscope::rope_angles", mutates_args=(), tags=_UNSAFE_IN_CUDA_GRAPHS)
+@torch.library.custom_op("cpscope::rope_angles", mutates_args=(), **({"tags": (_UNSAFE,)} if _UNSAFE else {}))
 def _angles_op(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
                cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
     """The angles of the local tokens of ``t`` under the scope active when the op *runs* (the scope read happens
