@@ -4,8 +4,10 @@
    disabled by the user), over CP1, CP2, CP4 and another CP2 group with lengths and document counts that change
    per microbatch: equal to a float64 full-pack reference cut per rank (forward and every gradient), every
    projection inside a compiled graph (no silent eager fall-back), a bounded number of graphs, and graph breaks
-   only at cpscope's deliberate eager islands (the last two are marked ``xfail`` until the core keeps Dynamo out
-   of its host code; the tests say what is needed).
+   only at cpscope's deliberate eager islands (attention: its host side and collectives, one
+   ``torch.compiler.disable``d step per call site; RoPE has none, its host side is the ``cpscope::rope_angles``
+   op). Then the islands one by one on one process, the sentinel over a compiled model, and GPU checks (inductor,
+   CUDA graphs) that skip without CUDA.
 2. The pattern of docs/autograd.md, "torch.compile": the ContextVar read and the ring's collectives kept eager by
    the caller (``torch.compiler.disable``), only tensors and plain ints reaching compiled code. A block is run over
    CP1, CP2, CP4 and a *second, different* CP2 group, twice, on a 4-rank gloo pool; the number of graphs is bounded
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention import context_parallel_attention
+from cpscope.attention import ContextParallelAttention, context_parallel_attention
 from cpscope.sharding import zigzag_position_ids, zigzag_shard
 from tests.attention._reference import zigzag_index
 from tests.distributed import run_ranks
@@ -97,7 +99,6 @@ _attention_with_scope = torch.compiler.disable(_attention_with_scope)
 
 def _compile_module_scope_read() -> list[int]:
     import torch._dynamo
-    from cpscope.attention import ContextParallelAttention
 
     assert cpscope.backward_read_check_enabled()  # compiled modules pass the default-on check
     torch._dynamo.reset()
@@ -186,11 +187,12 @@ def test_attention_module_scope_read_does_not_guard_on_group():
 # torch.compile(model) with cpscope RoPE and attention inside, nothing disabled by the user.
 #
 # A two-layer decoder whose layers call `cpscope.apply_rotary_pos_emb` and `cpscope.context_parallel_attention`
-# directly is compiled whole (`torch.compile(model)`) and run over microbatches of CP1, CP2, CP4 and a second,
-# different CP2 group, with lengths (and, in thd, document counts) that change from microbatch to microbatch, on a
-# 4-rank gloo pool. Backend: AOTAutograd with eager kernels (`aot_eager`) behind a counter: Dynamo's capture, guards
-# and recompiles and AOTAutograd's joint forward/backward tracing are what the model meets under inductor too;
-# inductor itself would add minutes of C++ compilation on a 2-core CPU box without changing the counts.
+# (bshd) or a `ContextParallelAttention` module (thd) directly is compiled whole (`torch.compile(model)`) and run
+# over microbatches of CP1, CP2, CP4 and a second, different CP2 group, with lengths (and, in thd, document counts)
+# that change from microbatch to microbatch, on a 4-rank gloo pool. Backend: AOTAutograd with eager kernels
+# (`aot_eager`) behind a counter: Dynamo's capture, guards and recompiles and AOTAutograd's joint forward/backward
+# tracing are what the model meets under inductor too; inductor itself would add minutes of C++ compilation on a
+# 2-core CPU box without changing the counts (the GPU test below runs inductor).
 #
 # What is measured, per microbatch: the graphs handed to the backend, Dynamo's `unique_graphs`, the graph-break
 # reasons, and the projections that ran inside compiled graphs. Eager fall-back is made loud: `suppress_errors`
@@ -200,15 +202,19 @@ def test_attention_module_scope_read_does_not_guard_on_group():
 
 MH, MHKV, MD, MLAYERS = 4, 2, 8, 2  # q heads, k/v heads (GQA), head dim, layers
 ME = MH * MD
-CPSCOPE_CALLS_PER_LAYER = 3  # RoPE on q, RoPE on k, attention
+# cpscope's eager islands per layer: attention (its ContextVar read, collectives and ring autograd stay eager);
+# RoPE is in the graph (its angles come from the `cpscope::rope_angles` op, which reads the scope when it runs)
+ISLANDS_PER_LAYER = 1
 # Microbatches: (CP group, document lengths). bshd takes the single length of each; every length is divisible by
 # 2·cp. The second pass has only lengths (and document counts) the first did not have: whatever became dynamic in
 # the first pass must stay so, and nothing may be keyed on a length, a CP size or a group.
 SCHEDULE = (
-    [("cp1", [16]), ("cp2", [24, 8]), ("cp4", [32]), ("cp2b", [16, 16, 8])],
+    [("cp1", [16]), ("cp2", [24, 16]), ("cp4", [32]), ("cp2b", [16, 16, 8])],
     [("cp4", [48, 16]), ("cp1", [8]), ("cp2b", [40, 8, 8, 24])],
 )
-WARMUP = 2  # microbatches after which automatic dynamic shapes has seen every input change once
+# Microbatches after which automatic dynamic shapes has seen every input change once: the second one changes the
+# local length in both layouts (16 -> 12 in bshd, 16 -> 20 in thd) and, in thd, the number of documents.
+WARMUP = 2
 
 
 class _Layer(torch.nn.Module):
@@ -218,6 +224,8 @@ class _Layer(torch.nn.Module):
         self.q = torch.nn.Linear(ME, MH * MD, bias=False, dtype=torch.float64)
         self.kv = torch.nn.Linear(ME, 2 * MHKV * MD, bias=False, dtype=torch.float64)
         self.o = torch.nn.Linear(MH * MD, ME, bias=False, dtype=torch.float64)
+        # thd runs attention through the module (its forward is the island), bshd through the function
+        self.attn = ContextParallelAttention(qkv_format="thd", causal=True) if qkv_format == "thd" else None
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cu: Any) -> torch.Tensor:
         """``x``: [1, s, e] (bshd) or [t, e] (thd) -> the same shape."""
@@ -225,7 +233,10 @@ class _Layer(torch.nn.Module):
         k, v = self.kv(x).unflatten(-1, (2, MHKV, MD)).unbind(-3)  # [.., h_kv, d] each
         q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
         k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format=self.qkv_format, cu_seqlens=cu)
-        o = cpscope.context_parallel_attention(q, k, v, qkv_format=self.qkv_format, causal=True, cu_seqlens=cu)
+        if self.attn is not None:
+            o = self.attn(q, k, v, cu_seqlens=cu)
+        else:
+            o = cpscope.context_parallel_attention(q, k, v, qkv_format=self.qkv_format, causal=True, cu_seqlens=cu)
         return x + self.o(o.flatten(-2))
 
 
@@ -359,10 +370,8 @@ _RUNS: dict[str, Any] = {}
 
 
 def _compiled_model_results(qkv_format: str) -> list[dict]:
-    """Per-rank results of one run of the schedule, shared by the three tests below (run once per format).
-
-    A run that crashed raises ``RuntimeError`` (not an ``AssertionError``), so the ``xfail(raises=AssertionError)``
-    tests below report a crash as a failure instead of hiding it as an expected one."""
+    """Per-rank results of one run of the schedule, shared by the three tests below (run once per format); a run
+    that crashed raises ``RuntimeError`` in every test that reads it."""
     if qkv_format not in _RUNS:
         try:
             _RUNS[qkv_format] = run_ranks(4, _compiled_model_run, qkv_format)
@@ -372,10 +381,6 @@ def _compiled_model_results(qkv_format: str) -> list[dict]:
     if isinstance(res, BaseException):
         raise RuntimeError(f"the compiled run ({qkv_format}) failed: {res}") from res
     return res
-
-
-def _xfail(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
 @pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
@@ -389,34 +394,25 @@ def test_compiled_model_equals_reference(qkv_format):
             assert row["projections_compiled"] >= 3 * MLAYERS, (rank, row)
 
 
-@pytest.mark.parametrize("qkv_format", [
-    pytest.param("bshd", marks=_xfail("Dynamo traces cpscope's host code (scope read, pack cache, index math): "
-                                      "21-25 graphs per rank over the schedule, above the bound of 14")),
-    pytest.param("thd", marks=_xfail("Dynamo traces cpscope's host code (pack cache, offsets read with .item(), "
-                                     "data-dependent index math): new graphs for every new pack, without end")),
-])
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_compiled_model_bounded_recompiles(qkv_format):
-    """Bound: each cpscope call may be one eager island (a graph break), so one forward is at most
-    ``3·layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at
-    most twice (static, then dynamic) and never again: ``unique_graphs ≤ 2·(3·layers + 1)`` over the whole
-    schedule, and nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new
-    document counts.
+    """Bound: each attention call is one eager island (a graph break) and RoPE none, so one forward is at most
+    ``layers + 1`` compiled pieces; each piece sees only tensors, so automatic dynamic shapes compiles it at most
+    twice (static, then dynamic) and never again: ``unique_graphs ≤ 2·(layers + 1)`` over the whole schedule, and
+    nothing new after the warm-up microbatches — not for CP4, another CP2 group, new lengths or new document
+    counts.
 
-    Needed in the core: the host side of each public call (scope read, validation, pack cache, index math) as one
-    ``torch.compiler.disable``d step that returns tensors, so that Dynamo traces only tensor math and guards on
-    nothing that changes per microbatch."""
-    bound = 2 * (CPSCOPE_CALLS_PER_LAYER * MLAYERS + 1)
+    What keeps it so: the host side of each public call (scope read, validation, pack cache, index math) is one
+    ``torch.compiler.disable``d step that returns tensors, so Dynamo traces only tensor math and guards on nothing
+    that changes per microbatch."""
+    bound = 2 * (ISLANDS_PER_LAYER * MLAYERS + 1)
     for rank, res in enumerate(_compiled_model_results(qkv_format)):
         rows = res["rows"]
         assert rows[-1]["unique_graphs"] <= bound, (rank, bound, rows)
         assert all(r["graphs"] == rows[WARMUP - 1]["graphs"] for r in rows[WARMUP:]), (rank, rows)
 
 
-@pytest.mark.parametrize("qkv_format", [
-    pytest.param(f, marks=_xfail("graph breaks inside cpscope's host code (graph-task probe returning an int, "
-                                 "an RLock, .item() on offsets, data-dependent shapes) besides its eager islands"))
-    for f in ("bshd", "thd")
-])
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_compiled_model_breaks_only_at_eager_islands(qkv_format):
     """Every graph break is a deliberate eager island (a ``torch.compiler.disable``d cpscope step: scope read and
     host bookkeeping, collectives), never an accident of tracing (an unsupported context manager, a data-dependent
@@ -424,3 +420,183 @@ def test_compiled_model_breaks_only_at_eager_islands(qkv_format):
     for rank, res in enumerate(_compiled_model_results(qkv_format)):
         accidental = {r: n for r, n in res["breaks"].items() if "torch.compiler.disable" not in r}
         assert not accidental, (rank, accidental)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The islands one by one, on one process (CP1): a graph break at each attention call and none at RoPE, the same
+# results as eager, and bad input still raising ValueError under torch.compile (an island is the eager call itself,
+# the rope_angles op validates as the eager call does: never a silent fallback).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _islands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, freqs: torch.Tensor, cu: torch.Tensor,
+             attn: ContextParallelAttention) -> torch.Tensor:
+    q = cpscope.apply_rotary_pos_emb(q * 2, freqs, qkv_format="thd", cu_seqlens=cu)
+    k = cpscope.apply_rotary_pos_emb(k, freqs, qkv_format="thd", cu_seqlens=cu)
+    o = cpscope.context_parallel_attention(q, k, v, qkv_format="thd", causal=True, cu_seqlens=cu)
+    return attn(o + 1, k, v, cu_seqlens=cu) * 3
+
+
+def test_islands_one_break_per_call_site_and_errors_raise():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs[0] += 1
+        return gm.forward
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(24, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    freqs = cpscope.rotary_freqs(8, 32).double()
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    attn = ContextParallelAttention(qkv_format="thd", causal=True)
+    compiled = torch.compile(_islands, backend=backend)
+    with torch._dynamo.config.patch(suppress_errors=False):
+        got = compiled(q, k, v, freqs, cu, attn)
+        want = _islands(q, k, v, freqs, cu, attn)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        dq = torch.autograd.grad(got.sum(), q)[0]
+        torch.testing.assert_close(dq, torch.autograd.grad(want.sum(), q)[0], rtol=0, atol=0)
+        breaks = dict(counters["graph_break"])
+        # two attention call sites, each an island (the break is also counted in the frame Dynamo resumes); RoPE
+        # none: three compiled pieces around the islands
+        assert breaks and all("torch.compiler.disable" in r for r in breaks), breaks
+        assert graphs[0] == 3, graphs
+        # the dense layouts through the op (their angles broadcast over batch and heads: the fake's shapes), and
+        # what the op cannot take through an island: an explicit group, a table that requires grad
+        x4 = q.detach()[None].requires_grad_()  # [1, 24, 2, 8]
+        cases = [(x4, freqs, {"qkv_format": "bshd", "interleaved": True}),
+                 (x4.transpose(0, 1), freqs, {"qkv_format": "sbhd"}),
+                 (q, freqs, {"qkv_format": "thd", "cu_seqlens": cu, "group": None}),
+                 (q, freqs.clone().requires_grad_(), {"qkv_format": "thd", "cu_seqlens": cu})]
+        for i, (t, fr, kw) in enumerate(cases):
+            rope = torch.compile(lambda t, f: cpscope.apply_rotary_pos_emb(t, f, **kw), backend=backend)
+            before = sum(counters["graph_break"].values())
+            got = rope(t, fr)
+            assert (sum(counters["graph_break"].values()) > before) == (i >= 2), (kw, dict(counters["graph_break"]))
+            want = cpscope.apply_rotary_pos_emb(t, fr, **kw)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            grads = [torch.autograd.grad(o.pow(2).sum(), [t] + [fr] * fr.requires_grad) for o in (got, want)]
+            for a, b in zip(*grads):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="freqs"):  # a table shorter than the longest document
+            compiled(q, k, v, freqs[:8], cu, attn)
+        with pytest.raises(ValueError, match="cu_seqlens"):  # offsets that do not cover the local tokens
+            compiled(q, k, v, freqs, torch.tensor([0, 8, 16], dtype=torch.int32), attn)
+        te_rope = torch.compile(lambda t: cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="thd", cu_seqlens=cu,
+                                                                       impl="te"), backend=backend)
+        with pytest.raises(ValueError, match="TransformerEngine"):  # a named fused kernel runs as the whole island
+            te_rope(q)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_compiled_model_inductor_cuda(qkv_format):
+    """The two-layer model on one GPU (CP1), bf16, compiled with inductor: RoPE's op and the rotation in inductor's
+    graphs, attention an eager island on cuDNN; forward and gradients equal the eager model's, two new lengths
+    compile nothing after the first change (automatic dynamic), the graphs stay within the bound."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _Model(qkv_format).to("cuda", torch.bfloat16)
+    compiled = torch.compile(model)
+    freqs = cpscope.rotary_freqs(MD, 256, device="cuda")
+    unique = []
+    with torch._dynamo.config.patch(suppress_errors=False, fail_on_recompile_limit_hit=True, recompile_limit=64):
+        for docs in ([64, 64], [32, 96, 64], [128, 32, 96], [64, 64, 64, 64]):
+            docs = docs if qkv_format == "thd" else docs[:1]
+            total = sum(docs)
+            x = torch.randn(total, ME, device="cuda", dtype=torch.bfloat16)
+            x = (x if qkv_format == "thd" else x[None]).requires_grad_()
+            cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))], dtype=torch.int32,
+                              device="cuda") if qkv_format == "thd" else None
+            got, want = compiled(x, freqs, cu), model(x, freqs, cu)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            params = [x] + list(model.parameters())
+            for a, b in zip(torch.autograd.grad(got.float().square().sum(), params),
+                            torch.autograd.grad(want.float().square().sum(), params)):
+                err = (a.float() - b.float()).norm() / b.float().norm()  # bf16: normwise, not elementwise
+                assert err < 2e-2, (docs, err)
+            unique.append(counters["stats"]["unique_graphs"])
+    breaks = {r.split("\n")[0]: n for r, n in counters["graph_break"].items()}
+    torch._dynamo.reset()
+    assert all("torch.compiler.disable" in r for r in breaks), breaks
+    assert unique[-1] <= 2 * (ISLANDS_PER_LAYER * MLAYERS + 1) and unique[1:] == [unique[1]] * 3, unique
+
+
+def _sentinel_over_compiled_model() -> tuple[dict, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    groups = cpscope.new_cp_groups([1, 2])
+    torch.manual_seed(0)
+    model = _Model("thd")
+    compiled = torch.compile(model, backend="aot_eager")
+    freqs = cpscope.rotary_freqs(MD, 128).double()
+    with cpscope.sentinel(every=1, on_mismatch="raise") as s:
+        for group in (groups[2], groups[1], groups[2]):
+            cp = 1 if group is None else group.size()
+            x = torch.randn(48 // cp, ME, dtype=torch.float64, requires_grad=True)
+            with cpscope.runtime_cp(group):
+                compiled(x, freqs, torch.tensor([0, 16, 48], dtype=torch.int32)).sum().backward()
+    breaks = {r.split("\n")[0]: n for r, n in counters["graph_break"].items()}
+    torch._dynamo.reset()
+    return breaks, s.summary()
+
+
+def test_sentinel_checks_a_compiled_model():
+    """The sentinel's observers run inside the islands (attention) and the rope_angles op (RoPE): every call of a
+    compiled model is checked, CP2 / CP1 / CP2 on 2 ranks, and agrees; its hooks add no graph break."""
+    for breaks, summary in run_ranks(2, _sentinel_over_compiled_model):
+        assert all("torch.compiler.disable" in r for r in breaks), breaks
+        calls = 3 * MLAYERS  # microbatches x layers
+        assert summary.checks["rope"] == 2 * calls and summary.checks["attention"] == calls, summary
+        assert summary.checks["attention-grad"] == calls and summary.mismatches == 0, summary
+
+
+# One process, rank 0 of a 2-rank world of torch's fake process group (RoPE needs no collective): RoPE compiled with
+# CUDA graphs, called under CP2 and then CP1 with the same local shape. A replayed graph would keep the CP2 angles;
+# the rope_angles op is tagged cudagraph_unsafe, so its host side runs at every call.
+_REDUCE_OVERHEAD_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import cpscope
+dev = sys.argv[1]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+groups = cpscope.new_cp_groups([1, 2])
+freqs = cpscope.rotary_freqs(16, 64, device=dev)
+rope = lambda t: cpscope.apply_rotary_pos_emb(t, freqs, qkv_format="bshd") * 2
+compiled = torch.compile(rope, mode="reduce-overhead" if dev == "cuda" else "default")
+x = torch.randn(1, 16, 2, 16, device=dev)
+for size in (2, 2, 2, 1, 1, 2, 1):
+    with cpscope.runtime_cp(groups[size]):
+        torch.testing.assert_close(compiled(x.clone()), rope(x), rtol=1e-5, atol=1e-5, msg=f"CP{size}")
+print("ok")
+"""
+
+
+def _reduce_overhead_check(device: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", _REDUCE_OVERHEAD_SCRIPT, device], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_rope_under_cuda_graphs_follows_the_scope():
+    _reduce_overhead_check("cuda")

@@ -118,12 +118,24 @@ def context_parallel_attention(
                                          cu_seqlens_padded=b.cu_seqlens_padded)
         out = context_parallel_attention(q, k, v, qkv_format="bshd", group=None)   # CP1: plain local attention
     """
+    if torch.compiler.is_compiling():  # under torch.compile: the whole call is one eager island (see below)
+        return _attention_island(q, k, v, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens,
+                                 max_seqlen=max_seqlen, softmax_scale=softmax_scale, comm=comm, group=group,
+                                 cu_seqlens_padded=cu_seqlens_padded, window=window, sinks=sinks, softcap=softcap)
     scope = resolve_scope(group)
     return attention_with_scope(
         q, k, v, scope, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         softmax_scale=softmax_scale, comm=comm, cu_seqlens_padded=cu_seqlens_padded, window=window, sinks=sinks,
         softcap=softcap,
     )
+
+
+# Under torch.compile a call runs as one eager island, the one graph break of its call site: the scope read (per
+# forward, so each microbatch of one compiled model uses its own group), validation, the pack cache, the offsets
+# read to the host, the ring's collectives and its autograd Function. Dynamo sees only tensors going in and out, so
+# it guards on nothing that changes per microbatch (a group, a CP size, offsets' values). Eager calls do not pass
+# through the disable wrapper (it costs a frame-callback swap per call).
+_attention_island = torch.compiler.disable(context_parallel_attention)
 
 
 def attention_with_scope(
@@ -154,6 +166,11 @@ def attention_with_scope(
         scope = cpscope.resolve_scope()            # once, in forward
         out = attention_with_scope(q, k, v, scope, qkv_format="bshd", causal=True)
     """
+    if torch.compiler.is_compiling():  # one eager island under torch.compile, as context_parallel_attention
+        return _attention_with_scope_island(
+            q, k, v, scope, qkv_format=qkv_format, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            cu_seqlens_padded=cu_seqlens_padded, softmax_scale=softmax_scale, comm=comm, window=window, sinks=sinks,
+            softcap=softcap)
     args = (q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen, softmax_scale, comm)
     features = {"window": window, "sinks": sinks, "softcap": softcap}
     observer = _hooks.attention
@@ -164,6 +181,9 @@ def attention_with_scope(
     except ValueError as e:  # the observer agrees with the other ranks first, then raises it
         call = AttentionCall(*args, error=e, **features)
     return observer(call, run_call)
+
+
+_attention_with_scope_island = torch.compiler.disable(attention_with_scope)
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,8 +8,10 @@ Which group it uses, per forward call:
    changed since. A *runtime* binding active at construction (lazy init, meta-device materialisation, a rebuild
    inside the training loop's ``runtime_cp``) is never captured: it belongs to that microbatch only.
 
-The scope is read in a small method excluded from ``torch.compile`` (``torch.compiler.disable``), and only the
-resolved group/size/rank flow into the computation, so a compiled model does not guard on the ContextVar.
+Under ``torch.compile`` a call is one eager island (``torch.compiler.disable``: one graph break): the scope read,
+validation and the whole attention run eagerly, and only tensors cross into the compiled graphs, so a compiled
+model guards on no group, CP size or offsets. :meth:`ContextParallelAttention.active_scope` is the scope read alone,
+excluded from compilation the same way, for wrappers that trace around it.
 
 Example::
 
@@ -110,7 +112,16 @@ class ContextParallelAttention(nn.Module):
             ValueError: inconsistent inputs, before any collective runs (see
                 :func:`cpscope.context_parallel_attention`).
         """
-        scope = self.active_scope()
+        if torch.compiler.is_compiling():  # one eager island (one graph break): scope read and the whole call
+            return _forward_island(self, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                   cu_seqlens_padded=cu_seqlens_padded, comm=comm, sinks=sinks)
+        return self._forward(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                             cu_seqlens_padded=cu_seqlens_padded, comm=comm, sinks=sinks)
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: Optional[Any],
+                 max_seqlen: Optional[int], cu_seqlens_padded: Optional[Any], comm: Optional[str],
+                 sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        scope = runtime_scope_or(self._build_scope)  # what active_scope() reads, without its compile wrapper
         return attention_with_scope(
             q, k, v, scope, qkv_format=self.qkv_format, causal=self.causal, cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, softmax_scale=self.softmax_scale,
@@ -121,3 +132,6 @@ class ContextParallelAttention(nn.Module):
         extra = "".join(f", {name}={value!r}" for name, value in
                         (("comm", self.comm), ("window", self.window), ("softcap", self.softcap)) if value is not None)
         return f"qkv_format={self.qkv_format!r}, causal={self.causal}{extra}, build_scope={self._build_scope!r}"
+
+
+_forward_island = torch.compiler.disable(ContextParallelAttention._forward)

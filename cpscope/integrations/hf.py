@@ -291,6 +291,9 @@ def cpscope_attention_forward(
         with cpscope.runtime_cp(groups[2]):
             out, _ = cpscope_attention_forward(self, query, key, value, None, scaling=self.scaling)  # [b, s, h, d]
     """
+    if torch.compiler.is_compiling():  # one eager island (one graph break): the scope read, checks and attention
+        return _attention_forward_island(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                         **kwargs)
     scope = resolve_scope()  # read once, here in forward
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
@@ -322,6 +325,9 @@ def cpscope_attention_forward(
         softmax_scale=scaling, group=scope.group, **options,
     )  # [t, h, d]
     return out.unsqueeze(0), None
+
+
+_attention_forward_island = torch.compiler.disable(cpscope_attention_forward)
 
 
 def _packed_cu_seqlens(position_ids: torch.Tensor) -> Optional[list[int]]:

@@ -54,6 +54,7 @@ __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
 logger = logging.getLogger(__name__)
 
 _IMPLS = ("auto", "triton", "te", "compiled", "eager")
+_TRACED_IMPLS = ("auto", "compiled", "eager")  # under torch.compile: torch math in the caller's graph
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,6 +220,13 @@ def apply_rotary_pos_emb(
         with cpscope.runtime_cp(groups[2]):
             q = cpscope.apply_rotary_pos_emb(q, freqs, qkv_format="thd", cu_seqlens=cu_seqlens_padded)
     """
+    if torch.compiler.is_compiling():
+        if impl in _TRACED_IMPLS:  # the host side gives the angles (an op, else an eager island); the math is traced
+            return _rope_math(t, _compiled_angles(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded),
+                              interleaved)
+        # a fused kernel asked for by name: the whole call is the island
+        return _rope_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, interleaved=interleaved,
+                            group=group, impl=impl, cu_seqlens_padded=cu_seqlens_padded)
     scope = resolve_scope(group)
     cp, rank = scope.size, scope.rank
     check_qkv_format(qkv_format)
@@ -245,6 +253,67 @@ def apply_rotary_pos_emb(
     return _rope_math(t, angles, interleaved)
 
 
+def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
+                 cu_seqlens_padded: Any) -> Pack:
+    """The host side of a compiled call (the eager one inlines it): the scope read, validation, the pack (cached
+    per offsets), the observer."""
+    scope = resolve_scope(group)
+    pack = _rope_pack(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, cp=scope.size, rank=scope.rank,
+                      cu_seqlens_padded=cu_seqlens_padded)
+    if _hooks.rope is not None:
+        _hooks.rope(scope, pack.cu, qkv_format, t)
+    return pack
+
+
+# cudagraph_unsafe: its host side must run at every call (a CUDA graph replay would keep the angles of the scope it
+# was captured under), so inductor leaves it out of CUDA graphs (mode="reduce-overhead"). An older torch without the
+# tag gets the op without it (and may lack the ``tags=`` option too).
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+@torch.library.custom_op("cpscope::rope_angles", mutates_args=(), **({"tags": (_UNSAFE,)} if _UNSAFE else {}))
+def _angles_op(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
+               cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
+    """The angles of the local tokens of ``t`` under the scope active when the op *runs* (the scope read happens
+    here, per microbatch, not when the graph is traced), validated as an eager call validates them."""
+    pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, _UNSET, cu_seqlens_padded)
+    return _angles(freqs, pack, qkv_format).to(t.device)
+
+
+@_angles_op.register_fake
+def _(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Optional[torch.Tensor],
+      cu_seqlens_padded: Optional[torch.Tensor]) -> torch.Tensor:
+    n = t.shape[1] if qkv_format == "bshd" else t.shape[0]  # the local tokens: one angle row each
+    angles = freqs.new_empty((n, freqs.shape[-1]), dtype=torch.promote_types(freqs.dtype, torch.float32),
+                             device=t.device)
+    return _broadcast_angles(angles, qkv_format)
+
+
+def _compiled_angles(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
+                     cu_seqlens_padded: Any) -> torch.Tensor:
+    """Under torch.compile: the angles from the ``cpscope::rope_angles`` op (no graph break; shape checks traced,
+    the rest at run time), or, for what the op cannot take (an explicit ``group=``, offsets given as a list, a
+    ``freqs`` that requires grad), from an eager island (one graph break)."""
+    offsets = (cu_seqlens, cu_seqlens_padded)
+    if (group is not _UNSET or not all(c is None or isinstance(c, torch.Tensor) for c in offsets)
+            or freqs.requires_grad):  # a table that learns: the island's index_select keeps its gradient
+        return _angles_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, group=group,
+                              cu_seqlens_padded=cu_seqlens_padded)
+    check_qkv_format(qkv_format)  # the checks that need only shapes, traced: bad input raises before the op
+    check_tensor_dims(t, qkv_format)
+    check_rope_freqs(freqs, t.shape[-1], 0)
+    return _angles_op(t.detach(), freqs, qkv_format, cu_seqlens, cu_seqlens_padded)  # t: only its shape
+
+
+@torch.compiler.disable
+def _angles_island(t: torch.Tensor, freqs: torch.Tensor, *, qkv_format: str, cu_seqlens: Any, group: Any,
+                   cu_seqlens_padded: Any) -> torch.Tensor:
+    """Eager under torch.compile (the call site's one graph break): the host side of a call and the angles of the
+    local tokens on ``t``'s device. Dynamo sees a tensor come back, so it guards on no group, size or offsets."""
+    pack = _scoped_pack(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded)
+    return _angles(freqs, pack, qkv_format).to(t.device)
+
+
 def _triton_rope(t: torch.Tensor, freqs: torch.Tensor, pack: Pack, qkv_format: str, interleaved: bool) -> torch.Tensor:
     if not _rope_kernel.usable(t):
         raise ValueError(f"impl='triton' needs Triton and a CUDA tensor of fp32/bf16/fp16, got {t.device} {t.dtype}")
@@ -260,11 +329,19 @@ def _angles(freqs: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
     pos = pack.positions(freqs.device)  # [n_local] global positions (cached per pack)
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
     angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
+    return _broadcast_angles(angles, qkv_format)
+
+
+def _broadcast_angles(angles: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """``[n_local, rot_dim]`` angles shaped to broadcast against the local tensor."""
     if qkv_format == "bshd":
         return angles[None, :, None, :]  # [1, s, 1, rot_dim]
     if qkv_format == "sbhd":
         return angles[:, None, None, :]  # [s, 1, 1, rot_dim]
     return angles[:, None, :]  # [t, 1, rot_dim]
+
+
+_rope_island = torch.compiler.disable(apply_rotary_pos_emb)
 
 
 def _check_base(base: float) -> float:
