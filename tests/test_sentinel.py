@@ -448,7 +448,9 @@ def _wrong_recompute(policy):
 
 def test_recompute_under_the_wrong_scope_is_reported_at_the_first_sampled_microbatch():
     for rank, (what, i, ms) in enumerate(run_ranks(2, _wrong_recompute, "raise")):
-        assert (what, i) == ("raised", 0) and ms == [("recompute", "rope scope", rank, 0)]
+        # the cause first, on every rank; the wrong gradients it made follow
+        assert (what, i) == ("raised", 0) and ms[0] == ("recompute", "rope scope", rank, 0), ms
+        assert {m[0] for m in ms} <= {"recompute", "attention-grad"} and {m[3] for m in ms} == {0}
     for rank, (what, _, ms) in enumerate(run_ranks(2, _wrong_recompute, "log")):
         assert what == "ran"
         fields = {(m[0], m[1]) for m in ms}

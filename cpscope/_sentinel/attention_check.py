@@ -147,10 +147,12 @@ def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list]
     """This rank's fixed-size digest of the call (same keys on every rank, whatever the inputs)."""
     scope, q = call.scope, call.q
     shapes = _shape_fields(q, call.k, call.qkv_format)
+    # the real offsets too: under one padded layout, other real lengths are other padding masks
+    real = call.pack.real if call.error is None and call.pack is not None else None
     if cu is not None:
-        offsets, docs = hash64(tuple(cu)), len(cu) - 1
+        offsets, docs = hash64((tuple(cu), real)), len(cu) - 1
     else:
-        offsets, docs = hash64(("dense", shapes["local_len"] * scope.size)), shapes["batch"]
+        offsets, docs = hash64(("dense", shapes["local_len"] * scope.size, real)), shapes["batch"]
     comm = call.variant.name if call.variant is not None else (call.comm or scope.comm or "p2p")
     return {
         "valid": int(call.error is None), "pending": int(t.verdicts.has_pending), "global_rank": me(),
@@ -167,7 +169,7 @@ def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list],
     members = list(group_of(vscope))
     t.verdicts.count("agreement")
     rows = exchange(vscope.group, _digest(t, vscope, call, cu, mb, index, members),
-                    collective_device(vscope.group, call.q.device))
+                    collective_device(vscope.group, call.q.device), timeout=t.opts.timeout)
     problems = disagreements(rows, members=members, fields=_SHARED)
     invalid = [members[i] for i, r in enumerate(rows) if not r["valid"]]
     if problems or invalid:
@@ -185,7 +187,9 @@ def _report_disagreement(t: Tracker, vscope: CPScope, call: AttentionCall, cu: O
     difference the ring survives."""
     err = call.error
     members = where["group"]
+    real = call.pack.real if err is None and call.pack is not None else None
     details = exchange_objects(vscope.group, {"cu": None if cu is None else cu[:17],
+                                              "real": None if real is None else list(real[:17]),
                                               "error": None if err is None else str(err)})
     ms = []
     for p in problems:
@@ -194,6 +198,10 @@ def _report_disagreement(t: Tracker, vscope: CPScope, call: AttentionCall, cu: O
             figs["cu_seqlens"] = {members[i]: d["cu"] for i, d in enumerate(details)}
             msg += " — cu_seqlens (first 17): " + ", ".join(
                 f"rank {members[i]}: {d['cu']}" for i, d in enumerate(details))
+        if p.field == "offsets" and any(d["real"] is not None for d in details):
+            figs["real_offsets"] = {members[i]: d["real"] for i, d in enumerate(details)}
+            msg += " — real offsets (first 17): " + ", ".join(
+                f"rank {members[i]}: {d['real']}" for i, d in enumerate(details))
         for r in p.ranks or (-1,):
             ms.append(Mismatch("agreement", p.field, r, msg, figs, **where))
     for i, d in enumerate(details):

@@ -70,7 +70,8 @@ def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> 
                 "step": state.step, "microbatch": state.index, "local_len": n_local, "offsets": hash64(tuple(cu)),
                 "docs": len(cu) - 1, "seqs": hash64(seqs)}
         t.verdicts.count("agreement")
-        rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device))
+        rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device),
+                        timeout=t.opts.timeout)
         problems = disagreements(rows, members=members, fields=_FIELDS)
         if problems:
             details = exchange_objects(scope.group, {"cu": cu[:17], "seqs": list(seqs[:16]), "local_len": n_local})
@@ -102,7 +103,7 @@ def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatc
         return
     t.verdicts.count("layout")
     dev = collective_device(scope.group, ids.device) if cp > 1 else ids.device
-    full = gather_zigzag(torch.stack([ids, labels]).to(dev), cu, scope, dim=1)  # [2, T]
+    full = gather_zigzag(torch.stack([ids, labels]).to(dev), cu, scope, dim=1, timeout=t.opts.timeout)  # [2, T]
     fid, flab = full[0], full[1]
     seg = segment_ids(cu, dev)
     target = flab != t.opts.ignore_index
@@ -131,7 +132,8 @@ def check_loss(t: Tracker, used: int, num_targets: int, device: Optional[torch.d
         world, rows = 1, [[used, num_targets]]
     else:
         world = dist.get_world_size()
-        gathered = exchange(None, {"used": used, "num_targets": num_targets}, collective_device(None, device))
+        gathered = exchange(None, {"used": used, "num_targets": num_targets}, collective_device(None, device),
+                            timeout=t.opts.timeout, what="loss normalisation")
         rows = [[r["used"], r["num_targets"]] for r in gathered]
     t.verdicts.count("loss-normalisation")
     total = sum(r[0] for r in rows)

@@ -28,8 +28,9 @@ __all__ = ["Verdicts"]
 class Verdicts:
     """Reports of one sentinel, its summary, and the mismatches pending a group verdict."""
 
-    def __init__(self, policy: Union[str, Callable[[Mismatch], Any]]) -> None:
+    def __init__(self, policy: Union[str, Callable[[Mismatch], Any]], timeout: Optional[float] = None) -> None:
         self.policy = policy
+        self.timeout = timeout
         self.reports: list[Mismatch] = []
         self.summary = Summary()
         self._pending: list[Mismatch] = []
@@ -103,7 +104,8 @@ class Verdicts:
         if scope.size == 1:
             self.raise_pending()
             return
-        rows = exchange(scope.group, {"pending": int(self.has_pending)}, collective_device(scope.group, device))
+        rows = exchange(scope.group, {"pending": int(self.has_pending)}, collective_device(scope.group, device),
+                        timeout=self.timeout, what="verdict")
         members = group_of(scope)
         self.raise_pending([members[i] for i, r in enumerate(rows) if r["pending"] and i < len(members)])
 
