@@ -612,11 +612,11 @@ def _with_window(windows):
 
 
 def test_a_call_the_reference_does_not_cover_is_checked_for_agreement_only():
-    """A window (or softcap, sinks, padding) is in the digest — ranks with different windows are named — and is not
+    """A window (or softcap, sinks) is in the digest — ranks with different windows are named — and is not
     compared numerically against a reference that does not implement it (no false alarm)."""
     for ms, checks in run_ranks(2, _with_window, [(4, 0), (4, 0)]):
         assert ms == [] and checks == {"agreement": 1,
-                                       "attention: agreement only (padding, window, softcap or sinks)": 1}
+                                       "attention: agreement only (window, softcap or sinks)": 1}
     for ms, _ in run_ranks(2, _with_window, [(4, 0), (8, 0)]):
         assert ms == [("agreement", "window", 0, None), ("agreement", "window", 1, None)]
 

@@ -50,10 +50,10 @@ def _features(call: AttentionCall) -> dict[str, int]:
 
 
 def _reference_covers(call: AttentionCall) -> bool:
-    """Whether the reference implements the call's attention: no padding mask, window, softcap or sinks (those
-    calls are checked for agreement only)."""
+    """Whether the reference implements the call's attention (padding masks included): no window, softcap or
+    sinks (those calls are checked for agreement only)."""
     f = _features(call)
-    return not call.padded and f["window"] == -1 and f["softcap"] == -1 and not f["sinks"]
+    return f["window"] == -1 and f["softcap"] == -1 and not f["sinks"]
 
 
 def signature(call: AttentionCall) -> tuple:
@@ -94,7 +94,7 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     if not (ok and scope_ok and t.opts.attention):
         return run(call)
     if not _reference_covers(call):
-        t.verdicts.count("attention: agreement only (padding, window, softcap or sinks)")
+        t.verdicts.count("attention: agreement only (window, softcap or sinks)")
         return run(call)
     return numeric(t, call, run, cu, signature(call), mb.where(index))
 

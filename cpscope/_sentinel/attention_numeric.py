@@ -25,7 +25,7 @@ from ..attention.api import AttentionCall
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from . import recompute
-from .comm import all_gather_list, all_reduce, collective_device, gather_zigzag
+from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device, gather_zigzag
 from .reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .report import Mismatch
 from .state import describe, group_of, me
@@ -49,6 +49,7 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     kv = gather_zigzag(kv, offs, scope, timeout=t.opts.timeout)  # [T, h_kv, d+dv]: the group's K/V, global order
     rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[..., :d], kv[..., d:],
                 canonical(q.detach(), fmt), q.dtype, where)
+    rec.real = call.pack.real if call.pack is not None else None  # padded documents: their real offsets
     # taps whenever a backward will run: the gradient check, and the group verdict on this microbatch's recomputes
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if grads:
@@ -80,6 +81,7 @@ class _Call:
         self.finite = True
         self.cache: dict = {}  # the reference's forward probabilities, for its backward
         self.refs: Any = None
+        self.real: Optional[tuple] = None
 
     def release(self) -> None:
         self.kf = self.vf = self.q = None
@@ -93,7 +95,7 @@ class _Call:
             torch.isfinite(vf).all())
         if self.finite:
             ref = reference_rows(self.q, self.rows, kf, vf, self.offs, causal=self.causal, scale=self.scale,
-                                 dtype=self.dt, cache=self.cache if keep else None)
+                                 dtype=self.dt, cache=self.cache if keep else None, real=self.real)
             self.score_max = ref.score_max
             # scores so large that exp(s − lse) has no correct digit left in the call's arithmetic (|s| ≳ 1e6 in
             # fp32): the model has diverged; nothing to compare
@@ -113,7 +115,7 @@ class _Call:
         finite = self.finite and bool(torch.isfinite(do).all())
         if finite:
             ref = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
-                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache)
+                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache, real=self.real)
             dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
         else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
             dq = torch.zeros_like(self.q, dtype=self.dt)
@@ -122,7 +124,10 @@ class _Call:
         if self.scope.size > 1:  # every rank's rows contribute to every key
             parts = [dk, dv, dk_t, dv_t]
             buf = torch.cat([x.reshape(-1) for x in parts] + [dk.new_tensor([0.0 if finite else 1.0])])
-            all_reduce(buf, self.scope.group, timeout=self.t.opts.timeout, what="reference gradients")
+            try:
+                all_reduce(buf, self.scope.group, timeout=self.t.opts.timeout, what="reference gradients")
+            except CollectiveTimeout as e:
+                self.t.verdicts.pending_first(e)
             finite = float(buf[-1]) == 0.0
             dk, dv, dk_t, dv_t = (x.view_as(p) for x, p in zip(buf[:-1].split([p.numel() for p in parts]), parts))
         if not finite:
@@ -157,8 +162,11 @@ class _Call:
         if self.scope.size == 1:
             return [vec]
         mine = torch.tensor(vec, dtype=torch.float64, device=collective_device(self.scope.group, self.rows.device))
-        return [p.tolist() for p in all_gather_list(mine, self.scope.group, timeout=self.t.opts.timeout,
-                                                    what="attention check figures")]
+        try:
+            parts = all_gather_list(mine, self.scope.group, timeout=self.t.opts.timeout, what="attention figures")
+        except CollectiveTimeout as e:
+            self.t.verdicts.pending_first(e)
+        return [p.tolist() for p in parts]
 
     def verdict(self, check: str, items: list[tuple[str, dict]]) -> None:
         """Agree over the group on the comparison (every rank learns every rank's figures) and report."""

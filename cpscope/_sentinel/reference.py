@@ -90,6 +90,7 @@ def reference_rows(
     dtype: torch.dtype,
     dout: Optional[torch.Tensor] = None,
     cache: Optional[dict] = None,
+    real: Optional[Sequence[int]] = None,
 ):
     """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
@@ -104,6 +105,10 @@ def reference_rows(
     too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
     All in ``dtype``.
 
+    ``real``: the real offsets of padded documents (TE's ``cu_seqlens`` beside the layout ``cu``): only the first
+    ``real[i+1] − real[i]`` tokens of document ``i`` are keys; padding rows give zero output, zero ``dq`` and no
+    gradient to any key (their ``dout`` is ignored) — what a padding mask means.
+
     ``cache``: a dict, filled by a forward call (the probabilities of every chunk, when they take at most
     ``_CACHE_ELEMS`` elements) and emptied by the backward call that is given it, which then skips recomputing them.
     """
@@ -112,6 +117,9 @@ def reference_rows(
     g = h // h_kv
     dev = q.device
     bounds = _document_rows(cu, rows)  # rows of document i: bounds[i]:bounds[i+1]
+    ends = _key_ends(cu, real)  # the keys of document i: cu[i]:ends[i]
+    if real is not None and dout is not None:
+        dout = dout * _real_rows(cu, ends, rows)[:, None, None].to(dout.dtype)
     qq = q.to(dtype)
     out = torch.zeros(n, h, dv, dtype=dtype, device=dev)
     score_max = 0.0
@@ -121,7 +129,7 @@ def reference_rows(
         if size > _CACHE_ELEMS:
             cache = None
     for i in range(len(cu) - 1):
-        r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), int(cu[i + 1])
+        r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), ends[i]
         if r0 == r1 or k0 == k1:
             continue
         kk = k[k0:k1].to(dtype)
@@ -142,9 +150,25 @@ def reference_rows(
             out[a:b] = o
             if grads is not None:
                 grads.add(a, b, k0, k1, p, o, qq[a:b], kk, vv, scale)
+    if real is not None:
+        out = out * _real_rows(cu, ends, rows)[:, None, None].to(out.dtype)
     if grads is None:
         return Reference(out, score_max)
     return Reference(out, score_max, *grads.result(h_kv, g))
+
+
+def _key_ends(cu: Sequence[int], real: Optional[Sequence[int]]) -> list[int]:
+    """Where the keys of each document end: ``cu[i+1]``, or ``cu[i]`` plus its real length when padded."""
+    if real is None:
+        return [int(c) for c in cu[1:]]
+    return [int(cu[i]) + int(real[i + 1]) - int(real[i]) for i in range(len(cu) - 1)]
+
+
+def _real_rows(cu: Sequence[int], ends: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: which of the global rows ``rows`` are real tokens (not padding)."""
+    cu_t = torch.tensor(list(cu), dtype=torch.long, device=rows.device)
+    doc = (torch.searchsorted(cu_t, rows, right=True) - 1).clamp(0, len(ends) - 1)
+    return rows < torch.tensor(ends, dtype=torch.long, device=rows.device)[doc]
 
 
 def _document_rows(cu: Sequence[int], rows: torch.Tensor) -> list[int]:

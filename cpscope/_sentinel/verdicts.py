@@ -97,6 +97,13 @@ class Verdicts:
                                           f"rank(s) {others} of the group found a mismatch (see their log)",
                                           {"ranks": others})])
 
+    def pending_first(self, error: BaseException) -> None:
+        """A sentinel collective failed (``error``, e.g. a timeout): a mismatch this rank holds is the cause to
+        report (its partner went elsewhere because of it); else ``error`` itself."""
+        if self._pending:
+            self.raise_pending()
+        raise error
+
     def agree(self, scope: Any, device: Optional[torch.device] = None) -> None:
         """Agree over ``scope``'s group whether anyone holds pending mismatches, and raise on every rank if so."""
         if self.policy == "log":

@@ -1,0 +1,183 @@
+"""Fault injection on gloo: every way the ranks of a group can disagree or stall becomes a clear error, in bounded
+time, on every rank that can know — never a silent hang.
+
+Each task runs on a fresh CP group with a short collective timeout (3 s), and the sentinel with ``timeout=1.5``, so
+that a hang shows as an error within seconds. Scenarios: the sentinel on some ranks only, or switched on one
+microbatch later; other ``every`` / ``on_mismatch`` on one rank; sampling counters that drift apart after the
+handshake; a rank that stalls mid-step; a recompute under the wrong scope on one rank only; ``comm="auto"``'s
+calibration missing on one rank or different between ranks; real offsets that differ by one token under the same
+padded layout; ``a2a+p2p`` without its sub-groups made up front.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpscope
+from tests.distributed import run_ranks
+
+_GROUP_TIMEOUT_S = 3.0
+_SENTINEL_TIMEOUT_S = 1.5
+_BOUND_S = 15.0  # every error below must come well within this
+
+
+def _fresh_group() -> dist.ProcessGroup:
+    """A new group of the whole pool with a short timeout: a hang in it shows as an error within seconds."""
+    return dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
+
+
+def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 8, 2, 4, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3))
+
+
+def _attention(group: dist.ProcessGroup, seed: int = 0) -> torch.Tensor:
+    q, k, v = _qkv(seed)
+    with cpscope.runtime_cp(group):
+        out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
+    out.sum().backward()
+    return out
+
+
+def _outcome(fn, *args) -> tuple[str, str, float]:
+    """``(error type or "ok", message, seconds)`` of ``fn(*args)``."""
+    t0 = time.monotonic()
+    try:
+        fn(*args)
+        return "ok", "", time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test looks at
+        return type(e).__name__, str(e), time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sentinel on some ranks only, or later on one; other options on one rank
+
+
+def _sentinel_on(late: int, options: dict) -> tuple:
+    """Rank 1 switches the sentinel on at microbatch ``late`` (0: with rank 0; 2: never in these 2 microbatches),
+    with ``options`` (rank 0: the defaults)."""
+    g = _fresh_group()
+    rank = dist.get_rank()
+
+    def run() -> None:
+        s = None
+        try:
+            for i in range(2):
+                if s is None and (rank == 0 or i == late):
+                    opts = {"every": 1, "timeout": _SENTINEL_TIMEOUT_S, **(options if rank == 1 else {})}
+                    s = cpscope.sentinel(**opts)
+                if s is None:
+                    _attention(g, i)
+                    continue
+                with s.microbatch(g):
+                    _attention(g, i)
+        finally:
+            if s is not None:
+                s.stop()
+
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_the_sentinel_on_one_rank_only_or_one_microbatch_later_is_an_error_not_a_hang(late):
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _sentinel_on, late, {}, timeout=60)
+    # rank 0 waited at its first check for rank 1, which was not there: named, within the sentinel's timeout
+    assert e0 == "SentinelError" and "rank 1" in m0 and "did not reach the sentinel's first check" in m0, m0
+    # rank 1 ran its ring without rank 0: the group's collective timeout, not a hang
+    assert e1 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S, (e1, m1, t0, t1)
+
+
+def test_other_options_on_one_rank_raise_the_same_error_on_both():
+    for options, field in (({"every": 2}, "every"), ({"on_mismatch": "log"}, "on_mismatch"),
+                           ({"gradients": False}, "checks switched on")):
+        (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _sentinel_on, 0, options, timeout=60)
+        assert e0 == e1 == "SentinelError" and m0 == m1 and field in m0, (options, m0, m1)
+        assert t0 < _BOUND_S and t1 < _BOUND_S
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling counters drift apart after the handshake; a rank stalls mid-step
+
+
+def _drift() -> tuple:
+    g = _fresh_group()
+    rank = dist.get_rank()
+
+    def run() -> None:
+        with cpscope.sentinel(every=2, timeout=_SENTINEL_TIMEOUT_S) as s:
+            for i in range(3):
+                if rank == 1 and i == 1:
+                    with s.microbatch(g):  # a marked microbatch with no attention: rank 1's counter runs ahead
+                        pass
+                with s.microbatch(g):
+                    _attention(g, i)
+
+    return _outcome(run)
+
+
+def test_sampling_counters_that_drift_apart_time_out_naming_the_collective():
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _drift, timeout=60)
+    assert "CollectiveTimeout" in (e0, e1), (e0, m0, e1, m1)
+    timed = m0 if e0 == "CollectiveTimeout" else m1
+    assert "all_gather (agreement digest)" in timed and "[0, 1]" in timed, timed
+    assert e0 != "ok" and e1 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S
+
+
+def _stall() -> tuple:
+    g = _fresh_group()
+
+    def run() -> None:
+        with cpscope.sentinel(every=1, timeout=_SENTINEL_TIMEOUT_S) as s:
+            for i in range(2):
+                if dist.get_rank() == 1 and i == 1:
+                    time.sleep(2 * _SENTINEL_TIMEOUT_S)  # rank 1 stalls (a slow host, a hung data loader)
+                with s.microbatch(g):
+                    _attention(g, i)
+
+    return _outcome(run)
+
+
+def test_a_rank_that_stalls_mid_step_gives_a_timeout_naming_the_collective():
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _stall, timeout=60)
+    assert e0 == "CollectiveTimeout" and "did not complete within 1.5 s" in m0 and "all_gather" in m0, m0
+    assert e1 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S + 2 * _SENTINEL_TIMEOUT_S, (e1, m1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A recompute under the wrong scope on every rank: raised on every rank, at the gradient verdict
+
+
+def _recompute(wrong_on: tuple) -> tuple:
+    from tests.test_sentinel import _tiny
+
+    cpscope.set_backward_read_check(False)  # the expert opt-out: the sentinel is what catches it
+    g = _fresh_group()
+    model = _tiny(dtype=torch.float64)
+    x_full = torch.randn(2, 32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    plain = dist.get_rank() in wrong_on
+
+    def run() -> None:
+        with cpscope.sentinel(every=1, timeout=_SENTINEL_TIMEOUT_S) as s:
+            with cpscope.runtime_cp(g), s.microbatch(g):
+                x = cpscope.zigzag_shard(x_full, seq_dim=1)
+                if plain:  # plain torch checkpoint: the recompute (outside the scope) runs under CP1
+                    y = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=False)
+                else:
+                    y = cpscope.checkpoint(model.block, x, use_reentrant=False)
+            y.sum().backward()
+
+    return _outcome(run)
+
+
+def test_a_recompute_mismatch_is_raised_on_every_rank_not_inside_one_backward():
+    for rank, (err, msg, secs) in enumerate(run_ranks(2, _recompute, (0, 1), timeout=60)):
+        assert err == "SentinelError" and "activation recompute" in msg and secs < _BOUND_S, (rank, msg)
+    # on one rank only: that rank names its recompute; the other's ring backward meets a partner gone elsewhere,
+    # and both end within the timeouts instead of hanging
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _recompute, (1,), timeout=60)
+    assert e1 == "SentinelError" and "activation recompute" in m1, m1
+    assert e0 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S, (e0, m0)
