@@ -181,3 +181,55 @@ def test_a_recompute_mismatch_is_raised_on_every_rank_not_inside_one_backward():
     (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _recompute, (1,), timeout=60)
     assert e1 == "SentinelError" and "activation recompute" in m1, m1
     assert e0 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S, (e0, m0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# comm="auto": a calibration missing on one rank, or another model there; a2a+p2p without its groups up front
+
+
+def _calibration(case: str) -> tuple:
+    import tempfile
+
+    from cpscope.attention import variants as dispatch
+    from cpscope.hybrid.comm_cost import CommCostModel
+    from cpscope.train.auto import use_calibration
+    from tests.hybrid.test_comm_cost import TRUE
+
+    rank = dist.get_rank()
+    other = {v: tuple(c * 2 for c in coef) for v, coef in TRUE.items()}
+    model = CommCostModel({"bfloat16": other if case == "different" and rank == 1 else TRUE})
+    previous = dispatch.set_auto_chooser(None)
+    try:
+        with tempfile.TemporaryDirectory() as empty:
+            if case == "missing" and rank == 1:  # this node has no calibration file
+                return _outcome(lambda: use_calibration(directory=empty))
+            return _outcome(use_calibration, model)
+    finally:
+        dispatch.set_auto_chooser(previous)
+
+
+def test_a_calibration_missing_or_different_on_one_rank_raises_on_every_rank():
+    for case, words in (("missing", "on rank(s) [1]"), ("different", "different calibrated cost models")):
+        for err, msg, secs in run_ranks(2, _calibration, case, timeout=60):
+            assert err == "ValueError" and words in msg and secs < _BOUND_S, (case, msg)
+    assert [r[0] for r in run_ranks(2, _calibration, "same", timeout=60)] == ["ok", "ok"]
+
+
+def _hierarchical() -> tuple:
+    g = _fresh_group()
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, 4, 4, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+
+    def run() -> None:
+        with cpscope.runtime_cp(g, comm="a2a+p2p:2"):
+            cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
+
+    missing = _outcome(run)
+    cpscope.hierarchical_cp_groups(g, 2)  # up front, on every member
+    return missing, _outcome(run)
+
+
+def test_a2a_p2p_without_its_groups_made_up_front_is_a_clear_error_and_creates_nothing():
+    for (err, msg, _), after in run_ranks(4, _hierarchical, timeout=60):
+        assert err == "ValueError" and "cpscope.hierarchical_cp_groups(group, 2)" in msg, msg
+        assert after[0] == "ok", after
