@@ -233,3 +233,28 @@ def test_a2a_p2p_without_its_groups_made_up_front_is_a_clear_error_and_creates_n
     for (err, msg, _), after in run_ranks(4, _hierarchical, timeout=60):
         assert err == "ValueError" and "cpscope.hierarchical_cp_groups(group, 2)" in msg, msg
         assert after[0] == "ok", after
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan's communication variant survives Megatron's data path and its packed_seq_params
+
+
+def _megatron_variant() -> tuple:
+    from types import SimpleNamespace
+
+    from cpscope.hybrid.plan import Microbatch
+    from cpscope.integrations.megatron._carrier import consumer_scope
+    from cpscope.integrations.megatron.data import Document, prepare_megatron_microbatches
+
+    groups = cpscope.new_cp_groups([1, 2])
+    docs = [Document(torch.arange(n), torch.arange(1, n + 1)) for n in (12, 20)]
+    planned = [Microbatch(cp=2, block=0, seqs=(0, 1), tokens_per_rank=16, cost=1.0, comm="a2a")]
+    (mb,) = prepare_megatron_microbatches(planned, docs, groups)
+    psp = mb.packed_seq_params(cls=lambda **kw: SimpleNamespace(cp_partition_mode=None, **kw))
+    with cpscope.runtime_cp(mb.group, local_cp_size=mb.cp, comm=mb.comm):  # what run_microbatches binds
+        scope = consumer_scope(psp)  # what the model's entry forward resolves from packed_seq_params
+    return mb.comm, scope.comm, scope.size
+
+
+def test_the_megatron_data_path_keeps_the_planned_variant():
+    assert run_ranks(2, _megatron_variant) == [("a2a", "a2a", 2)] * 2
