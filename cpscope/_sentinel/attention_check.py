@@ -27,6 +27,7 @@ from ..scope import CPScope
 from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
+from .attention_sampled import sampled_numeric
 from .comm import collective_device, exchange, exchange_objects
 from .report import Mismatch
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
@@ -96,7 +97,15 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     if not _reference_covers(call):
         t.verdicts.count("attention: agreement only (window, softcap or sinks)")
         return run(call)
-    return numeric(t, call, run, cu, signature(call), mb.where(index))
+    # more local rows than the sentinel checks: sampled rows against a streamed reference; else every row, exactly
+    check = sampled_numeric if canonical_rows(call) > t.opts.rows else numeric
+    return check(t, call, run, cu, signature(call), mb.where(index))
+
+
+def canonical_rows(call: AttentionCall) -> int:
+    """Local query rows of a call (tokens of ``thd``; ``b·s`` of ``bshd`` / ``sbhd``)."""
+    shape = call.q.shape
+    return int(shape[0]) if call.qkv_format == "thd" else int(shape[0]) * int(shape[1])
 
 
 def _local_checks(call: AttentionCall, mb: Microbatch, expected: Optional[CPScope], vscope: CPScope,

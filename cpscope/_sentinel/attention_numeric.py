@@ -31,7 +31,7 @@ from .report import Mismatch
 from .state import describe, group_of, me
 from .tracker import Tracker
 
-__all__ = ["numeric"]
+__all__ = ["numeric", "run_checked"]
 
 _FIGURES = ("ratio", "abs_error", "tolerance", "max_error", "ref_max", "nonfinite")
 _SKIPPED = dict.fromkeys(_FIGURES, 0.0)
@@ -50,6 +50,14 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[..., :d], kv[..., d:],
                 canonical(q.detach(), fmt), q.dtype, where)
     rec.real = call.pack.real if call.pack is not None else None  # padded documents: their real offsets
+    return run_checked(t, call, run, rec, sig, where)
+
+
+def run_checked(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torch.Tensor], rec: "_Call",
+                sig: tuple, where: dict) -> torch.Tensor:
+    """Run ``call`` between the taps of ``rec`` (when a backward will run), judge its output, record it for its
+    recompute; returns the (tapped) output."""
+    q, k, v = call.q, call.k, call.v
     # taps whenever a backward will run: the gradient check, and the group verdict on this microbatch's recomputes
     grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if grads:
@@ -60,7 +68,7 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     with torch.no_grad():
         res = rec.forward_figures(out, keep=grads)
     rec.verdict("attention", [("out", res)])
-    recompute.remember(t, sig, call.v, scope, where)
+    recompute.remember(t, sig, call.v, call.scope, where)
     if grads:
         return _TapOut.apply(rec, out)
     rec.release()

@@ -88,9 +88,10 @@ def all_gather_list(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, time
 
 
 def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, timeout: Optional[float] = None,
-               what: str = "all_reduce") -> None:
-    """Sum ``t`` over ``group`` in place; waits at most ``timeout`` seconds."""
-    _wait(dist.all_reduce(t, group=group, async_op=True), group, f"all_reduce ({what})", timeout)
+               what: str = "all_reduce", op: Any = None) -> None:
+    """Reduce ``t`` over ``group`` in place (``op``: default the sum); waits at most ``timeout`` seconds."""
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    _wait(work, group, f"all_reduce ({what})", timeout)
 
 
 def _wait(work: Any, group: Optional[dist.ProcessGroup], name: str, timeout: Optional[float]) -> None:

@@ -110,6 +110,10 @@ class sentinel:
         timeout: seconds any of the sentinel's own collectives, and its handshake, may wait for the other members
             of a group (default 300): a member that never joins — the sentinel off there, switched on at another
             point or with other options, or a rank that stalled or died — gives an error naming the collective.
+        rows: query rows per rank checked on a sampled attention call (default 64; all rows when a rank holds
+            no more): those rows' output and ``dq`` against a reference streamed over each rank's own keys, ``dk``
+            / ``dv`` through exact identities of attention — no K/V gathered or kept (docs/sentinel.md). A call
+            with at most ``rows`` local rows is checked exactly, every row and every gradient element.
 
     Raises:
         ValueError: ``every`` not a positive int, an unknown ``on_mismatch`` or ``labels``, a bad ``timeout``.
@@ -147,10 +151,11 @@ class sentinel:
         reference_dtype: Optional[torch.dtype] = None,
         ignore_index: int = -100,
         timeout: float = 300.0,
+        rows: int = 64,
     ) -> None:
         opts = Options.make(every, on_mismatch=on_mismatch, attention=attention, gradients=gradients,
                             positions=positions, loss=loss, labels=labels, rtol=rtol,
-                            reference_dtype=reference_dtype, ignore_index=ignore_index, timeout=timeout)
+                            reference_dtype=reference_dtype, ignore_index=ignore_index, timeout=timeout, rows=rows)
         self._t = Tracker(opts)
         self._on = False
         self.start()

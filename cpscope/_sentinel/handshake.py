@@ -35,7 +35,7 @@ _ROUNDS: dict[str, int] = {}  # handshakes so far per group name, in this proces
 _LOCK = threading.Lock()
 _POLL_S = 0.005
 
-LABELS = {"every": "every", "index": "unit index (sampling counter)", "policy": "on_mismatch",
+LABELS = {"rows": "rows (checked per rank)", "every": "every", "index": "unit index (sampling counter)", "policy": "on_mismatch",
           "checks": "checks switched on (attention, gradients, positions, loss, labels)", "on": "sentinel on"}
 
 
@@ -109,5 +109,5 @@ def options_code(opts: Any) -> dict[str, int]:
     policy = 3 if callable(pol) else {"raise": 1, "log": 2}.get(pol, 0)
     checks = sum(int(bool(b)) << i for i, b in enumerate(
         (opts.attention, opts.gradients, opts.positions, opts.loss, opts.labels is not None)))
-    return {"on": 1, "every": int(opts.every), "policy": policy, "checks": checks}
+    return {"on": 1, "every": int(opts.every), "policy": policy, "checks": checks, "rows": int(opts.rows)}
 
