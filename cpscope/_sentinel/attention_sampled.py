@@ -34,7 +34,7 @@ from ..sharding import zigzag_indices
 from .agree import hash64
 from .attention_numeric import _SKIPPED, _Call, run_checked
 from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device
-from .reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, unit_roundoff
+from .reference import canonical_offsets, compare, error_floor, reference_dtype, unit_roundoff
 from .tracker import Tracker
 
 __all__ = ["sampled_numeric"]
@@ -61,8 +61,9 @@ class _Sampled(_Call):
         self.real = call.pack.real if call.pack is not None else None
         self.keys = keys
         self.key_doc, self.key_ok = _key_layout(offs, self.real, keys)
-        self.local_q = canonical(q.detach(), fmt)
-        self.local_k, self.local_v = canonical(call.k.detach(), fmt), canonical(call.v.detach(), fmt)
+        # the call's own tensors in their layout (no copies; rows are taken in chunks where needed)
+        self.local_q, self.local_k, self.local_v = q.detach(), call.k.detach(), call.v.detach()
+        self.n = int(keys.numel())
         self.sel = _pick(self.key_ok, t.opts.rows, hash64((where.get("step"), where.get("microbatch"),
                                                             where.get("call"), scope.rank)))
         self.out_local: Optional[torch.Tensor] = None
@@ -96,7 +97,7 @@ class _Sampled(_Call):
     def forward_figures(self, out: torch.Tensor, *, keep: bool) -> dict:
         """The sampled rows' output against the streamed reference (``keep``: what backward needs)."""
         dt, sel = self.dt, self.sel
-        qm = self._all_gather(self.local_q.index_select(0, sel).to(dt), "sampled query rows")  # [M, h, d]
+        qm = self._all_gather(_take(self.local_q, self.fmt, sel).to(dt), "sampled query rows")  # [M, h, d]
         self.gi = self._all_gather(self.keys.index_select(0, sel), "sampled row indices")  # [M]
         self.gdoc, _ = _key_layout(self.offs, self.real, self.gi)
         bad = torch.tensor([0.0 if bool(torch.isfinite(self.local_k).all() and torch.isfinite(self.local_v).all()
@@ -117,9 +118,9 @@ class _Sampled(_Call):
         self.ref_all = ref.permute(2, 0, 1, 3).reshape(qm.shape[0], -1, ref.shape[-1])  # [M, h, dv]
         n_sel, r = sel.numel(), self.scope.rank
         mine = self.ref_all[r * n_sel:(r + 1) * n_sel]
-        got = canonical(out.detach(), self.fmt).index_select(0, sel)
+        got = _take(out.detach(), self.fmt, sel)
         if keep:
-            self.out_local = canonical(out.detach(), self.fmt)
+            self.out_local = out.detach()
         v_max = float(self._reduce(self.local_v.abs().amax().to(dt).reshape(1), "max |V|", dist.ReduceOp.MAX))
         return {**compare(got, mine, rtol=self.t.tolerance(self.dtype, grad=False),
                           atol=error_floor(self.dtype, self.longest, self.score_max), terms=v_max), "nonfinite": 0.0}
@@ -129,9 +130,8 @@ class _Sampled(_Call):
         if self.local_q is None or not self.t.opts.gradients or not self.finite:
             self.refs = "nonfinite" if not self.finite else None
             return
-        do = canonical(dout.detach(), self.fmt)
-        self.dout_local = do
-        dom = self._all_gather(do.index_select(0, self.sel).to(self.dt), "sampled dO rows")  # [M, h, dv]
+        self.dout_local = dout.detach()
+        dom = self._all_gather(_take(self.dout_local, self.fmt, self.sel).to(self.dt), "sampled dO rows")
         if self.real is not None:
             dom = dom * _key_layout(self.offs, self.real, self.gi)[1][:, None, None].to(dom.dtype)
         dq, dq_t = _stream_dq(self, dom)
@@ -159,10 +159,10 @@ class _Sampled(_Call):
         self.verdict("attention-grad", items)
 
     def _grad_figures(self, grads: tuple, refs: tuple) -> dict:
-        dq, dk, dv = (canonical(g.detach(), self.fmt) if g is not None else None for g in grads)
+        dq, dk, dv = (g.detach() for g in grads)
         rtol = self.t.tolerance(self.dtype, grad=True)
         atol = error_floor(self.dtype, self.longest, self.score_max)
-        out = {"dq": {**compare(dq.index_select(0, self.sel), refs[0], rtol=rtol, atol=atol, terms=refs[1]),
+        out = {"dq": {**compare(_take(dq, self.fmt, self.sel), refs[0], rtol=rtol, atol=atol, terms=refs[1]),
                       "nonfinite": 0.0}}
         sums = self._reduce(_identity_terms(self, dq, dk, dv), "gradient identities")
         out.update(_identity_figures(sums, self.dtype, self.longest))
@@ -191,14 +191,14 @@ def _pick(ok: torch.Tensor, n: int, seed: int) -> torch.Tensor:
 
 def _chunks(rec: _Sampled):
     """Local keys in chunks: ``(k, v, visible [M, J])`` in the reference dtype."""
-    n = rec.local_k.shape[0]
-    for a in range(0, n, _KEYS_PER_CHUNK):
-        b = min(n, a + _KEYS_PER_CHUNK)
+    for a in range(0, rec.n, _KEYS_PER_CHUNK):
+        b = min(rec.n, a + _KEYS_PER_CHUNK)
         ki = rec.keys[a:b]
         vis = (rec.gdoc[:, None] == rec.key_doc[None, a:b]) & rec.key_ok[None, a:b]
         if rec.causal:
             vis &= ki[None, :] <= rec.gi[:, None]
-        yield rec.local_k[a:b].to(rec.dt), rec.local_v[a:b].to(rec.dt), vis
+        idx = torch.arange(a, b, device=ki.device)
+        yield _take(rec.local_k, rec.fmt, idx).to(rec.dt), _take(rec.local_v, rec.fmt, idx).to(rec.dt), vis
 
 
 def _scores(rec: _Sampled, qm: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,7 @@ def _scores(rec: _Sampled, qm: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _stream_max(rec: _Sampled, qm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h_kv = rec.local_k.shape[1]
+    h_kv = rec.local_k.shape[-2]
     mx = qm.new_full((h_kv, qm.shape[1] // h_kv, qm.shape[0]), float("-inf"))
     smax = qm.new_zeros(())
     for k, _, vis in _chunks(rec):
@@ -233,7 +233,7 @@ def _stream_sums(rec: _Sampled, qm: torch.Tensor, m: torch.Tensor) -> tuple[torc
 def _stream_dq(rec: _Sampled, dom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled rows' ``dq`` over this rank's keys, and the magnitudes of its terms (``[M, h, d]`` each)."""
     m_, h, dvh = dom.shape
-    h_kv = rec.local_k.shape[1]
+    h_kv = rec.local_k.shape[-2]
     g = h // h_kv
     do = dom.view(m_, h_kv, g, dvh)
     ref = rec.ref_all.view(m_, h_kv, g, dvh)
@@ -252,18 +252,37 @@ def _stream_dq(rec: _Sampled, dom: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _identity_terms(rec: _Sampled, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-    """This rank's parts of the three identities and their magnitudes, one vector (summed over the group)."""
-    f64 = torch.float64 if rec.dt == torch.float64 else torch.float32
-    q, k, v = (x.to(f64) for x in (rec.local_q, rec.local_k, rec.local_v))
-    o, do = rec.out_local.to(f64), rec.dout_local.to(f64)
-    dq, dk, dv = dq.to(f64), dk.to(f64), dv.to(f64)
-    ok = rec.key_ok[:, None, None].to(f64)
-    h_kv = k.shape[1]
-    do_sum = (do * ok).reshape(do.shape[0], h_kv, -1, do.shape[-1]).sum((0, 2))  # [kv, dv]
-    parts = [(dk * k).sum(), (dq * q).sum(), (dv * v).sum(), (do * o * ok).sum(),
-             (dk * k).abs().sum(), (dq * q).abs().sum(), (dv * v).abs().sum(), (do * o * ok).abs().sum()]
-    return torch.cat([torch.stack(parts), dv.sum(0).reshape(-1), do_sum.reshape(-1), dv.abs().sum(0).reshape(-1),
-                      (do * ok).abs().reshape(do.shape[0], h_kv, -1, do.shape[-1]).sum((0, 2)).reshape(-1)])
+    """This rank's parts of the three identities and their magnitudes, one vector (summed over the group); the
+    local tensors are read in chunks of rows (bounded temporaries)."""
+    f = torch.float64 if rec.dt == torch.float64 else torch.float32
+    h_kv, dvh = rec.local_v.shape[-2], rec.local_v.shape[-1]
+    dots = torch.zeros(8, dtype=f, device=rec.keys.device)
+    sums = torch.zeros(4, h_kv, dvh, dtype=f, device=rec.keys.device)  # Σ dV, Σ dO, and their magnitudes
+    for a in range(0, rec.n, _KEYS_PER_CHUNK):
+        idx = torch.arange(a, min(rec.n, a + _KEYS_PER_CHUNK), device=rec.keys.device)
+        q, k, v, o, do, gq, gk, gv = (_take(x, rec.fmt, idx).to(f) for x in (
+            rec.local_q, rec.local_k, rec.local_v, rec.out_local, rec.dout_local, dq, dk, dv))
+        do = do * rec.key_ok[a:a + idx.numel(), None, None].to(f)  # padding rows: no gradient flows from them
+        for i, (x, y) in enumerate(((gk, k), (gq, q), (gv, v), (do, o))):
+            xy = x * y
+            dots[i] += xy.sum()
+            dots[4 + i] += xy.abs().sum()
+        do_heads = do.reshape(do.shape[0], h_kv, -1, dvh)
+        sums[0] += gv.sum(0)
+        sums[1] += do_heads.sum((0, 2))
+        sums[2] += gv.abs().sum(0)
+        sums[3] += do_heads.abs().sum((0, 2))
+    return torch.cat([dots, sums.reshape(-1)])
+
+
+def _take(x: torch.Tensor, fmt: str, idx: torch.Tensor) -> torch.Tensor:
+    """Canonical rows ``idx`` (batch-major, as :func:`.reference.canonical` numbers them) of a ``bshd`` / ``sbhd``
+    / ``thd`` tensor, ``[len(idx), h, d]`` — without copying the rest."""
+    if fmt == "thd":
+        return x.index_select(0, idx)
+    s = x.shape[1] if fmt == "bshd" else x.shape[0]
+    b, t = idx // s, idx % s
+    return x[b, t] if fmt == "bshd" else x[t, b]
 
 
 def _identity_figures(s: torch.Tensor, dtype: torch.dtype, longest: int) -> dict:
