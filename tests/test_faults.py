@@ -258,3 +258,29 @@ def _megatron_variant() -> tuple:
 
 def test_the_megatron_data_path_keeps_the_planned_variant():
     assert run_ranks(2, _megatron_variant) == [("a2a", "a2a", 2)] * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ranks of one group running the same pack with other planned variants: named before the forward
+
+
+def _loop_variants() -> tuple:
+    from cpscope.train.loop import prepare_microbatch, run_microbatches
+    from tests.test_sentinel import _docs, _small_gpt
+
+    groups = cpscope.new_cp_groups([1, 2])
+    docs = _docs([22, 40])
+    comm = "a2a" if dist.get_rank() == 1 else "p2p"  # one rank read another plan (or another calibration)
+    mb = prepare_microbatch(docs, cp=2, group=groups[2], seqs=(0, 1), comm=comm)
+
+    def run() -> None:
+        with cpscope.sentinel(every=1, timeout=_SENTINEL_TIMEOUT_S):
+            run_microbatches(_small_gpt(), [mb], num_targets=60, dp_group=dist.group.WORLD)
+
+    return _outcome(run)
+
+
+def test_ranks_with_other_planned_variants_are_named_before_the_forward():
+    for err, msg, secs in run_ranks(2, _loop_variants, timeout=60):
+        assert err == "SentinelError" and "communication variant differs" in msg and "a2a" in msg, msg
+        assert secs < _BOUND_S

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..scope import CPScope, scope_for
-from .agree import disagreements, hash64
+from .agree import comm_code, disagreements, hash64
 from .comm import collective_device, exchange, exchange_objects, gather_zigzag
 from .reference import segment_ids
 from .report import Mismatch
@@ -25,8 +25,9 @@ from .tracker import Tracker
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 
-_FIELDS = ("members", "cp_size", "step", "microbatch", "local_len", "offsets", "docs", "seqs")
-_STRUCTURAL = {"members", "cp_size", "local_len"}
+_FIELDS = ("members", "cp_size", "step", "microbatch", "local_len", "offsets", "docs", "seqs", "comm")
+# a disagreement here would hang or crash the model's collectives: raised whatever the policy
+_STRUCTURAL = {"members", "cp_size", "local_len", "comm"}
 
 
 def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
@@ -67,8 +68,9 @@ def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> 
         members = list(group_of(scope))
         seqs = tuple(int(x) for x in getattr(mb, "seqs", ()))
         vals = {"global_rank": me(), "cp_rank": scope.rank, "cp_size": scope.size, "members": hash64(tuple(members)),
-                "step": state.step, "microbatch": state.index, "local_len": n_local, "offsets": hash64(tuple(cu)),
-                "docs": len(cu) - 1, "seqs": hash64(seqs)}
+                "step": state.step, "microbatch": state.index, "local_len": n_local,
+                "offsets": hash64((tuple(cu), _real(mb))), "docs": len(cu) - 1, "seqs": hash64(seqs),
+                "comm": comm_code(getattr(mb, "comm", None))}
         t.verdicts.count("agreement")
         rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device),
                         timeout=t.opts.timeout)
@@ -87,6 +89,12 @@ def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> 
             return  # (log policy) the labels check needs an agreed pack
     if t.opts.labels == "next_token":
         check_labels(t, mb, scope, cu, state)
+
+
+def _real(mb: Any) -> Optional[tuple]:
+    """The microbatch's real offsets, when it describes padding (``cu_seqlens_real``)."""
+    real = getattr(mb, "cu_seqlens_real", None)
+    return None if real is None else tuple(offsets_list(real))
 
 
 def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatch) -> None:
