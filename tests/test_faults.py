@@ -57,9 +57,9 @@ def _outcome(fn, *args) -> tuple[str, str, float]:
 # The sentinel on some ranks only, or later on one; other options on one rank
 
 
-def _sentinel_on(late: int, options: dict) -> tuple:
+def _sentinel_on(late: int, options: dict, marked: bool = True) -> tuple:
     """Rank 1 switches the sentinel on at microbatch ``late`` (0: with rank 0; 2: never in these 2 microbatches),
-    with ``options`` (rank 0: the defaults)."""
+    with ``options`` (rank 0: the defaults); ``marked=False``: no microbatch markers (sampling per call)."""
     g = _fresh_group()
     rank = dist.get_rank()
 
@@ -70,7 +70,7 @@ def _sentinel_on(late: int, options: dict) -> tuple:
                 if s is None and (rank == 0 or i == late):
                     opts = {"every": 1, "timeout": _SENTINEL_TIMEOUT_S, **(options if rank == 1 else {})}
                     s = cpscope.sentinel(**opts)
-                if s is None:
+                if s is None or not marked:
                     _attention(g, i)
                     continue
                 with s.microbatch(g):
@@ -93,9 +93,10 @@ def test_the_sentinel_on_one_rank_only_or_one_microbatch_later_is_an_error_not_a
 
 def test_other_options_on_one_rank_raise_the_same_error_on_both():
     for options, field in (({"every": 2}, "every"), ({"on_mismatch": "log"}, "on_mismatch"),
-                           ({"gradients": False}, "checks switched on")):
-        (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _sentinel_on, 0, options, timeout=60)
-        assert e0 == e1 == "SentinelError" and m0 == m1 and field in m0, (options, m0, m1)
+                           ({"gradients": False}, "checks switched on"), ({"rows": 8}, "rows")):
+        for marked in (True, False):
+            (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _sentinel_on, 0, options, marked, timeout=60)
+            assert e0 == e1 == "SentinelError" and m0 == m1 and field in m0, (options, m0, m1)
         assert t0 < _BOUND_S and t1 < _BOUND_S
 
 

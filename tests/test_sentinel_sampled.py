@@ -30,7 +30,7 @@ class _Scale(torch.autograd.Function):
 
 def _inputs(layout: str, dtype: torch.dtype, h_kv: int):
     gen = torch.Generator().manual_seed(3 + 100 * dist.get_rank())
-    shape = (48,) if layout == "thd" else (2, 24)
+    shape = {"thd": (48,), "bshd": (2, 24), "sbhd": (24, 2)}[layout]
     q, k, v = (torch.randn(*shape, n, 8, dtype=dtype, generator=gen, requires_grad=True) for n in (4, h_kv, h_kv))
     kw = {"qkv_format": layout}
     if layout == "thd":
@@ -70,10 +70,10 @@ def _run(case: str, layout: str, dtype: torch.dtype = torch.float64, h_kv: int =
         api.ring_attention, api.run_call = orig_ring, orig_run
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd"])
+@pytest.mark.parametrize("layout", ["thd", "bshd", "sbhd"])
 def test_correct_runs_pass_the_sampled_check(layout):
     for dtype, h_kv, padded in ((torch.float64, 2, False), (torch.float32, 1, False), (torch.float64, 4, True)):
-        if padded and layout == "bshd":
+        if padded and layout != "thd":
             continue
         for ms, checks in run_ranks(2, _run, "none", layout, dtype, h_kv, padded):
             assert ms == [] and checks["attention"] == 1 and checks["attention-grad"] == 1, (dtype, ms, checks)
