@@ -51,10 +51,9 @@ def _features(call: AttentionCall) -> dict[str, int]:
 
 
 def _reference_covers(call: AttentionCall) -> bool:
-    """Whether the reference implements the call's attention (padding masks included): no window, softcap or
-    sinks (those calls are checked for agreement only)."""
-    f = _features(call)
-    return f["window"] == -1 and f["softcap"] == -1 and not f["sinks"]
+    """Whether the reference implements the call's attention: padding masks, windows, softcaps and sinks are; a
+    feature it does not implement would be checked for agreement only."""
+    return call.error is None
 
 
 def signature(call: AttentionCall) -> tuple:
@@ -95,7 +94,7 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     if not (ok and scope_ok and t.opts.attention):
         return run(call)
     if not _reference_covers(call):
-        t.verdicts.count("attention: agreement only (window, softcap or sinks)")
+        t.verdicts.count("attention: agreement only")
         return run(call)
     # more local rows than the sentinel checks: sampled rows against a streamed reference; else every row, exactly
     check = sampled_numeric if canonical_rows(call) > t.opts.rows else numeric

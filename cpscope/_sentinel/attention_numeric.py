@@ -26,7 +26,7 @@ from ..scope import CPScope
 from ..sharding import zigzag_indices
 from . import recompute
 from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device, gather_zigzag
-from .reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
+from .reference import Mods, canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .report import Mismatch
 from .state import describe, group_of, me
 from .tracker import Tracker
@@ -50,6 +50,7 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[..., :d], kv[..., d:],
                 canonical(q.detach(), fmt), q.dtype, where)
     rec.real = call.pack.real if call.pack is not None else None  # padded documents: their real offsets
+    rec.mods = Mods(call.window, call.softcap, None if call.sinks is None else call.sinks.detach())
     return run_checked(t, call, run, rec, sig, where)
 
 
@@ -90,6 +91,7 @@ class _Call:
         self.cache: dict = {}  # the reference's forward probabilities, for its backward
         self.refs: Any = None
         self.real: Optional[tuple] = None
+        self.mods = Mods()
 
     def release(self) -> None:
         self.kf = self.vf = self.q = None
@@ -103,7 +105,8 @@ class _Call:
             torch.isfinite(vf).all())
         if self.finite:
             ref = reference_rows(self.q, self.rows, kf, vf, self.offs, causal=self.causal, scale=self.scale,
-                                 dtype=self.dt, cache=self.cache if keep else None, real=self.real)
+                                 dtype=self.dt, cache=self.cache if keep else None, real=self.real,
+                                 mods=self.mods)
             self.score_max = ref.score_max
             # scores so large that exp(s − lse) has no correct digit left in the call's arithmetic (|s| ≳ 1e6 in
             # fp32): the model has diverged; nothing to compare
@@ -123,7 +126,8 @@ class _Call:
         finite = self.finite and bool(torch.isfinite(do).all())
         if finite:
             ref = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
-                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache, real=self.real)
+                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache, real=self.real,
+                                 mods=self.mods)
             dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
         else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
             dq = torch.zeros_like(self.q, dtype=self.dt)

@@ -34,7 +34,7 @@ from ..sharding import zigzag_indices
 from .agree import hash64
 from .attention_numeric import _SKIPPED, _Call, run_checked
 from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device
-from .reference import canonical_offsets, compare, error_floor, reference_dtype, unit_roundoff
+from .reference import Mods, canonical_offsets, compare, error_floor, reference_dtype, unit_roundoff, visible_keys
 from .tracker import Tracker
 
 __all__ = ["sampled_numeric"]
@@ -59,6 +59,7 @@ class _Sampled(_Call):
         super().__init__(t, scope, fmt, bool(call.causal), float(call.scale), dt, keys, offs, None, None, None,
                          q.dtype, where)
         self.real = call.pack.real if call.pack is not None else None
+        self.mods = Mods(call.window, call.softcap, call.sinks)
         self.keys = keys
         self.key_doc, self.key_ok = _key_layout(offs, self.real, keys)
         # the call's own tensors in their layout (no copies; rows are taken in chunks where needed)
@@ -105,6 +106,9 @@ class _Sampled(_Call):
         m, smax = _stream_max(self, qm)
         both = self._reduce(torch.cat([m.reshape(-1), smax.reshape(1), bad]), "reference maxima", dist.ReduceOp.MAX)
         m, self.score_max, nonfinite = both[:-2].view_as(m), float(both[-2]), float(both[-1])
+        sink = self._sinks()
+        if sink is not None:  # one more logit per head in every denominator
+            m = torch.maximum(m, sink)
         self.finite = nonfinite == 0.0 and error_floor(self.dtype, self.longest, self.score_max) < 1.0
         if not self.finite:
             self.release()
@@ -112,6 +116,8 @@ class _Sampled(_Call):
         l, acc = _stream_sums(self, qm, m)
         sums = self._reduce(torch.cat([l.reshape(-1), acc.reshape(-1)]), "reference sums")
         l, acc = sums[:l.numel()].view_as(l), sums[l.numel():].view_as(acc)  # [kv, g, M], [kv, g, M, dv]
+        if sink is not None:
+            l = l + torch.exp(sink - m)
         ref = torch.where(l[..., None] > 0, acc / l.clamp_min(1e-300)[..., None], torch.zeros_like(acc))
         self.qm, self.m = qm, m
         self.lse = torch.where(l > 0, m + torch.log(l.clamp_min(1e-300)), torch.full_like(m, float("inf")))
@@ -124,6 +130,14 @@ class _Sampled(_Call):
         v_max = float(self._reduce(self.local_v.abs().amax().to(dt).reshape(1), "max |V|", dist.ReduceOp.MAX))
         return {**compare(got, mine, rtol=self.t.tolerance(self.dtype, grad=False),
                           atol=error_floor(self.dtype, self.longest, self.score_max), terms=v_max), "nonfinite": 0.0}
+
+    def _sinks(self) -> Optional[torch.Tensor]:
+        """The call's sinks as ``[kv, g, 1]`` (``None`` without)."""
+        sinks = self.mods.sinks
+        if sinks is None:
+            return None
+        h_kv = self.local_k.shape[-2]
+        return sinks.detach().to(self.dt).view(h_kv, -1, 1)
 
     def reference_grads(self, dout: torch.Tensor) -> None:
         """In backward (``_TapOut``): the sampled rows' reference ``dq``; ``dO`` kept for the identities."""
@@ -165,7 +179,7 @@ class _Sampled(_Call):
         out = {"dq": {**compare(_take(dq, self.fmt, self.sel), refs[0], rtol=rtol, atol=atol, terms=refs[1]),
                       "nonfinite": 0.0}}
         sums = self._reduce(_identity_terms(self, dq, dk, dv), "gradient identities")
-        out.update(_identity_figures(sums, self.dtype, self.longest))
+        out.update(_identity_figures(sums, self.dtype, self.longest, sinks=self.mods.sinks is not None))
         return out
 
 
@@ -195,17 +209,20 @@ def _chunks(rec: _Sampled):
         b = min(rec.n, a + _KEYS_PER_CHUNK)
         ki = rec.keys[a:b]
         vis = (rec.gdoc[:, None] == rec.key_doc[None, a:b]) & rec.key_ok[None, a:b]
-        if rec.causal:
-            vis &= ki[None, :] <= rec.gi[:, None]
+        more = visible_keys(rec.gi, ki, rec.causal, rec.mods.window)
+        if more is not None:
+            vis &= more
         idx = torch.arange(a, b, device=ki.device)
         yield _take(rec.local_k, rec.fmt, idx).to(rec.dt), _take(rec.local_v, rec.fmt, idx).to(rec.dt), vis
 
 
-def _scores(rec: _Sampled, qm: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``[kv, g, M, J]`` scaled scores (grouped-query heads without expanding K)."""
+def _scores(rec: _Sampled, qm: torch.Tensor, k: torch.Tensor, raw: bool = False) -> torch.Tensor:
+    """``[kv, g, M, J]`` scaled scores (grouped-query heads without expanding K), softcapped unless ``raw``."""
     m, h, d = qm.shape
     h_kv = k.shape[1]
-    return torch.einsum("mkgd,jkd->kgmj", qm.view(m, h_kv, h // h_kv, d), k) * rec.scale
+    s = torch.einsum("mkgd,jkd->kgmj", qm.view(m, h_kv, h // h_kv, d), k) * rec.scale
+    cap = rec.mods.softcap
+    return s if cap is None or raw else cap * torch.tanh(s / cap)
 
 
 def _stream_max(rec: _Sampled, qm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,8 +230,10 @@ def _stream_max(rec: _Sampled, qm: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     mx = qm.new_full((h_kv, qm.shape[1] // h_kv, qm.shape[0]), float("-inf"))
     smax = qm.new_zeros(())
     for k, _, vis in _chunks(rec):
-        s = _scores(rec, qm, k)
-        smax = torch.maximum(smax, s.abs().amax()) if s.numel() else smax
+        raw = _scores(rec, qm, k, raw=True)
+        smax = torch.maximum(smax, raw.abs().amax()) if raw.numel() else smax
+        cap = rec.mods.softcap
+        s = raw if cap is None else cap * torch.tanh(raw / cap)
         mx = torch.maximum(mx, s.masked_fill(~vis, float("-inf")).amax(-1) if s.shape[-1] else mx)
     return mx, smax
 
@@ -242,8 +261,12 @@ def _stream_dq(rec: _Sampled, dom: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     lse = torch.where(torch.isfinite(rec.lse), rec.lse, torch.zeros_like(rec.lse))[..., None]
     dq = rec.qm.new_zeros(m_, h_kv, g, rec.qm.shape[-1])
     dq_t = torch.zeros_like(dq)
+    cap = rec.mods.softcap
     for k, v, vis in _chunks(rec):
-        p = torch.exp(_scores(rec, rec.qm, k) - lse).masked_fill(~vis, 0.0)
+        s = _scores(rec, rec.qm, k)
+        p = torch.exp(s - lse).masked_fill(~vis, 0.0)
+        if cap is not None:  # the scores' gradient through the cap: 1 − tanh²
+            p = p * (1 - (s / cap) ** 2)
         dp = torch.einsum("mkgd,jkd->kgmj", do, v)
         dq += torch.einsum("kgmj,jkd->mkgd", p * (dp - delta), k) * rec.scale
         dp_abs = torch.einsum("mkgd,jkd->kgmj", do.abs(), v.abs())
@@ -285,8 +308,9 @@ def _take(x: torch.Tensor, fmt: str, idx: torch.Tensor) -> torch.Tensor:
     return x[b, t] if fmt == "bshd" else x[t, b]
 
 
-def _identity_figures(s: torch.Tensor, dtype: torch.dtype, longest: int) -> dict:
-    """``dk`` / ``dv`` figures from the summed identity terms (the same on every rank)."""
+def _identity_figures(s: torch.Tensor, dtype: torch.dtype, longest: int, sinks: bool = False) -> dict:
+    """``dk`` / ``dv`` figures from the summed identity terms (the same on every rank); with ``sinks`` the softmax
+    rows over the keys do not sum to 1, so ``Σ dV = Σ dO`` is not used."""
     n = (s.numel() - 8) // 4
     dv_sum, do_sum, dv_mag, do_mag = (s[8 + i * n: 8 + (i + 1) * n] for i in range(4))
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -306,4 +330,4 @@ def _identity_figures(s: torch.Tensor, dtype: torch.dtype, longest: int) -> dict
     dk = figure(s[0:1], s[1:2], s[4:5] + s[5:6])
     dv_dot = figure(s[2:3], s[3:4], s[6:7] + s[7:8])
     dv_tot = figure(dv_sum, do_sum, dv_mag + do_mag)
-    return {"dk": dk, "dv": dv_dot if dv_dot["ratio"] >= dv_tot["ratio"] else dv_tot}
+    return {"dk": dk, "dv": dv_dot if sinks or dv_dot["ratio"] >= dv_tot["ratio"] else dv_tot}
