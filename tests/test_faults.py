@@ -285,3 +285,28 @@ def test_ranks_with_other_planned_variants_are_named_before_the_forward():
     for err, msg, secs in run_ranks(2, _loop_variants, timeout=60):
         assert err == "SentinelError" and "communication variant differs" in msg and "a2a" in msg, msg
         assert secs < _BOUND_S
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recompute check fingerprints sampled microbatches only
+
+
+def test_recomputes_of_unsampled_microbatches_take_no_fingerprint(monkeypatch):
+    import cpscope._sentinel.recompute as rc
+    from tests.test_sentinel import _tiny
+
+    taken = []
+    real = rc.fingerprint
+    monkeypatch.setattr(rc, "fingerprint", lambda x: taken.append(1) or real(x))
+    model = _tiny(dtype=torch.float64)
+    x = torch.randn(2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    per_mb = []
+    with cpscope.sentinel(every=2) as s:
+        for _ in range(4):  # microbatches 0 and 2 sampled
+            before = len(taken)
+            with s.microbatch(None):
+                y = cpscope.checkpoint(model.block, x, use_reentrant=False)
+            y.sum().backward()
+            per_mb.append(len(taken) - before)
+    assert s.reports == [] and s.summary().checks["recompute"] == 6  # RoPE q, k and attention, twice
+    assert per_mb[1] == per_mb[3] == 0 and per_mb[0] > 0 and per_mb[2] > 0, per_mb
