@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -33,7 +33,6 @@ __all__ = ["handshake", "check_rows", "options_code"]
 
 _ROUNDS: dict[str, int] = {}  # handshakes so far per group name, in this process (every member counts alike)
 _LOCK = threading.Lock()
-_POLL_S = 0.005
 
 LABELS = {"rows": "rows (checked per rank)", "every": "every", "index": "unit index (sampling counter)", "policy": "on_mismatch",
           "checks": "checks switched on (attention, gradients, positions, loss, labels)", "on": "sentinel on"}
@@ -72,17 +71,17 @@ def _through_store(store: Any, base: str, members: list[int], values: dict[str, 
                    timeout: float) -> list[dict[str, int]]:
     store.set(f"{base}/{me()}", json.dumps(values))
     keys = [f"{base}/{r}" for r in members]
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r in members if not store.check([f"{base}/{r}"])]
+    try:  # waits in the store (no polling: at scale, thousands of ranks may wait at once)
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:  # a timeout (DistStoreError is one), or the store gone
+        missing = [r for r in members if not store.check([f"{base}/{r}"])]
+        if missing:
             raise SentinelError([Mismatch(
                 "agreement", "sentinel on", r,
                 f"rank {r} of the group {members} did not reach the sentinel's first check on this group within "
                 f"{timeout:g} s: switch the sentinel on at the same point on every rank (before the loop), with "
                 f"the same options — or rank {r} stalled or died", {"missing": missing, "timeout_s": timeout},
-                group=tuple(members)) for r in missing])
-        time.sleep(_POLL_S)
+                group=tuple(members)) for r in missing]) from None
     return [json.loads(store.get(k).decode()) for k in keys]
 
 
