@@ -173,6 +173,8 @@ def timings(args: argparse.Namespace) -> None:
     from bench_attention import init_cp_world
 
     dev, rank, world, group = init_cp_world()
+    if world > 2 and world % 2 == 0:  # a2a+p2p:2's sub-groups, made up front (attention only looks them up)
+        cpscope.hierarchical_cp_groups(group, 2)
     variants = ["p2p", "all_gather", "a2a"] + (["a2a+p2p"] if world >= 4 and world % 2 == 0 else [])
     cases = [("bshd", S, None, h_kv) for S in args.seqlens for h_kv in (32, 8)]
     if not args.no_thd:

@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_checks.sh bench quick  # the same, target rows only (GQA-8 16k/64k, long-tail thd, 16k
 #                                              # decoder, 4096-document packs)
 #   bash benchmarks/gpu_checks.sh two          # two GPUs: the 2-GPU tests, attention / decoder / host time at CP2
+#   bash benchmarks/gpu_checks.sh sentinel     # one GPU: the sentinel's GPU tests, then a sampled step vs an
+#                                              # unsampled one (transformers GQA decoder, 32k and 64k tokens)
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_checks.sh cpu-dry   # crash test of every benchmark step on CPU
 #
 # Extra arguments after the mode (and `quick`) go to bench_attention.py.
@@ -126,10 +128,15 @@ case $mode in
       --json attention_blocks.json --out "$OUT"
     step hf_decoder 150 "$PYTHON" benchmarks/bench_hf.py --device cpu --dry-run --out "$OUT"
     step host_time 90 "$PYTHON" benchmarks/bench_host.py --device cpu --dry-run --out "$OUT" --tag cpu_dry
+    step sentinel_cost 90 "$PYTHON" benchmarks/bench_sentinel_gpu.py --tiny --out "$OUT"
     step attention_cp2 300 "$PYTHON" -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_attention.py \
       --device cpu --dry-run --check --out "$OUT" --json attention_bench_cp2.json
     ;;
-  *) echo "unknown mode '$mode' (all | tests | bench [quick] | two [quick] | cpu-dry)"; exit 2 ;;
+  sentinel)
+    step sentinel_gpu_tests 200 "$PYTHON" -m pytest -q -s -m gpu -p no:cacheprovider tests/test_sentinel_gpu.py
+    step sentinel_cost 300 "$PYTHON" benchmarks/bench_sentinel_gpu.py --out "$OUT"
+    ;;
+  *) echo "unknown mode '$mode' (all | tests | bench [quick] | two [quick] | sentinel | cpu-dry)"; exit 2 ;;
 esac
 if "$PYTHON" -c "import matplotlib" 2>/dev/null && ls "$OUT"/*.json >/dev/null 2>&1; then
   "$PYTHON" benchmarks/plot_results.py --in "$OUT" --out "$OUT" 2>&1 | tail -n 6

@@ -43,7 +43,7 @@ KV_REPLICATION = {3: (6, 2), 5: (5, 1), 6: (6, 2)}
 
 def _variants(world: int) -> list[str]:
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     ran = []
     for i, (comm, fmt, causal, h, h_kv, batch) in enumerate(COMMON + CASES[world]):
         with recording() as seen:
@@ -62,7 +62,7 @@ def test_every_variant_at_cp_world(world: int) -> None:
 
 def _auto(world: int) -> list[str]:
     """comm="auto" (the default rule): a2a where both head counts divide, all_gather with few k/v heads, else p2p."""
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     picked = []
     for i, (h, h_kv, fmt) in enumerate(((2 * world, world, "thd"), (world, 1, "bshd"), (4, 2, "bshd"))):
         with recording() as seen:
@@ -80,7 +80,7 @@ def test_auto_at_cp_world(world: int) -> None:
 def _a2a_replicating_kv(world: int) -> str:
     """``"ok"``, or the ValueError the attention raised (before any collective: the ranks stay in step and the
     pool is kept)."""
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     h, h_kv = KV_REPLICATION[world]
     try:
         for i, fmt in enumerate(("bshd", "thd")):
@@ -132,7 +132,7 @@ def _rope_reference(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tenso
 
 
 def _sharding_and_rope(world: int) -> float:
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     r = dist.get_rank(group)
     g = torch.Generator().manual_seed(world)
     worst = 0.0

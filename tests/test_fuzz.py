@@ -240,7 +240,7 @@ def _mismatch(name, got, ref, local_real, is_real, case, rank) -> Optional[str]:
 
 
 def _groups() -> dict:
-    return cpscope.new_cp_groups([1, 2, 4])
+    return cpscope.new_cp_groups([1, 2, 4], hierarchical=True)
 
 
 def _run(case: Case) -> Optional[str]:

@@ -448,7 +448,9 @@ def _wrong_recompute(policy):
 
 def test_recompute_under_the_wrong_scope_is_reported_at_the_first_sampled_microbatch():
     for rank, (what, i, ms) in enumerate(run_ranks(2, _wrong_recompute, "raise")):
-        assert (what, i) == ("raised", 0) and ms == [("recompute", "rope scope", rank, 0)]
+        # the cause first, on every rank; the wrong gradients it made follow
+        assert (what, i) == ("raised", 0) and ms[0] == ("recompute", "rope scope", rank, 0), ms
+        assert {m[0] for m in ms} <= {"recompute", "attention-grad"} and {m[3] for m in ms} == {0}
     for rank, (what, _, ms) in enumerate(run_ranks(2, _wrong_recompute, "log")):
         assert what == "ran"
         fields = {(m[0], m[1]) for m in ms}
@@ -609,12 +611,11 @@ def _with_window(windows):
     return _summary(s.reports), s.summary().checks
 
 
-def test_a_call_the_reference_does_not_cover_is_checked_for_agreement_only():
-    """A window (or softcap, sinks, padding) is in the digest — ranks with different windows are named — and is not
-    compared numerically against a reference that does not implement it (no false alarm)."""
+def test_a_windowed_call_is_agreed_on_and_checked_numerically():
+    """A window (or softcap, sinks) is in the digest — ranks with different windows are named — and the reference
+    implements it (no false alarm; tests/test_sentinel_features.py plants bugs)."""
     for ms, checks in run_ranks(2, _with_window, [(4, 0), (4, 0)]):
-        assert ms == [] and checks == {"agreement": 1,
-                                       "attention: agreement only (padding, window, softcap or sinks)": 1}
+        assert ms == [] and checks == {"agreement": 1, "attention": 1}
     for ms, _ in run_ranks(2, _with_window, [(4, 0), (8, 0)]):
         assert ms == [("agreement", "window", 0, None), ("agreement", "window", 1, None)]
 

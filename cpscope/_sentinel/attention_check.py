@@ -27,6 +27,7 @@ from ..scope import CPScope
 from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
+from .attention_sampled import sampled_numeric
 from .comm import collective_device, exchange, exchange_objects
 from .report import Mismatch
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
@@ -50,10 +51,9 @@ def _features(call: AttentionCall) -> dict[str, int]:
 
 
 def _reference_covers(call: AttentionCall) -> bool:
-    """Whether the reference implements the call's attention: no padding mask, window, softcap or sinks (those
-    calls are checked for agreement only)."""
-    f = _features(call)
-    return not call.padded and f["window"] == -1 and f["softcap"] == -1 and not f["sinks"]
+    """Whether the reference implements the call's attention: padding masks, windows, softcaps and sinks are; a
+    feature it does not implement would be checked for agreement only."""
+    return call.error is None
 
 
 def signature(call: AttentionCall) -> tuple:
@@ -94,9 +94,17 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     if not (ok and scope_ok and t.opts.attention):
         return run(call)
     if not _reference_covers(call):
-        t.verdicts.count("attention: agreement only (padding, window, softcap or sinks)")
+        t.verdicts.count("attention: agreement only")
         return run(call)
-    return numeric(t, call, run, cu, signature(call), mb.where(index))
+    # more local rows than the sentinel checks: sampled rows against a streamed reference; else every row, exactly
+    check = sampled_numeric if canonical_rows(call) > t.opts.rows else numeric
+    return check(t, call, run, cu, signature(call), mb.where(index))
+
+
+def canonical_rows(call: AttentionCall) -> int:
+    """Local query rows of a call (tokens of ``thd``; ``b·s`` of ``bshd`` / ``sbhd``)."""
+    shape = call.q.shape
+    return int(shape[0]) if call.qkv_format == "thd" else int(shape[0]) * int(shape[1])
 
 
 def _local_checks(call: AttentionCall, mb: Microbatch, expected: Optional[CPScope], vscope: CPScope,
@@ -147,10 +155,12 @@ def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list]
     """This rank's fixed-size digest of the call (same keys on every rank, whatever the inputs)."""
     scope, q = call.scope, call.q
     shapes = _shape_fields(q, call.k, call.qkv_format)
+    # the real offsets too: under one padded layout, other real lengths are other padding masks
+    real = call.pack.real if call.error is None and call.pack is not None else None
     if cu is not None:
-        offsets, docs = hash64(tuple(cu)), len(cu) - 1
+        offsets, docs = hash64((tuple(cu), real)), len(cu) - 1
     else:
-        offsets, docs = hash64(("dense", shapes["local_len"] * scope.size)), shapes["batch"]
+        offsets, docs = hash64(("dense", shapes["local_len"] * scope.size, real)), shapes["batch"]
     comm = call.variant.name if call.variant is not None else (call.comm or scope.comm or "p2p")
     return {
         "valid": int(call.error is None), "pending": int(t.verdicts.has_pending), "global_rank": me(),
@@ -167,7 +177,7 @@ def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list],
     members = list(group_of(vscope))
     t.verdicts.count("agreement")
     rows = exchange(vscope.group, _digest(t, vscope, call, cu, mb, index, members),
-                    collective_device(vscope.group, call.q.device))
+                    collective_device(vscope.group, call.q.device), timeout=t.opts.timeout)
     problems = disagreements(rows, members=members, fields=_SHARED)
     invalid = [members[i] for i, r in enumerate(rows) if not r["valid"]]
     if problems or invalid:
@@ -185,7 +195,9 @@ def _report_disagreement(t: Tracker, vscope: CPScope, call: AttentionCall, cu: O
     difference the ring survives."""
     err = call.error
     members = where["group"]
+    real = call.pack.real if err is None and call.pack is not None else None
     details = exchange_objects(vscope.group, {"cu": None if cu is None else cu[:17],
+                                              "real": None if real is None else list(real[:17]),
                                               "error": None if err is None else str(err)})
     ms = []
     for p in problems:
@@ -194,6 +206,10 @@ def _report_disagreement(t: Tracker, vscope: CPScope, call: AttentionCall, cu: O
             figs["cu_seqlens"] = {members[i]: d["cu"] for i, d in enumerate(details)}
             msg += " — cu_seqlens (first 17): " + ", ".join(
                 f"rank {members[i]}: {d['cu']}" for i, d in enumerate(details))
+        if p.field == "offsets" and any(d["real"] is not None for d in details):
+            figs["real_offsets"] = {members[i]: d["real"] for i, d in enumerate(details)}
+            msg += " — real offsets (first 17): " + ", ".join(
+                f"rank {members[i]}: {d['real']}" for i, d in enumerate(details))
         for r in p.ranks or (-1,):
             ms.append(Mismatch("agreement", p.field, r, msg, figs, **where))
     for i, d in enumerate(details):

@@ -20,19 +20,18 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..attention.api import AttentionCall
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from . import recompute
-from .comm import all_gather_list, collective_device, gather_zigzag
-from .reference import canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
+from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device, gather_zigzag
+from .reference import Mods, canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .report import Mismatch
-from .state import describe, group_of
+from .state import describe, group_of, me
 from .tracker import Tracker
 
-__all__ = ["numeric"]
+__all__ = ["numeric", "run_checked"]
 
 _FIGURES = ("ratio", "abs_error", "tolerance", "max_error", "ref_max", "nonfinite")
 _SKIPPED = dict.fromkeys(_FIGURES, 0.0)
@@ -47,18 +46,30 @@ def numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torc
     rows = zigzag_indices(list(offs), scope.size, scope.rank, device=q.device)
     d = k.shape[-1]
     kv = torch.cat([canonical(k.detach(), fmt).to(dt), canonical(v.detach(), fmt).to(dt)], dim=-1)  # [n, h_kv, d+dv]
-    kv = gather_zigzag(kv, offs, scope)  # [T, h_kv, d+dv]: K/V of the whole group, in global order
+    kv = gather_zigzag(kv, offs, scope, timeout=t.opts.timeout)  # [T, h_kv, d+dv]: the group's K/V, global order
     rec = _Call(t, scope, fmt, bool(call.causal), float(call.scale), dt, rows, offs, kv[..., :d], kv[..., d:],
                 canonical(q.detach(), fmt), q.dtype, where)
-    grads = t.opts.gradients and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    rec.real = call.pack.real if call.pack is not None else None  # padded documents: their real offsets
+    rec.mods = Mods(call.window, call.softcap, None if call.sinks is None else call.sinks.detach())
+    return run_checked(t, call, run, rec, sig, where)
+
+
+def run_checked(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torch.Tensor], rec: "_Call",
+                sig: tuple, where: dict) -> torch.Tensor:
+    """Run ``call`` between the taps of ``rec`` (when a backward will run), judge its output, record it for its
+    recompute; returns the (tapped) output."""
+    q, k, v = call.q, call.k, call.v
+    # taps whenever a backward will run: the gradient check, and the group verdict on this microbatch's recomputes
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if grads:
+        t.taps_due += 1
         q, k, v = _TapIn.apply(rec, q, k, v)
         call = dataclasses.replace(call, q=q, k=k, v=v)
     out = run(call)
     with torch.no_grad():
         res = rec.forward_figures(out, keep=grads)
     rec.verdict("attention", [("out", res)])
-    recompute.remember(t, sig, call.v, scope, where)
+    recompute.remember(t, sig, call.v, call.scope, where)
     if grads:
         return _TapOut.apply(rec, out)
     rec.release()
@@ -79,6 +90,8 @@ class _Call:
         self.finite = True
         self.cache: dict = {}  # the reference's forward probabilities, for its backward
         self.refs: Any = None
+        self.real: Optional[tuple] = None
+        self.mods = Mods()
 
     def release(self) -> None:
         self.kf = self.vf = self.q = None
@@ -92,7 +105,8 @@ class _Call:
             torch.isfinite(vf).all())
         if self.finite:
             ref = reference_rows(self.q, self.rows, kf, vf, self.offs, causal=self.causal, scale=self.scale,
-                                 dtype=self.dt, cache=self.cache if keep else None)
+                                 dtype=self.dt, cache=self.cache if keep else None, real=self.real,
+                                 mods=self.mods)
             self.score_max = ref.score_max
             # scores so large that exp(s − lse) has no correct digit left in the call's arithmetic (|s| ≳ 1e6 in
             # fp32): the model has diverged; nothing to compare
@@ -105,13 +119,15 @@ class _Call:
 
     def reference_grads(self, dout: torch.Tensor) -> None:
         """In backward (from ``_TapOut``): dq of this rank's rows, dk/dv of its keys (summed over the group)."""
-        if self.kf is None:
+        if self.kf is None or not self.t.opts.gradients:
+            self.release()
             return
         do = canonical(dout.detach(), self.fmt)
         finite = self.finite and bool(torch.isfinite(do).all())
         if finite:
             ref = reference_rows(self.q, self.rows, self.kf, self.vf, self.offs, causal=self.causal,
-                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache)
+                                 scale=self.scale, dtype=self.dt, dout=do, cache=self.cache, real=self.real,
+                                 mods=self.mods)
             dq, dk, dv, (dq_t, dk_t, dv_t) = ref.dq, ref.dk, ref.dv, ref.terms
         else:  # keep the collective: zeros, and a flag that makes every rank skip this comparison
             dq = torch.zeros_like(self.q, dtype=self.dt)
@@ -120,7 +136,10 @@ class _Call:
         if self.scope.size > 1:  # every rank's rows contribute to every key
             parts = [dk, dv, dk_t, dv_t]
             buf = torch.cat([x.reshape(-1) for x in parts] + [dk.new_tensor([0.0 if finite else 1.0])])
-            dist.all_reduce(buf, group=self.scope.group)
+            try:
+                all_reduce(buf, self.scope.group, timeout=self.t.opts.timeout, what="reference gradients")
+            except CollectiveTimeout as e:
+                self.t.verdicts.pending_first(e)
             finite = float(buf[-1]) == 0.0
             dk, dv, dk_t, dv_t = (x.view_as(p) for x, p in zip(buf[:-1].split([p.numel() for p in parts]), parts))
         if not finite:
@@ -134,6 +153,7 @@ class _Call:
 
     def check_grads(self, grads: tuple, needs: tuple) -> None:
         """In backward (from ``_TapIn``): the call's dq, dk, dv against the reference's."""
+        self.t.taps_due = max(0, self.t.taps_due - 1)
         items = []
         refs, self.refs = self.refs, None
         rtol = self.t.tolerance(self.dtype, grad=True)
@@ -154,13 +174,19 @@ class _Call:
         if self.scope.size == 1:
             return [vec]
         mine = torch.tensor(vec, dtype=torch.float64, device=collective_device(self.scope.group, self.rows.device))
-        return [p.tolist() for p in all_gather_list(mine, self.scope.group)]
+        try:
+            parts = all_gather_list(mine, self.scope.group, timeout=self.t.opts.timeout, what="attention figures")
+        except CollectiveTimeout as e:
+            self.t.verdicts.pending_first(e)
+        return [p.tolist() for p in parts]
 
     def verdict(self, check: str, items: list[tuple[str, dict]]) -> None:
         """Agree over the group on the comparison (every rank learns every rank's figures) and report."""
         v = self.t.verdicts
         v.count(check)
-        per_rank = self._gather_figures([float(res[f]) for (_, res) in items for f in _FIGURES])
+        # the last figure: this rank holds a mismatch found locally (a recompute), raised on every rank below
+        per_rank = self._gather_figures([float(res[f]) for (_, res) in items for f in _FIGURES] + [
+            float(v.has_pending)])
         ms = []
         n = len(_FIGURES)
         for gi, vals in enumerate(per_rank):
@@ -171,6 +197,10 @@ class _Call:
                     v.nonfinite(f"{check} {name}", rank)
                     continue
                 ms.extend(self._judge(check, name, rank, res))
+        pending = [self.members[i] for i, vals in enumerate(per_rank) if vals[-1] and i < len(self.members)]
+        if pending:  # a cause found on some rank (a recompute under another scope) goes first, on every rank
+            v.emit(ms, consistent=False)
+            v.raise_pending([r for r in pending if r != me()])
         v.emit(ms, consistent=True)
 
     def _judge(self, check: str, name: str, rank: int, res: dict) -> list[Mismatch]:

@@ -1,7 +1,9 @@
 """The sentinel's own collectives: small fixed-size exchanges, and gathers of a group's shards in global order.
 
 Every collective here has a size that the ranks agree on before it runs (a fixed-length digest; a gather only
-after the agreement digest matched), so a disagreement can be reported instead of hanging.
+after the agreement digest matched), so a disagreement can be reported instead of hanging. Each one waits at most
+``timeout`` seconds (the sentinel's ``timeout=``): a member that never joins — it runs without the sentinel, samples
+another unit, stalled or died — gives a :class:`CollectiveTimeout` naming the collective and the group, not a hang.
 
 Example::
 
@@ -10,15 +12,24 @@ Example::
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..groups import group_ranks
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 
-__all__ = ["collective_device", "exchange", "exchange_objects", "gather_zigzag", "all_gather_list"]
+__all__ = ["collective_device", "exchange", "exchange_objects", "gather_zigzag", "all_gather_list", "all_reduce",
+           "CollectiveTimeout", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 300.0  # the sentinel's default bound on any of its collectives (seconds)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A sentinel collective that did not complete in time: some member of the group never joined it."""
 
 
 def collective_device(group: Optional[dist.ProcessGroup], hint: Optional[torch.device] = None) -> torch.device:
@@ -32,12 +43,13 @@ def collective_device(group: Optional[dist.ProcessGroup], hint: Optional[torch.d
 
 
 def exchange(
-    group: Optional[dist.ProcessGroup], values: dict[str, int], device: torch.device
+    group: Optional[dist.ProcessGroup], values: dict[str, int], device: torch.device, *,
+    timeout: Optional[float] = None, what: str = "agreement digest",
 ) -> list[dict[str, int]]:
     """All-gather one int64 vector per rank (``values`` in insertion order; same keys on every rank)."""
     names = list(values)
     mine = torch.tensor([int(values[n]) for n in names], dtype=torch.int64, device=device)
-    return [dict(zip(names, p.tolist())) for p in all_gather_list(mine, group)]
+    return [dict(zip(names, p.tolist())) for p in all_gather_list(mine, group, timeout=timeout, what=what)]
 
 
 def exchange_objects(group: Optional[dist.ProcessGroup], obj: Any) -> list[Any]:
@@ -47,7 +59,8 @@ def exchange_objects(group: Optional[dist.ProcessGroup], obj: Any) -> list[Any]:
     return out
 
 
-def gather_zigzag(local: torch.Tensor, cu: Sequence[int], scope: CPScope, *, dim: int = 0) -> torch.Tensor:
+def gather_zigzag(local: torch.Tensor, cu: Sequence[int], scope: CPScope, *, dim: int = 0,
+                  timeout: Optional[float] = None) -> torch.Tensor:
     """The group's zigzag shards of one packed stream (offsets ``cu``), back in global order along ``dim``.
 
     ``local`` is this rank's shard (``cu[-1] / cp`` entries along ``dim``, same shape on every rank); the result
@@ -56,7 +69,7 @@ def gather_zigzag(local: torch.Tensor, cu: Sequence[int], scope: CPScope, *, dim
     cp = scope.size
     if cp == 1:
         return local
-    parts = all_gather_list(local.contiguous(), scope.group)
+    parts = all_gather_list(local.contiguous(), scope.group, timeout=timeout, what="gather of the group's shards")
     shape = list(local.shape)
     shape[dim] = int(cu[-1])
     full = local.new_empty(shape)
@@ -66,8 +79,29 @@ def gather_zigzag(local: torch.Tensor, cu: Sequence[int], scope: CPScope, *, dim
     return full
 
 
-def all_gather_list(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape on every rank), in group order."""
+def all_gather_list(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, timeout: Optional[float] = None,
+                    what: str = "all_gather") -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape on every rank), in group order; waits at most ``timeout`` seconds."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t, group=group)
+    _wait(dist.all_gather(parts, t, group=group, async_op=True), group, f"all_gather ({what})", timeout)
     return parts
+
+
+def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, timeout: Optional[float] = None,
+               what: str = "all_reduce", op: Any = None) -> None:
+    """Reduce ``t`` over ``group`` in place (``op``: default the sum); waits at most ``timeout`` seconds."""
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    _wait(work, group, f"all_reduce ({what})", timeout)
+
+
+def _wait(work: Any, group: Optional[dist.ProcessGroup], name: str, timeout: Optional[float]) -> None:
+    """Wait for ``work``; past ``timeout`` seconds raise :class:`CollectiveTimeout` naming the collective."""
+    limit = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    try:
+        work.wait(timedelta(seconds=limit))
+    except RuntimeError as e:
+        raise CollectiveTimeout(
+            f"cpscope sentinel: the {name} over the group {group_ranks(group)} did not complete within {limit:g} s "
+            f"on rank {dist.get_rank()}: a member of the group never joined it — the sentinel is off there or was "
+            f"switched on at another point or with other options, it samples another microbatch, or it stalled or "
+            f"died ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e

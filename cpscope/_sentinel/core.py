@@ -24,8 +24,10 @@ sentinel stops (and at exit).
 Sampling (:mod:`.sampling`, the one place that decides) follows counters that every member of a group advances
 identically when the ranks run the same program (microbatches of that group, marked by ``run_microbatches`` or
 :meth:`sentinel.microbatch`; without markers, calls of each kind on that group), so the collectives of a sampled
-microbatch match — provided every rank switched the sentinel on at the same point with the same ``every``. Off, the
-core's observer slots (:mod:`cpscope._hooks`) are ``None``: one attribute check per call.
+microbatch match. At a group's first sampled unit its members agree on the sentinel itself
+(:mod:`.handshake`: on, ``every``, policy, checks), and every collective of the sentinel waits at most ``timeout``
+seconds, so ranks that switched it on at other points, with other options, or that stalled, raise an error naming
+what differs. Off, the core's observer slots (:mod:`cpscope._hooks`) are ``None``: one attribute check per call.
 
 Scope: process-wide (one training thread); enable it on every rank at the same point, e.g. before the loop.
 
@@ -105,9 +107,16 @@ class sentinel:
             (defaults: :data:`cpscope._sentinel.report.TOLERANCES`, documented in docs/sentinel.md).
         reference_dtype: dtype of the attention reference (default float64 on CPU, float32 on CUDA).
         ignore_index: the label value that marks "no target" (default -100).
+        timeout: seconds any of the sentinel's own collectives, and its handshake, may wait for the other members
+            of a group (default 300): a member that never joins — the sentinel off there, switched on at another
+            point or with other options, or a rank that stalled or died — gives an error naming the collective.
+        rows: query rows per rank checked on a sampled attention call (default 64; all rows when a rank holds
+            no more): those rows' output and ``dq`` against a reference streamed over each rank's own keys, ``dk``
+            / ``dv`` through exact identities of attention — no K/V gathered or kept (docs/sentinel.md). A call
+            with at most ``rows`` local rows is checked exactly, every row and every gradient element.
 
     Raises:
-        ValueError: ``every`` not a positive int, an unknown ``on_mismatch`` or ``labels``.
+        ValueError: ``every`` not a positive int, an unknown ``on_mismatch`` or ``labels``, a bad ``timeout``.
 
     Scope: process-wide (the training thread); switch it on at the same point on every rank.
 
@@ -141,10 +150,12 @@ class sentinel:
         rtol: Optional[dict] = None,
         reference_dtype: Optional[torch.dtype] = None,
         ignore_index: int = -100,
+        timeout: float = 300.0,
+        rows: int = 64,
     ) -> None:
         opts = Options.make(every, on_mismatch=on_mismatch, attention=attention, gradients=gradients,
                             positions=positions, loss=loss, labels=labels, rtol=rtol,
-                            reference_dtype=reference_dtype, ignore_index=ignore_index)
+                            reference_dtype=reference_dtype, ignore_index=ignore_index, timeout=timeout, rows=rows)
         self._t = Tracker(opts)
         self._on = False
         self.start()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..scope import CPScope, scope_for
-from .agree import disagreements, hash64
+from .agree import comm_code, disagreements, hash64
 from .comm import collective_device, exchange, exchange_objects, gather_zigzag
 from .reference import segment_ids
 from .report import Mismatch
@@ -25,8 +25,9 @@ from .tracker import Tracker
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 
-_FIELDS = ("members", "cp_size", "step", "microbatch", "local_len", "offsets", "docs", "seqs")
-_STRUCTURAL = {"members", "cp_size", "local_len"}
+_FIELDS = ("members", "cp_size", "step", "microbatch", "local_len", "offsets", "docs", "seqs", "comm")
+# a disagreement here would hang or crash the model's collectives: raised whatever the policy
+_STRUCTURAL = {"members", "cp_size", "local_len", "comm"}
 
 
 def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator[Any]:
@@ -67,10 +68,12 @@ def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> 
         members = list(group_of(scope))
         seqs = tuple(int(x) for x in getattr(mb, "seqs", ()))
         vals = {"global_rank": me(), "cp_rank": scope.rank, "cp_size": scope.size, "members": hash64(tuple(members)),
-                "step": state.step, "microbatch": state.index, "local_len": n_local, "offsets": hash64(tuple(cu)),
-                "docs": len(cu) - 1, "seqs": hash64(seqs)}
+                "step": state.step, "microbatch": state.index, "local_len": n_local,
+                "offsets": hash64((tuple(cu), _real(mb))), "docs": len(cu) - 1, "seqs": hash64(seqs),
+                "comm": comm_code(getattr(mb, "comm", None))}
         t.verdicts.count("agreement")
-        rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device))
+        rows = exchange(scope.group, vals, collective_device(scope.group, mb.input_ids.device),
+                        timeout=t.opts.timeout)
         problems = disagreements(rows, members=members, fields=_FIELDS)
         if problems:
             details = exchange_objects(scope.group, {"cu": cu[:17], "seqs": list(seqs[:16]), "local_len": n_local})
@@ -88,6 +91,12 @@ def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> 
         check_labels(t, mb, scope, cu, state)
 
 
+def _real(mb: Any) -> Optional[tuple]:
+    """The microbatch's real offsets, when it describes padding (``cu_seqlens_real``)."""
+    real = getattr(mb, "cu_seqlens_real", None)
+    return None if real is None else tuple(offsets_list(real))
+
+
 def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatch) -> None:
     """The labels must be the next token of the same document in the zigzag-ordered microbatch."""
     cp = scope.size
@@ -102,7 +111,7 @@ def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatc
         return
     t.verdicts.count("layout")
     dev = collective_device(scope.group, ids.device) if cp > 1 else ids.device
-    full = gather_zigzag(torch.stack([ids, labels]).to(dev), cu, scope, dim=1)  # [2, T]
+    full = gather_zigzag(torch.stack([ids, labels]).to(dev), cu, scope, dim=1, timeout=t.opts.timeout)  # [2, T]
     fid, flab = full[0], full[1]
     seg = segment_ids(cu, dev)
     target = flab != t.opts.ignore_index
@@ -131,7 +140,8 @@ def check_loss(t: Tracker, used: int, num_targets: int, device: Optional[torch.d
         world, rows = 1, [[used, num_targets]]
     else:
         world = dist.get_world_size()
-        gathered = exchange(None, {"used": used, "num_targets": num_targets}, collective_device(None, device))
+        gathered = exchange(None, {"used": used, "num_targets": num_targets}, collective_device(None, device),
+                            timeout=t.opts.timeout, what="loss normalisation")
         rows = [[r["used"], r["num_targets"]] for r in gathered]
     t.verdicts.count("loss-normalisation")
     total = sum(r[0] for r in rows)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .comm import DEFAULT_TIMEOUT_S
 from .report import Mismatch, tolerance
 
 __all__ = ["Options", "POLICIES"]
@@ -35,16 +36,25 @@ class Options:
     rtol: Optional[dict] = None
     reference_dtype: Optional[torch.dtype] = None
     ignore_index: int = -100
+    timeout: float = DEFAULT_TIMEOUT_S
+    rows: int = 64
 
     @classmethod
     def make(cls, every: Any = 100, *, on_mismatch: Any = "raise", attention: Any = True, gradients: Any = True,
              positions: Any = True, loss: Any = True, labels: Any = "next_token", rtol: Any = None,
-             reference_dtype: Optional[torch.dtype] = None, ignore_index: Any = -100) -> "Options":
+             reference_dtype: Optional[torch.dtype] = None, ignore_index: Any = -100,
+             timeout: Any = DEFAULT_TIMEOUT_S, rows: Any = 64) -> "Options":
         """Validated options.
 
         Raises:
-            ValueError: ``every`` not a positive int, an unknown ``on_mismatch`` or ``labels``, a malformed ``rtol``.
+            ValueError: ``every`` not a positive int, an unknown ``on_mismatch`` or ``labels``, a malformed ``rtol``,
+                a ``timeout`` that is not a finite number of seconds > 0, ``rows`` not a positive int.
         """
+        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
+            raise ValueError(f"sentinel: rows must be a positive int (query rows checked per rank), got {rows!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
+                math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"sentinel: timeout must be a finite number of seconds > 0, got {timeout!r}")
         if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(f"sentinel: every must be a positive int (1 = check every microbatch), got {every!r}")
         if not callable(on_mismatch) and on_mismatch not in POLICIES:
@@ -58,7 +68,7 @@ class Options:
                 ):
                     raise ValueError(f"sentinel: rtol maps a torch.dtype to (out, grad) positive floats, got {rtol!r}")
         return cls(int(every), on_mismatch, bool(attention), bool(gradients), bool(positions), bool(loss), labels,
-                   dict(rtol) if rtol else None, reference_dtype, int(ignore_index))
+                   dict(rtol) if rtol else None, reference_dtype, int(ignore_index), float(timeout), int(rows))
 
     def tolerance(self, dtype: torch.dtype, grad: bool) -> float:
         """The relative tolerance of the attention check for ``dtype`` (output or gradients), overrides applied."""

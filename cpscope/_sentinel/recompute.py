@@ -25,19 +25,29 @@ _FIELDS = {"attention": "scope", "RoPE": "rope scope"}
 
 
 def remember(t: Tracker, sig: tuple, data: torch.Tensor, scope: CPScope, where: dict) -> None:
-    """Record a sampled forward call: its signature, a fingerprint of ``data``, its scope and where it ran."""
+    """Record a sampled forward call: its signature, a fingerprint of ``data``, its scope and where it ran; its
+    recompute is due (``t.armed``)."""
     t.records.put(sig, fingerprint(data), (scope, where))
+    t.armed += 1
 
 
 def check(t: Tracker, sig: tuple, data: torch.Tensor, scope: CPScope, what: str) -> None:
     """In backward: when this call recomputes a recorded forward (same signature, same ``data``), its ``scope``
-    must be the forward's; a mismatch is reported (on this rank: every rank recomputes alike)."""
-    if not t.records.has_signature(sig):  # never sampled: no fingerprint taken
+    must be the forward's. Only while recomputes of sampled calls are due (``t.armed``: records not yet matched,
+    cleared when an unsampled marked microbatch begins and no sampled backward is due): the recomputes of unsampled
+    microbatches take no fingerprint, no host sync.
+    A mismatch is kept pending: the group verdict on the call's gradients raises it on every rank."""
+    if t.armed <= 0 or not t.records.has_signature(sig):
         return
+    _check_now(t, sig, data, scope, what)
+
+
+def _check_now(t: Tracker, sig: tuple, data: torch.Tensor, scope: CPScope, what: str) -> None:
     hit = t.records.get(sig, fingerprint(data))
     if hit is None:
         return
     forward_scope, where = hit
+    t.armed = max(0, t.armed - 1)
     t.verdicts.count("recompute")
     if same_scope(forward_scope, scope):
         return
@@ -48,4 +58,4 @@ def check(t: Tracker, sig: tuple, data: torch.Tensor, scope: CPScope, what: str)
         f"under {describe(forward_scope)}: the recompute must re-enter the forward's scope (use cpscope.checkpoint, "
         "or context_fn=cpscope.scope_context_fn())",
         {"recompute": describe(scope), "forward": describe(forward_scope)}, group=group_of(forward_scope),
-        **where)], consistent=True)
+        **where)], consistent=forward_scope.size == 1)

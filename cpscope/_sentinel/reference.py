@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 __all__ = ["canonical", "canonical_offsets", "segment_ids", "reference_rows", "compare", "error_floor",
-           "reference_dtype"]
+           "reference_dtype", "Mods", "visible_keys"]
 
 # Scores held at once by the reference: heads × rows × keys elements (≈ 256 MiB in float64).
 _CHUNK_ELEMS = 1 << 25
@@ -67,6 +67,16 @@ def segment_ids(cu: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lens.numel()), lens).to(device)
 
 
+class Mods(NamedTuple):
+    """Score and mask modifiers of a call: ``window`` ``(left, right)`` (``-1`` unbounded; a query at position
+    ``i`` sees keys ``i − left … i + right`` of its document), ``softcap`` (scaled scores ``c·tanh(s / c)``), ``sinks``
+    ``[h]`` (one logit per head in every softmax denominator, no value)."""
+
+    window: Optional[tuple[int, int]] = None
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+
 class Reference(NamedTuple):
     """What :func:`reference_rows` returns (the gradient fields only when ``dout`` was given)."""
 
@@ -90,6 +100,8 @@ def reference_rows(
     dtype: torch.dtype,
     dout: Optional[torch.Tensor] = None,
     cache: Optional[dict] = None,
+    real: Optional[Sequence[int]] = None,
+    mods: Optional[Mods] = None,
 ):
     """Attention of the query rows ``q`` (``[n, h, d]`` at global indices ``rows``) over the keys ``k``/``v``.
 
@@ -104,6 +116,10 @@ def reference_rows(
     too): the scale of the rounding error any implementation makes, even when the terms cancel to a tiny gradient.
     All in ``dtype``.
 
+    ``real``: real offsets of padded documents (TE's ``cu_seqlens``): only the first ``real[i+1] − real[i]``
+    tokens of document ``i`` are keys; padding rows give zero output and ``dq``, no gradient to any key.
+    ``mods``: a window, softcap or sinks (:class:`Mods`; the sinks' own gradient is not computed).
+
     ``cache``: a dict, filled by a forward call (the probabilities of every chunk, when they take at most
     ``_CACHE_ELEMS`` elements) and emptied by the backward call that is given it, which then skips recomputing them.
     """
@@ -112,6 +128,9 @@ def reference_rows(
     g = h // h_kv
     dev = q.device
     bounds = _document_rows(cu, rows)  # rows of document i: bounds[i]:bounds[i+1]
+    ends = _key_ends(cu, real)  # the keys of document i: cu[i]:ends[i]
+    if real is not None and dout is not None:
+        dout = dout * _real_rows(cu, ends, rows)[:, None, None].to(dout.dtype)
     qq = q.to(dtype)
     out = torch.zeros(n, h, dv, dtype=dtype, device=dev)
     score_max = 0.0
@@ -121,7 +140,7 @@ def reference_rows(
         if size > _CACHE_ELEMS:
             cache = None
     for i in range(len(cu) - 1):
-        r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), int(cu[i + 1])
+        r0, r1, k0, k1 = bounds[i], bounds[i + 1], int(cu[i]), ends[i]
         if r0 == r1 or k0 == k1:
             continue
         kk = k[k0:k1].to(dtype)
@@ -133,18 +152,35 @@ def reference_rows(
             b = min(r1, a + step)
             hit = cache.pop(a, None) if cache is not None and dout is not None else None
             if hit is not None:  # the forward's probabilities and output of this chunk
-                p, o = hit
+                p, o, dcap = hit
             else:
-                p, o, s_max = _chunk(qq[a:b], kk, vv, rows[a:b], k0, k1, causal=causal, scale=scale)
+                p, o, s_max, dcap = _chunk(qq[a:b], kk, vv, rows[a:b], k0, k1, causal=causal, scale=scale,
+                                           mods=mods or Mods())
                 score_max = max(score_max, s_max)
                 if cache is not None and dout is None:
-                    cache[a] = (p, o)
+                    cache[a] = (p, o, dcap)
             out[a:b] = o
             if grads is not None:
-                grads.add(a, b, k0, k1, p, o, qq[a:b], kk, vv, scale)
+                grads.add(a, b, k0, k1, p, o, qq[a:b], kk, vv, scale, dcap)
+    if real is not None:
+        out = out * _real_rows(cu, ends, rows)[:, None, None].to(out.dtype)
     if grads is None:
         return Reference(out, score_max)
     return Reference(out, score_max, *grads.result(h_kv, g))
+
+
+def _key_ends(cu: Sequence[int], real: Optional[Sequence[int]]) -> list[int]:
+    """Where the keys of each document end: ``cu[i+1]``, or ``cu[i]`` plus its real length when padded."""
+    if real is None:
+        return [int(c) for c in cu[1:]]
+    return [int(cu[i]) + int(real[i + 1]) - int(real[i]) for i in range(len(cu) - 1)]
+
+
+def _real_rows(cu: Sequence[int], ends: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: which of the global rows ``rows`` are real tokens (not padding)."""
+    cu_t = torch.tensor(list(cu), dtype=torch.long, device=rows.device)
+    doc = (torch.searchsorted(cu_t, rows, right=True) - 1).clamp(0, len(ends) - 1)
+    return rows < torch.tensor(ends, dtype=torch.long, device=rows.device)[doc]
 
 
 def _document_rows(cu: Sequence[int], rows: torch.Tensor) -> list[int]:
@@ -158,16 +194,42 @@ def _document_rows(cu: Sequence[int], rows: torch.Tensor) -> list[int]:
 
 
 def _chunk(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, rows: torch.Tensor, k0: int, k1: int, *,
-           causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Probabilities ``[h, c, L]``, output ``[c, h, d]`` and the largest ``|score|`` of the query rows ``q`` (at
-    global indices ``rows``) over the keys ``k0:k1`` of their document (``kk`` / ``vv`` ``[L, h, d]``)."""
+           causal: bool, scale: float, mods: Mods) -> tuple[torch.Tensor, torch.Tensor, float, Optional[torch.Tensor]]:
+    """Probabilities ``[h, c, L]``, output ``[c, h, d]``, the largest ``|score|`` and the softcap's derivative
+    (``[h, c, L]`` or ``None``) of the query rows ``q`` (at global indices ``rows``) over the keys ``k0:k1`` of their
+    document (``kk`` / ``vv`` ``[L, h, d]``)."""
     s = torch.einsum("ihd,jhd->hij", q, kk) * scale  # [h, c, L]
     s_max = float(s.abs().amax())
-    if causal:
-        visible = torch.arange(k0, k1, device=q.device)[None, :] <= rows[:, None]  # [c, L]
+    dcap = None
+    if mods.softcap is not None:
+        s = mods.softcap * torch.tanh(s / mods.softcap)
+        dcap = 1 - (s / mods.softcap) ** 2
+    visible = visible_keys(rows, torch.arange(k0, k1, device=q.device), causal, mods.window)
+    if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return p, torch.einsum("hij,jhd->ihd", p, vv), s_max
+    if mods.sinks is None:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # (padding rows under a window may see no key)
+    else:
+        sink = mods.sinks.to(s.dtype)[:, None, None]  # [h, 1, 1]
+        m = torch.maximum(s.amax(-1, keepdim=True), sink)
+        e = torch.exp(s - m)
+        p = e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))
+    return p, torch.einsum("hij,jhd->ihd", p, vv), s_max, dcap
+
+
+def visible_keys(rows: torch.Tensor, keys: torch.Tensor, causal: bool,
+                 window: Optional[tuple[int, int]]) -> Optional[torch.Tensor]:
+    """``[len(rows), len(keys)]`` bool: which keys of one document each row sees (causal, window), or ``None``."""
+    vis = None
+    if causal:
+        vis = keys[None, :] <= rows[:, None]
+    if window is not None:
+        left, right = window
+        for bound, ok in ((left, lambda: rows[:, None] - keys[None, :] <= left),
+                          (right, lambda: keys[None, :] - rows[:, None] <= right)):
+            if bound is not None and bound >= 0:
+                vis = ok() if vis is None else vis & ok()
+    return vis
 
 
 class _Grads:
@@ -181,18 +243,21 @@ class _Grads:
         self.dq_t, self.dk_t, self.dv_t = torch.zeros_like(self.dq), torch.zeros_like(self.dk), torch.zeros_like(self.dv)
 
     def add(self, a: int, b: int, k0: int, k1: int, p: torch.Tensor, o: torch.Tensor, q: torch.Tensor,
-            kk: torch.Tensor, vv: torch.Tensor, scale: float) -> None:
-        """Rows ``a:b`` (queries ``q``, probabilities ``p``, output ``o``) over the keys ``k0:k1``."""
+            kk: torch.Tensor, vv: torch.Tensor, scale: float, dcap: Optional[torch.Tensor] = None) -> None:
+        """Rows ``a:b`` (queries ``q``, probabilities ``p``, output ``o``) over the keys ``k0:k1``; ``dcap``: the
+        softcap's derivative, applied to the scores' gradient."""
         do = self.dout[a:b]  # [c, h, d]
         dp = torch.einsum("ihd,jhd->hij", do, vv)
         delta = (do * o).sum(-1).transpose(0, 1)[:, :, None]  # [h, c, 1]
         ds = p * (dp - delta)
+        if dcap is not None:
+            ds = ds * dcap
         self.dq[a:b] = torch.einsum("hij,jhd->ihd", ds, kk) * scale
         self.dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, q) * scale
         self.dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
         dp_abs = torch.einsum("ihd,jhd->hij", do.abs(), vv.abs())  # Σ_d |dO_id V_jd| ≥ |dP_ij|
         delta_abs = (do * o).abs().sum(-1).transpose(0, 1)[:, :, None]  # Σ_d |dO_id O_id| ≥ |D_i|
-        ds_abs = p * (dp_abs + delta_abs)
+        ds_abs = p * (dp_abs + delta_abs) * (1.0 if dcap is None else dcap)
         self.dq_t[a:b] = torch.einsum("hij,jhd->ihd", ds_abs, kk.abs()) * scale
         self.dk_t[k0:k1] += torch.einsum("hij,ihd->jhd", ds_abs, q.abs()) * scale
         self.dv_t[k0:k1] += torch.einsum("hij,ihd->jhd", p, do.abs())

@@ -46,6 +46,11 @@ class Sampler:
         """A call of ``kind`` (``"attention"``, ``"rope"``, ...) outside every marked microbatch: a one-call unit."""
         return self._next((kind, group))
 
+    @property
+    def steps(self) -> int:
+        """``run_microbatches`` steps begun so far."""
+        return self._steps
+
     def step(self) -> tuple[int, bool]:
         """A ``run_microbatches`` step begins: its index, and whether its loss normalisation is checked."""
         n = self._steps

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..scope import CPScope, runtime_scope_or
+from .handshake import handshake, options_code
 from .options import Options
 from .sampling import Sampler
 from .state import Microbatch, Records
@@ -32,13 +33,20 @@ class Tracker:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.sampler = Sampler(opts.every)
-        self.verdicts = Verdicts(opts.on_mismatch)
+        self.verdicts = Verdicts(opts.on_mismatch, opts.timeout)
         self.records = Records()
         self.mb: Optional[Microbatch] = None  # the marked microbatch being run
+        self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.handshake`)
+        self.armed = 0  # recomputes of sampled calls due: checked meanwhile (:mod:`.recompute`)
+        self.taps_due = 0  # gradient taps of sampled calls not yet run (a sampled backward is due)
 
     def begin_microbatch(self, scope: CPScope, *, step: Optional[int] = None) -> Microbatch:
         """A marked microbatch of ``scope``'s group begins (``run_microbatches``, :meth:`cpscope.sentinel.microbatch`)."""
         index, sampled = self.sampler.microbatch(scope.group)
+        if sampled:
+            self.agree_options(scope)
+        elif not self.taps_due:  # no sampled backward due: an unsampled microbatch's recomputes go unchecked
+            self.armed = 0
         mb = Microbatch(scope, index, sampled, step, marked=True)
         self.mb = mb
         self.verdicts.drop_pending()  # (left by a microbatch that failed: already logged)
@@ -63,7 +71,17 @@ class Tracker:
             return mb
         unit = self.expected_scope(None) or scope
         index, sampled = self.sampler.call(kind, unit.group)
+        if sampled:
+            self.agree_options(unit)
         return Microbatch(unit, index, sampled, None, marked=False)
+
+    def agree_options(self, scope: CPScope) -> None:
+        """At the first sampled unit of ``scope``'s group: its members agree on how this sentinel runs (on, every,
+        policy, checks, steps so far), or every member that got here raises the same error (:mod:`.handshake`)."""
+        if scope.size == 1 or scope.group in self._agreed:
+            return
+        handshake(scope, {**options_code(self.opts), "steps": self.sampler.steps}, timeout=self.opts.timeout)
+        self._agreed.add(scope.group)
 
     def expected_scope(self, mb: Optional[Microbatch]) -> Optional[CPScope]:
         """The scope consumers must use in forward: the bound runtime scope, else the marked microbatch's, else

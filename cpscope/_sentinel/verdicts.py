@@ -28,8 +28,9 @@ __all__ = ["Verdicts"]
 class Verdicts:
     """Reports of one sentinel, its summary, and the mismatches pending a group verdict."""
 
-    def __init__(self, policy: Union[str, Callable[[Mismatch], Any]]) -> None:
+    def __init__(self, policy: Union[str, Callable[[Mismatch], Any]], timeout: Optional[float] = None) -> None:
         self.policy = policy
+        self.timeout = timeout
         self.reports: list[Mismatch] = []
         self.summary = Summary()
         self._pending: list[Mismatch] = []
@@ -96,6 +97,13 @@ class Verdicts:
                                           f"rank(s) {others} of the group found a mismatch (see their log)",
                                           {"ranks": others})])
 
+    def pending_first(self, error: BaseException) -> None:
+        """A sentinel collective failed (``error``, e.g. a timeout): a mismatch this rank holds is the cause to
+        report (its partner went elsewhere because of it); else ``error`` itself."""
+        if self._pending:
+            self.raise_pending()
+        raise error
+
     def agree(self, scope: Any, device: Optional[torch.device] = None) -> None:
         """Agree over ``scope``'s group whether anyone holds pending mismatches, and raise on every rank if so."""
         if self.policy == "log":
@@ -103,7 +111,8 @@ class Verdicts:
         if scope.size == 1:
             self.raise_pending()
             return
-        rows = exchange(scope.group, {"pending": int(self.has_pending)}, collective_device(scope.group, device))
+        rows = exchange(scope.group, {"pending": int(self.has_pending)}, collective_device(scope.group, device),
+                        timeout=self.timeout, what="verdict")
         members = group_of(scope)
         self.raise_pending([members[i] for i, r in enumerate(rows) if r["pending"] and i < len(members)])
 

@@ -13,9 +13,10 @@ ranks. So the Ulysses exchange over the inner group, with the outer-local offset
 the outer ring's local layout for ``h/inner`` heads; the ring (:mod:`cpscope.attention.ring`) runs across the outer
 group; the reverse exchange brings the rows home. One autograd function (:mod:`cpscope.attention.ulysses`) does all.
 
-Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups for a CP group, from the registry
-(:func:`cpscope.hierarchical_cp_groups`: created on first use, collectively over the members of the CP group only;
-cached).
+Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups for a CP group, looked up in the
+registry — never created here: a group made inside a forward would run a collective there, possibly during a
+recompute or a graph capture. Make them up front, on every member: :func:`cpscope.hierarchical_cp_groups`, or
+``cpscope.new_cp_groups(sizes, hierarchical=True)``; a missing pair is a ``ValueError`` that says so.
 
 Inner size: ``comm="a2a+p2p:N"`` names it; plain ``"a2a+p2p"`` takes :func:`default_inner_size` (the largest
 proper divisor of ``cp`` that divides both head counts, at most 8 — one node of 8 GPUs; else one that divides the q
@@ -35,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..groups import group_ranks
+from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
 from .blocks import Window
 from .comm import GroupCollectives
@@ -99,12 +100,12 @@ def _expected(group: dist.ProcessGroup, inner: int) -> tuple[list[int], list[int
 def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """``(inner_group, outer_group)`` of this rank for the CP ``group`` split into inner groups of ``inner`` ranks.
 
-    The registry's :func:`cpscope.hierarchical_cp_groups` (collective over the members of ``group`` the first time,
-    cached), checked once per (group, inner) to follow the numbering above (inner: consecutive group ranks; outer:
-    every ``inner``-th).
+    The pair :func:`cpscope.hierarchical_cp_groups` made up front (looked up: no collective, no new group),
+    checked once per (group, inner) to follow the numbering above (inner: consecutive group ranks; outer: every
+    ``inner``-th).
 
     Raises:
-        ValueError: the groups are numbered otherwise.
+        ValueError: the pair was not made up front (with what to call); the groups are numbered otherwise.
 
     Example::
 
@@ -115,9 +116,13 @@ def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.Proc
         hit = _GROUPS.get(key)
     if hit is not None and hit[0]() is group:
         return hit[1]
-    from ..groups import hierarchical_cp_groups
-
-    pair = hierarchical_cp_groups(group, inner)
+    pair = lookup_hierarchical(group, inner)
+    if pair is None:
+        raise ValueError(
+            f"comm='a2a+p2p:{inner}' on the CP group {group_ranks(group)} needs its inner / outer sub-groups made up "
+            f"front, on every member of the group, before training: cpscope.hierarchical_cp_groups(group, {inner}) "
+            "(or cpscope.new_cp_groups(sizes, hierarchical=True)); cpscope never creates a group inside a forward, "
+            "backward or recompute")
     want = _expected(group, inner)
     got = (group_ranks(pair[0]), group_ranks(pair[1]))
     if got != want:

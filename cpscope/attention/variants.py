@@ -169,6 +169,8 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
         check_heads(h, h_kv, scope.size, variant=A2A, cp=scope.size, replicate=True)
     variant = Variant(name, check_inner_size(inner, scope.size, h, h_kv, replicate=True)) if name == HIERARCHICAL \
         else Variant(name)
+    if name == HIERARCHICAL:
+        hierarchical_groups(scope.group, variant.inner)  # made up front, or a ValueError saying so (before any kernel)
     if name != P2P and padded and not causal:
         if asked != AUTO:
             raise ValueError(

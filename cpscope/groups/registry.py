@@ -29,7 +29,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
@@ -112,7 +112,8 @@ def _create(steps: Sequence[Sequence[Block]], mine: Sequence[Optional[Block]], d
 
 
 def new_cp_groups(
-    sizes: Iterable[int], ranks: Optional[Sequence[int]] = None, *, method: str = "auto"
+    sizes: Iterable[int], ranks: Optional[Sequence[int]] = None, *, method: str = "auto",
+    hierarchical: Union[bool, Iterable[int]] = False,
 ) -> dict[int, Optional[dist.ProcessGroup]]:
     """Create (once) the CP groups of each size and return, per size, the group this rank belongs to.
 
@@ -132,6 +133,9 @@ def new_cp_groups(
         sizes: CP sizes wanted, e.g. ``[1, 2, 4]``. Each must be ≥ 1 and divide ``len(ranks)``.
         ranks: the global ranks to split (e.g. one data-parallel replica's ranks); default the whole world.
         method: ``"auto"`` | ``"split"`` | ``"local"`` | ``"global"``.
+        hierarchical: also make, up front, the ``(inner, outer)`` sub-groups of ``comm="a2a+p2p:N"``
+            (:func:`hierarchical_cp_groups`) for every group made: ``True`` for every proper divisor ``N`` of each
+            size, or the inner sizes wanted (those dividing a size are made for it). Attention never creates them.
 
     Raises:
         ValueError: a size that is < 1 or does not divide ``len(ranks)``; duplicate or out-of-range ranks; a method
@@ -156,7 +160,9 @@ def new_cp_groups(
         key = ("new_cp_groups", plan.sizes, plan.ranks, how)
         reg = _registry()
         if key in reg.calls:
-            return _cached_hit(reg.calls[key], "new_cp_groups")
+            out = _cached_hit(reg.calls[key], "new_cp_groups")
+            _make_hierarchical(out, hierarchical, method)
+            return out
         if plan.reordered:
             logger.info("new_cp_groups: blocks %s are numbered in ascending global rank (torch's group order): %s",
                         list(map(list, plan.reordered[:4])), [sorted(b) for b in plan.reordered[:4]])
@@ -176,7 +182,21 @@ def new_cp_groups(
             out[s] = handle
             entry[s] = None if s == 1 else (block, weakref.ref(handle))
         reg.calls[key] = entry
-        return out
+    _make_hierarchical(out, hierarchical, method)
+    return out
+
+
+def _make_hierarchical(groups: dict[int, Optional[dist.ProcessGroup]], inners: Union[bool, Iterable[int]],
+                       method: str) -> None:
+    """:func:`hierarchical_cp_groups` for each group of ``groups`` and each wanted inner size (see
+    :func:`new_cp_groups`); every member of each group runs the same calls, in the same order."""
+    if inners is False:
+        return
+    wanted = None if inners is True else sorted({as_int(m, "hierarchical", "new_cp_groups") for m in inners})
+    for size, group in sorted(groups.items()):
+        for m in range(2, size):
+            if size % m == 0 and (wanted is None or m in wanted):
+                hierarchical_cp_groups(group, m, method=method)
 
 
 def _hierarchy(group: Optional[dist.ProcessGroup], inner: int, where: str) -> tuple[Optional[tuple], Any]:

@@ -20,6 +20,8 @@ Example::
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 import platform
@@ -33,7 +35,7 @@ from ..attention import set_auto_chooser
 from ..hybrid.comm_cost import CommCostModel, cache_dir, default_inner, dtype_name
 from ..hybrid.variants import choose
 
-__all__ = ["auto_chooser", "cached_cost", "calibration_device", "device_name", "use_calibration"]
+__all__ = ["auto_chooser", "cached_cost", "calibration_device", "device_name", "model_digest", "use_calibration"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,24 +150,60 @@ def auto_chooser(cost: CommCostModel, *, inner: Optional[int] = None,
 def use_calibration(cost: Optional[CommCostModel] = None, *, directory: Optional[str] = None) -> CommCostModel:
     """Make ``comm="auto"`` follow a calibrated cost model (default: this job's cached one); returns it.
 
-    Call it on every rank at start-up (after ``torch.distributed`` is initialised). Falls back to ``"p2p"``
-    for queries it cannot price (see :func:`auto_chooser`).
+    Call it on every rank at start-up (after ``torch.distributed`` is initialised): **collective** over the world
+    (one small all-gather), the ranks agree that every one of them holds the same model — a node that found another
+    file (or none) would choose another variant and meet the others' collectives with its own. Falls back to
+    ``"p2p"`` for queries it cannot price (see :func:`auto_chooser`).
 
     Raises:
-        ValueError: no cost model given and none cached for this device / world size / versions (run
-            ``benchmarks/calibrate_comm.py`` or :func:`cpscope.train.calibrate.calibrate` first).
+        ValueError: on every rank alike: no cost model given and none cached for this device / world size /
+            versions on some rank (run ``benchmarks/calibrate_comm.py`` or
+            :func:`cpscope.train.calibrate.calibrate` first), or ranks holding different models.
 
     Example::
 
         use_calibration()                    # after init_process_group, on every rank
     """
+    device = calibration_device(None)
+    where = ""
     if cost is None:
-        device = calibration_device(None)
         world = dist.get_world_size() if dist.is_initialized() else 1
         cost = cached_cost(device=device_name(device), world_size=world, directory=directory)
-        if cost is None:
-            raise ValueError(f"no calibrated communication cost model cached for {device_name(device)!r}, world "
-                             f"size {world}, torch {torch.__version__} in {directory or cache_dir()}; run "
-                             f"benchmarks/calibrate_comm.py (or cpscope.train.calibrate.calibrate) first")
+        where = (f" for {device_name(device)!r}, world size {world}, torch {torch.__version__} in "
+                 f"{directory or cache_dir()}")
+    _agree_on_model(cost, device, where)
+    assert cost is not None
     set_auto_chooser(auto_chooser(cost))
     return cost
+
+
+def model_digest(cost: Optional[CommCostModel]) -> int:
+    """A signed 64-bit digest of a cost model's content (``0``: none)."""
+    if cost is None:
+        return 0
+    raw = hashlib.blake2b(json.dumps(cost.to_json(), sort_keys=True, default=str).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True) or 1
+
+
+def _agree_on_model(cost: Optional[CommCostModel], device: torch.device, where: str) -> None:
+    """Every rank holds the same model, or the same ``ValueError`` on every rank (one all-gather of 2 int64)."""
+    mine = model_digest(cost)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        parts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, torch.tensor([mine], dtype=torch.int64, device=dev))
+        digests = [int(p.item()) for p in parts]
+    else:
+        digests = [mine]
+    missing = [r for r, d in enumerate(digests) if d == 0]
+    if missing:
+        raise ValueError(f"no calibrated communication cost model cached{where} on rank(s) {missing} of "
+                         f"{len(digests)}; run benchmarks/calibrate_comm.py (or cpscope.train.calibrate.calibrate) "
+                         "first, with the calibration directory shared by every node (or pass the same model)")
+    if len(set(digests)) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        shown = "; ".join(f"ranks {rs}: model #{d & 0xFFFFFFFFFFFFFFFF:016x}" for d, rs in groups.items())
+        raise ValueError(f"the ranks hold different calibrated cost models ({shown}): comm='auto' would choose "
+                         "other variants on different ranks and hang; give every rank the same file or model")

@@ -158,6 +158,7 @@ def calibrate(
     groups = _resolve_groups(groups)
     cp_sizes = sorted(groups)
     configs = _configs(cp_sizes, variants, heads, kv_heads, tokens, docs, inner, 2 * max(cp_sizes))
+    _hierarchical_up_front(groups, configs)
     timer = _Timer(device, warmup, repeats)
     rows, kept = _time_all(fn, groups, configs, _Shape(heads, head_dim, dt, device), timer, causal,
                            progress and dist.get_rank() == 0)
@@ -197,6 +198,16 @@ def _time_all(fn: AttentionFn, groups: Mapping[int, Optional[dist.ProcessGroup]]
     if not rows:
         raise RuntimeError("calibrate: every configuration was refused by the attention call")
     return rows, kept
+
+
+def _hierarchical_up_front(groups: Mapping[int, Optional[dist.ProcessGroup]], configs: list[tuple]) -> None:
+    """The ``a2a+p2p`` sub-groups the configurations time, made before the first timed call (attention never makes
+    them); every rank has the same configurations, so every member makes the same ones, in the same order."""
+    from ..groups import hierarchical_cp_groups
+
+    for cp, sub in sorted({(cp, sub) for cp, _, _, variant, sub in configs if variant == "a2a+p2p" and sub}):
+        if cp % sub == 0 and 1 < sub < cp:
+            hierarchical_cp_groups(groups[cp], sub)
 
 
 def _resolve_groups(groups: Optional[Mapping[int, Optional[dist.ProcessGroup]]]

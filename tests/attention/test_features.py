@@ -134,7 +134,7 @@ def check(group, comm: Optional[str], fmt: str, causal: bool, h: int, h_kv: int,
 
 def _matrix(world: int, comm: str, formats: tuple[str, ...]) -> int:
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     n = 0
     for fmt in formats:
         for causal in (True, False):
@@ -162,7 +162,7 @@ def _recompute(world: int) -> None:
     import torch.utils.checkpoint as tc
 
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     ways = {
         "cpscope": lambda fn, *a: cpscope.checkpoint(fn, *a),
         "torch": lambda fn, *a: tc.checkpoint(fn, *a, use_reentrant=False, context_fn=cpscope.scope_context_fn()),
@@ -191,7 +191,7 @@ def _padded(world: int) -> None:
     """Padded layouts (thd: cu_seqlens_padded; bshd: real row lengths) with a window and sinks on every variant
     that masks padding: padding rows are zero, real rows and all gradients equal the reference of the real tokens."""
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     r, m = dist.get_rank(group), 2 * world
     comms = ["p2p", "all_gather", "a2a"] + (["a2a+p2p"] if world == 4 else [])
     for i, (comm, causal) in enumerate([(c, True) for c in comms] + [("p2p", False)]):
@@ -257,7 +257,7 @@ def test_padding_with_features(world):
 def _bad_input() -> str:
     """Every bad feature raises a ValueError naming the values on every rank, before any collective: the ranks are
     still in step after them (a last good call)."""
-    group = cpscope.new_cp_groups([2])[2]
+    group = cpscope.new_cp_groups([2], hierarchical=True)[2]
     x = torch.randn(1, 8, 4, D)
     bad = [({"window": (-2, 0)}, r"window=\(-2, 0\).*below -1"), ({"window": (3, -5)}, r"window=\(3, -5\)"),
            ({"window": (3,)}, r"pair \(left, right\).*\(3,\)"), ({"window": (1.5, 0)}, r"ints.*\(1\.5, 0\)"),
@@ -298,7 +298,7 @@ def _auto_window() -> None:
     from tests.attention.test_variants import recording
 
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([4])[4]
+    group = cpscope.new_cp_groups([4], hierarchical=True)[4]
     queries = []
     old = variants.set_auto_chooser(lambda qr: queries.append(qr) or variants.default_rule(qr))
     try:

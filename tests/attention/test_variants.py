@@ -113,7 +113,7 @@ def recording():
 
 def _matrix(world: int, comm: str, fmt: str) -> float:
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([world])[world]
+    group = cpscope.new_cp_groups([world], hierarchical=True)[world]
     worst = 0.0
     with recording() as seen:
         for s, (h, h_kv, batch) in enumerate(HEADS[comm]):
@@ -131,7 +131,7 @@ def test_variant_matches_reference(world, comm, fmt):
 
 
 def _float64() -> None:
-    group = cpscope.new_cp_groups([2])[2]
+    group = cpscope.new_cp_groups([2], hierarchical=True)[2]
     for comm in ("all_gather", "a2a"):
         for fmt, causal in (("bshd", True), ("thd", False), ("thd", True)):
             check(group, comm, fmt, causal, 4, 2, batch=2, seed=5, dtype=torch.float64, scale=0.3)
@@ -154,7 +154,7 @@ def test_virtual_cp8_threads(comm):
 def _mixed() -> None:
     """CP2 a2a, CP4 all_gather, CP1, CP4 a2a+p2p: forwards first, backwards after, outside every scope."""
     cpscope.set_backward_read_check(True)
-    groups = cpscope.new_cp_groups([1, 2, 4])
+    groups = cpscope.new_cp_groups([1, 2, 4], hierarchical=True)
     steps = [(2, "a2a", "thd"), (4, "all_gather", "bshd"), (1, "a2a", "thd"), (4, "a2a+p2p", "sbhd")]
     pending = []
     with recording() as seen:
@@ -185,7 +185,7 @@ def test_mixed_variants_across_microbatches():
 def _recompute() -> None:
     """cpscope.checkpoint: the recompute (in backward, outside every scope) runs the forward's variant."""
     cpscope.set_backward_read_check(True)
-    groups = cpscope.new_cp_groups([2, 4])
+    groups = cpscope.new_cp_groups([2, 4], hierarchical=True)
     for cp, comm, how, fmt in ((2, "a2a", "scope", "thd"), (4, "all_gather", "scope", "bshd"),
                                (4, "a2a+p2p", "arg", "thd")):
         with recording() as seen:
@@ -202,7 +202,7 @@ def test_recompute_keeps_the_variant():
 
 
 def _scope_rules() -> None:
-    group = cpscope.new_cp_groups([2])[2]
+    group = cpscope.new_cp_groups([2], hierarchical=True)[2]
     x = torch.randn(1, 8, 4, D)
     with recording() as seen:
         with cpscope.runtime_cp(group, comm="a2a"):
@@ -252,7 +252,7 @@ def test_default_auto_rule():
 
 def _auto() -> None:
     cpscope.set_backward_read_check(True)
-    group = cpscope.new_cp_groups([4])[4]
+    group = cpscope.new_cp_groups([4], hierarchical=True)[4]
     with recording() as seen:
         check(group, "auto", "thd", True, 8, 4)  # heads divide by 4: a2a
         check(group, "auto", "bshd", True, 4, 1, how="scope")  # MQA: all_gather
@@ -284,7 +284,7 @@ def test_auto_rule_and_chooser_hook():
 
 
 def _bad_choices() -> str:
-    groups = cpscope.new_cp_groups([2, 4])
+    groups = cpscope.new_cp_groups([2, 4], hierarchical=True)
     x, mqa = torch.randn(1, 4, 4, D), torch.randn(1, 4, 1, D)
     three = torch.randn(1, 4, 3, D)
     with pytest.raises(ValueError, match=r"q heads \(3\) must divide.*replicated.*would work for these heads: "
@@ -331,7 +331,7 @@ class _FakeTE(torch.nn.Module):
 def _te() -> None:
     from cpscope.integrations.te import bind_te_cp
 
-    group = cpscope.new_cp_groups([4])[4]
+    group = cpscope.new_cp_groups([4], hierarchical=True)[4]
     me = dist.get_rank()
 
     def bound(fake, scope, **kw):
@@ -362,7 +362,7 @@ def test_te_adapter_passes_the_variant():
 
 def _compiled() -> list[float]:
     """A compiled module with a variant (the collectives stay eager behind ``torch.compiler.disable``)."""
-    groups = cpscope.new_cp_groups([2])
+    groups = cpscope.new_cp_groups([2], hierarchical=True)
     errs = []
     for comm in ("all_gather", "a2a"):
         attn = ContextParallelAttention(qkv_format="thd", comm=comm)

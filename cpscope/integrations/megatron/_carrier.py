@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from ...backward_check import in_backward
 from ...scope import CPScope, capture_scope
 from ._packed import scope_from_packed_seq_params
 
@@ -43,10 +44,17 @@ def carried_scope(packed_seq_params: Any) -> Optional[CPScope]:
 
 
 def consumer_scope(packed_seq_params: Any) -> CPScope:
-    """The scope a CP consumer runs with: the carried one; else the one ``packed_seq_params`` names; else the
-    enclosing scope (:func:`cpscope.capture_scope`, read here, in forward)."""
+    """The scope a CP consumer runs with: the carried one; else the one ``packed_seq_params`` names — the enclosing
+    scope when that binds the same group, so that its communication variant (the plan's, bound by
+    ``run_microbatches``) stays; else the enclosing scope (:func:`cpscope.capture_scope`, read here, in forward)."""
     scope = carried_scope(packed_seq_params)
     if scope is not None:
         return scope
     named = scope_from_packed_seq_params(packed_seq_params)
-    return named if named is not None else capture_scope()
+    if named is None:
+        return capture_scope()
+    if not in_backward():
+        outer = capture_scope()
+        if outer.comm is not None and outer.size == named.size and outer.group is named.group:
+            return outer
+    return named

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..._pack import cu_seqlens_list
+from ..._variants import check_comm
 from ...hybrid.plan import Microbatch
 from ...train.loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ...scope import UNSET as _UNSET, resolve_scope, scope_for
@@ -188,13 +189,16 @@ class MegatronMicrobatch(LocalMicrobatch):
 def prepare_megatron_microbatch(
     docs: Sequence[Document], *, cp: int, group: Optional[dist.ProcessGroup], seqs: Sequence[int] = (),
     pad_id: int = 0, ignore_index: int = IGNORE_INDEX, device: Optional[Union[torch.device, str]] = None,
+    comm: Optional[str] = None,
 ) -> MegatronMicrobatch:
     """Pack ``docs`` (keeping their targets), pad each to a multiple of ``2·cp``, keep this rank's zigzag part.
 
-    No communication. ``group`` must be this rank's CP group of size ``cp`` (``None`` for CP1).
+    No communication. ``group`` must be this rank's CP group of size ``cp`` (``None`` for CP1); ``comm`` the
+    planned communication variant (kept on the microbatch: ``run_microbatches`` binds it with the group, and the
+    model's forward keeps it while ``packed_seq_params`` names the same group).
 
     Raises:
-        ValueError: ``cp`` contradicts ``group``, or no / empty documents.
+        ValueError: ``cp`` contradicts ``group``, no / empty documents, an unknown ``comm``.
 
     Example::
 
@@ -202,6 +206,7 @@ def prepare_megatron_microbatch(
         logits = model(mb.input_ids[None], None, None, packed_seq_params=mb.packed_seq_params())
     """
     scope = scope_for(group, local_cp_size=cp)
+    comm = check_comm(comm)
     if not docs or any(len(d) == 0 for d in docs):
         raise ValueError(f"a microbatch needs non-empty documents; got lengths {[len(d) for d in docs]}")
     ids = torch.cat([d.tokens for d in docs])
@@ -216,7 +221,7 @@ def prepare_megatron_microbatch(
     return MegatronMicrobatch(
         cp=cp, group=group, input_ids=ids_l, labels=labels_l, cu_seqlens=cu_p,
         max_seqlen=int((cu_p[1:] - cu_p[:-1]).max()), num_targets=int((labels_l != ignore_index).sum()),
-        seqs=tuple(int(s) for s in seqs), cu_seqlens_real=cu, position_ids=pos,
+        seqs=tuple(int(s) for s in seqs), cu_seqlens_real=cu, position_ids=pos, comm=comm,
     )
 
 
@@ -244,7 +249,7 @@ def prepare_megatron_microbatches(
         group = planned_group(mb, groups, ranks=ranks)
         out.append(prepare_megatron_microbatch(
             [docs[i] for i in mb.seqs], cp=mb.cp, group=group, seqs=mb.seqs, pad_id=pad_id,
-            ignore_index=ignore_index, device=device,
+            ignore_index=ignore_index, device=device, comm=getattr(mb, "comm", None),  # the planned variant
         ))
     return out
 
