@@ -12,6 +12,13 @@ blocks, :mod:`~cpscope.attention._cudnn_thd` for packed ones) and hands the othe
    cut off); its ``lse`` of +inf for rows that see no key becomes -inf.
 3. **exact math** (``exact``: the CPU block, which runs on any device) for a softcap without cuDNN.
 
+Only the kinds of block whose cuDNN graphs matched a float64 reference on an H200 (cuDNN 9.19) go to cuDNN
+(:func:`on_cudnn`): a dense block that runs as one kernel (a band whose right bound, relative to its top-left
+diagonal, is 0 or unbounded), and a packed block without a softcap, or with one beside a left-bounded window over
+equal query and key offsets. The others — dense bands split in two kernels (a halo longer than the causal side, a
+two-sided window) and the remaining packed softcap blocks — failed that parity check there, so they take the next
+route (flash-attention-2, or the exact math with a softcap): slower, never wrong.
+
 A graph that cuDNN refuses to build (:class:`~cpscope.attention._cudnn_thd.GraphUnsupported`: raised before any
 kernel runs) sends that kind of block to the next route for the rest of the process, with one warning;
 :func:`fallbacks` lists what fell back and why (the GPU tests assert it stays empty for what they expect on cuDNN).
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 
 from . import _cudnn_graphs, _cudnn_mods, _cudnn_thd
 
-__all__ = ["forward", "backward", "route", "fallbacks"]
+__all__ = ["forward", "backward", "route", "fallbacks", "on_cudnn"]
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
@@ -52,6 +59,18 @@ def _kind(direction: str, q, k, v, causal, vl, window, softcap) -> tuple:
 def _refused(kind: tuple, err: Exception) -> None:
     _REFUSED[kind] = str(err)[:500]
     log.warning("cuDNN refused a %s block (%s); this kind of block runs on the next route from now on", kind[0], err)
+
+
+def on_cudnn(n_q: int, n_k: int, causal: bool, vl: Any, window: Any, softcap: Optional[float]) -> bool:
+    """Whether this kind of block may run on cuDNN (see the module docstring): ``n_q`` / ``n_k`` are a dense
+    block's lengths (ignored when ``vl``, the packed description, is given)."""
+    if vl is None:
+        return len(_cudnn_graphs.pieces(n_q, n_k, causal, window)) <= 1
+    if softcap is None:
+        return True
+    band = _cudnn_mods.band_of(causal, window)
+    same = vl.cu_q is vl.cu_k or (vl.cu_q_host is not None and vl.cu_q_host == vl.cu_k_host)
+    return band is not None and band.left != -1 and same
 
 
 def route(q: torch.Tensor, softcap: Optional[float], cudnn: bool) -> str:
@@ -108,7 +127,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     """``(out, lse)`` of one block (dense ``[b, s, h, d]`` or packed ``[t, h, d]`` with ``vl``), as
     :func:`~cpscope.attention.blocks.block_forward` returns them."""
     how, kind = route(q, softcap, cudnn), _kind("forward", q, k, v, causal, vl, window, softcap)
-    if how == "cudnn" and kind not in _REFUSED:
+    if how == "cudnn" and kind not in _REFUSED and on_cudnn(q.shape[1], k.shape[1], causal, vl, window, softcap):
         try:
             if vl is None:
                 return _cudnn_graphs.forward(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap)
@@ -128,7 +147,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the merged ``out`` and ``lse`` of its queries."""
     how, kind = route(q, softcap, cudnn), _kind("backward", q, k, v, causal, vl, window, softcap)
-    if how == "cudnn" and kind not in _REFUSED:
+    if how == "cudnn" and kind not in _REFUSED and on_cudnn(q.shape[1], k.shape[1], causal, vl, window, softcap):
         try:
             if vl is None:
                 return _cudnn_graphs.backward(dout, q, k, v, out, lse, scale=scale, causal=causal, window=window,

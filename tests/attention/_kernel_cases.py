@@ -62,6 +62,7 @@ CASES: dict[str, tuple] = {
     "flash_dense_window": ("flash", "bshd", (1024, 1024), (8, 2, 128, 128), True, (W_SMALL, 0), None),
     "flash_dense_window_full": ("flash", "bshd", (1024, 1024), (8, 2, 128, 128), False, (100, 50), None),
     "flash_dense_more_q": ("flash", "bshd", (1024, 768), (8, 2, 128, 128), True, (W_SMALL, 0), None),
+    "flash_dense_halo": ("flash", "bshd", (768, 1024), (8, 2, 128, 128), True, (W_SMALL, 0), None),
     "flash_mla_window": ("flash", "bshd", (1024, 1024), (8, 8, 192, 128), True, (W_SMALL, 0), None),
     "flash_thd_window": ("flash", "thd", (_CU, _CU), (8, 2, 128, 128), True, (W_SMALL, 0), None),
 }

@@ -94,3 +94,35 @@ def test_refused_graph_falls_back_to_the_next_route(fake, monkeypatch):
     # plain windows still build
     out, _ = _kernels.forward(q, k, v, 0.3, True, None, (3, 0), None, cudnn=True, exact=blocks._cpu_forward)
     assert len(_kernels.fallbacks()) == 1 and out.shape == q.shape
+
+
+def test_only_kinds_validated_on_hardware_go_to_cudnn(fake, monkeypatch):
+    """Dense bands that split into two kernels, and packed softcap blocks other than a left-bounded window over
+    equal offsets, skip cuDNN (they failed parity on an H200) and take the next route: here, with a softcap, the
+    exact math — bit for bit its result, and no graph built; a one-kernel band still builds its graph."""
+    from cpscope.attention import _kernels, blocks
+    from cpscope.attention.blocks import Varlen
+
+    monkeypatch.setattr(_cudnn_thd, "available", lambda device: True)
+    monkeypatch.setattr(_kernels, "_REFUSED", {})
+    dense = _kernels.on_cudnn
+    assert dense(1024, 1024, True, None, (255, 0), None) and dense(1024, 1024, True, None, None, 30.0)
+    assert dense(1024, 768, True, None, (255, 0), 30.0)  # more queries than keys: one kernel
+    assert not dense(768, 1024, True, None, (255, 0), None)  # a halo before the chunk: two kernels
+    assert not dense(1024, 1024, False, None, (100, 50), None)  # a two-sided window: two kernels
+    t = lambda c: torch.tensor(c, dtype=torch.int32)  # noqa: E731
+    cu, cu_halo = [0, 300, 812], [0, 428, 1068]
+    same = Varlen(t(cu), t(cu), 512, 512, tuple(cu), tuple(cu))
+    halo = Varlen(t(cu), t(cu_halo), 512, 640, tuple(cu), tuple(cu_halo))
+    assert dense(0, 0, True, same, (255, 0), 30.0) and dense(0, 0, True, halo, (255, 0), None)
+    assert not dense(0, 0, True, same, None, 30.0) and not dense(0, 0, True, halo, (255, 0), 30.0)
+
+    built = []
+    monkeypatch.setattr(_cudnn_graphs, "_run_forward", lambda *a, **k: built.append(a))
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, n, h, 8).bfloat16() for n, h in ((8, 4), (12, 2), (12, 2)))
+    got = _kernels.forward(q, k, v, 0.3, True, None, (3, 0), 2.5, cudnn=True, exact=blocks._cpu_forward)
+    want = blocks._cpu_forward(q, k, v, 0.3, True, None, window=(3, 0), softcap=2.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and built == [] and not _kernels.fallbacks()
+    _kernels.forward(q, q, q, 0.3, True, None, (3, 0), 2.5, cudnn=True, exact=blocks._cpu_forward)
+    assert len(built) == 1
