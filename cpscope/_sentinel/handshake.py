@@ -62,7 +62,7 @@ def handshake(scope: CPScope, values: dict[str, int], *, timeout: float) -> list
     if store is None:
         rows = exchange(scope.group, values, collective_device(scope.group), timeout=timeout, what="handshake")
     else:
-        rows = _through_store(store, f"cpscope/sentinel/{name}/{n}", members, values, timeout)
+        rows = _through_store(store, f"cpscope-sentinel/{name}/{n}", members, values, timeout)
     check_rows(rows, members)
     return rows
 

@@ -76,8 +76,9 @@ def check_inner_size(inner: Optional[int], cp: int, heads: int, kv_heads: int, r
         if inner is None:
             divisors = [n for n in range(2, cp) if cp % n == 0]
             raise ValueError(
-                f"comm='a2a+p2p' needs an inner size n with 1 < n < cp, n dividing cp={cp} and both head counts "
-                f"(q {heads}, k/v {kv_heads}); proper divisors of cp: {divisors or 'none'}. Use comm='a2a' (all-to-all "
+                f"comm='a2a+p2p' needs an inner size n with 1 < n < cp, n dividing cp={cp} and the q heads {heads}"
+                + ("" if replicate else f" and the k/v heads {kv_heads}")
+                + f"; proper divisors of cp: {divisors or 'none'}. Use comm='a2a' (all-to-all "
                 f"over the whole group), 'all_gather' or 'p2p', or name the size as 'a2a+p2p:N'"
             )
         return inner
