@@ -297,7 +297,7 @@ def _bad_choices() -> str:
         context_parallel_attention(x, x, x, comm="a2a+p2p", group=groups[2])
     with pytest.raises(ValueError, match=r"'a2a\+p2p:3'.*must divide the CP size 4"):
         context_parallel_attention(x, x, x, comm="a2a+p2p:3", group=groups[4])
-    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp.*q 3, k/v 1"):
+    with pytest.raises(ValueError, match=r"inner size n with 1 < n < cp, n dividing cp=4 and the q heads 3;"):
         context_parallel_attention(three, mqa, mqa, comm="a2a+p2p", group=groups[4])
     with pytest.raises(ValueError, match="divisible by 2\\*cp=8"):  # the shared checks come first
         context_parallel_attention(x[:, :3], x[:, :3], x[:, :3], comm="all_gather", group=groups[4])
