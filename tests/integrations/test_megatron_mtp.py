@@ -12,6 +12,9 @@ the *unmodified* model run without CP (each document alone, ``bshd`` with its ca
   mtp_num_layers``); the reference takes it from each document alone, weighted by its share of the targets;
 * all gradients (``MTPLossAutoScaler``'s scale set to 0.25 for both), and the weights after the optimizer steps.
 
+In the same call, ``bshd`` under ``runtime_cp(CP2)`` (Megatron's dense CP roll): the MTP losses summed over the
+ranks and the summed gradients equal the unmodified model's on the whole batch.
+
 Also: megatron's ``roll_tensor`` is its own again after every call and after an exception, ``disable_runtime_cp``
 restores the model's class, and ``calculate_per_token_loss`` with MTP is refused.
 
@@ -186,6 +189,7 @@ def _mtp_parity(steps: int, tol: float, tol_mtp: float) -> list[float]:
                 losses.append(loss)
             _assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), tol_mtp, "weights after steps")
             _exception_restores(model, roll)
+            _dense_mtp(groups, tol_mtp)
     finally:
         MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     disable_runtime_cp(model)
@@ -193,6 +197,36 @@ def _mtp_parity(steps: int, tol: float, tol_mtp: float) -> list[float]:
     with pytest.raises(ValueError, match="mtp_num_layers=2 with calculate_per_token_loss=True"):
         enable_runtime_cp(_build_mtp(calculate_per_token_loss=True))
     return losses
+
+
+def _dense_mtp(groups: dict, tol: float) -> None:
+    """``bshd`` under ``runtime_cp(CP2)`` (no ``PackedSeqParams``: Megatron's dense CP roll, the microbatch's group):
+    the MTP losses summed over the ranks and the summed gradients equal the unmodified model's on the whole batch."""
+    from cpscope.integrations.megatron import enable_runtime_cp
+    from cpscope.train.loop import allreduce_gradients
+
+    model, ref = _build_mtp(seed=1), _build_mtp(seed=1)
+    enable_runtime_cp(model)
+    b, s = 2, 24
+    ids = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(5))
+    labels = torch.cat([ids[:, 1:], torch.full((b, 1), IGNORE)], dim=1)
+    n = b * (s - 1)
+    want: list = []
+    with _mtp_spy(want):
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+        logits = ref(ids, torch.arange(s)[None].expand(b, -1), causal)
+    (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum") / n).backward()
+    got: list = []
+    with cpscope.runtime_cp(groups[2]), _mtp_spy(got):
+        local = model(cpscope.zigzag_shard(ids, seq_dim=1), None, None)
+    mine = cpscope.zigzag_shard(labels, seq_dim=1, group=groups[2])
+    (F.cross_entropy(local.flatten(0, 1), mine.flatten(), ignore_index=IGNORE, reduction="sum") / n).backward()
+    allreduce_gradients(model, dp_group=dist.group.WORLD)
+    total = torch.tensor(got, dtype=torch.float64)
+    dist.all_reduce(total)
+    assert len(want) == MTP_LAYERS and torch.allclose(total, torch.tensor(want, dtype=torch.float64), rtol=tol,
+                                                      atol=tol), (total, want)
+    _assert_close(_grads(model), _grads(ref), tol, "bshd CP2 gradients")
 
 
 def _exception_restores(model: Any, roll: Any) -> None:

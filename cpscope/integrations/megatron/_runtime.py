@@ -22,9 +22,9 @@ get_context_parallel_group\\|cp_group"``) either only runs at build time or in i
 would compute with the static group under runtime CP. MoE routers (aux losses, z-loss and token counts over the
 ``tp_cp`` / ``tp_dp_cp`` groups) follow the microbatch (:mod:`._moe`), and so do multi-token prediction's rolls
 and its loss normalisation (:mod:`._mtp`). The others are refused by :func:`enable_runtime_cp` with a
-``ValueError`` naming the option: multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba / gated-delta-net
-(linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and the MoE options
-:func:`._moe.moe_refusals` names.
+``ValueError`` naming the option: multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba /
+gated-delta-net (linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and
+the options :func:`._moe.moe_refusals` and :func:`._mtp.mtp_refusals` name.
 Inference (``inference_context``) is refused at forward.
 
 Example::
