@@ -276,13 +276,21 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         )
     for _, module in entries:
         recompute = getattr(getattr(module, "config", None), "recompute_granularity", None) is not None
-        swap_class(module, _EntryMTP if is_mtp_model(module) else EntryMixin, _cpscope_static=_static_scope(module),
-                   _cpscope_recompute=recompute, _cpscope_tp=_tp_ranks(module))
+        swap_class(module, _entry_mixin(module), _cpscope_static=_static_scope(module), _cpscope_recompute=recompute,
+                   _cpscope_tp=_tp_ranks(module))
     names = [name for name, _ in entries] + _convert_consumers(modules, config, classes)
     for _, entry in entries:
         entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
     logger.debug("enable_runtime_cp: converted %d modules", len(names))
     return sorted(set(names))
+
+
+def _entry_mixin(module: nn.Module) -> type:
+    """The entry's mixin, with the consumer binding the entry module itself needs (chosen once: swapping an
+    entry again would drop its state)."""
+    if is_mtp_model(module):
+        return _EntryMTP
+    return _EntryMoE if is_moe_layer(module) else EntryMixin
 
 
 class _Classes(NamedTuple):
@@ -343,8 +351,9 @@ def _convert_consumers(modules: dict[str, nn.Module], config: Any, classes: _Cla
         elif is_mtp_model(module):  # its MTP rolls follow the microbatch (._mtp; an entry already has them)
             if not isinstance(module, MTPModelMixin):
                 swap_class(module, MTPModelMixin)
-        elif is_moe_layer(module):  # its router's groups follow the microbatch (an entry layer keeps its entry)
-            swap_class(module, _EntryMoE if isinstance(module, EntryMixin) else MoELayerMixin)
+        elif is_moe_layer(module):  # its router's groups follow the microbatch (an entry layer has them already)
+            if not isinstance(module, MoELayerMixin):
+                swap_class(module, MoELayerMixin)
         else:
             continue
         names.append(name)
