@@ -400,7 +400,6 @@ def _refusals() -> None:
         got = moe_refusals(SimpleNamespace(**{**base, **change}))
         assert len(got) == 1 and text in got[0], got
     _init_megatron()
-    model = _build_moe(torch.float32, "allgather", PER_MICROBATCH)
     # Mamba and linear-attention (gated delta net) mixers need mamba-ssm / fla kernels, absent here: stand-ins by
     # class name, which is what the refusal reads
     for mixer in ("MambaMixer", "GatedDeltaNet"):
@@ -408,10 +407,20 @@ def _refusals() -> None:
         model.decoder.add_module("mixer", type(mixer, (torch.nn.Module,), {})())
         with pytest.raises(ValueError, match=f"{mixer} modules"):
             enable_runtime_cp(model)
-    mtp = _build_mtp()  # a real multi-token-prediction block (megatron-core 0.19.2 builds it on CPU)
-    assert type(mtp.mtp).__name__ == "MultiTokenPredictionBlock"
-    with pytest.raises(ValueError, match="mtp_num_layers=1 .multi-token prediction"):
-        enable_runtime_cp(mtp)
+    names = enable_runtime_cp(_build_mtp())  # MoE with multi-token prediction: the MTP layer's router is bound too
+    assert "" in names and "mtp.layers.0.mtp_model_layer" in names, names  # (MTP parity: test_megatron_mtp)
+
+
+def _bare_moe_layer() -> None:
+    """A bare MoE ``TransformerLayer`` as the entry keeps its entry state: its forward equals the unmodified one's."""
+    from cpscope.integrations.megatron import enable_runtime_cp
+
+    layer, ref = (_build_moe(torch.float32, "allgather", PER_MICROBATCH).decoder.layers[0] for _ in range(2))
+    enable_runtime_cp(layer)
+    hidden = torch.randn(12, 1, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), _moe_cpu_shims():
+        got, want = layer(hidden)[0], ref(hidden, torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None])[0]
+    assert float((got - want).abs().max()) < 1e-5
 
 
 def _build_mtp() -> Any:
@@ -487,3 +496,4 @@ def test_moe_full_recompute_under_runtime_cp():
 
 def test_moe_refusals():
     run_ranks(2, _refusals)  # local checks; the 2-rank pool has megatron-core loaded already
+    run_ranks(2, _bare_moe_layer)

@@ -20,11 +20,11 @@ core attention
 Every other reader of ``pg_collection.cp`` in megatron-core 0.19.2 (audited with ``grep -rn "pg_collection.cp\\|
 get_context_parallel_group\\|cp_group"``) either only runs at build time or in inference / CUDA-graph capture, or
 would compute with the static group under runtime CP. MoE routers (aux losses, z-loss and token counts over the
-``tp_cp`` / ``tp_dp_cp`` groups) follow the microbatch (:mod:`._moe`). The others are refused by
-:func:`enable_runtime_cp` with a ``ValueError`` naming the option: multi-token prediction (``roll_tensor`` over the
-static group), multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba / gated-delta-net
-(linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and the MoE options
-:func:`._moe.moe_refusals` names.
+``tp_cp`` / ``tp_dp_cp`` groups) follow the microbatch (:mod:`._moe`), and so do multi-token prediction's rolls
+and its loss normalisation (:mod:`._mtp`). The others are refused by :func:`enable_runtime_cp` with a
+``ValueError`` naming the option: multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba /
+gated-delta-net (linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and
+the options :func:`._moe.moe_refusals` and :func:`._mtp.mtp_refusals` name.
 Inference (``inference_context``) is refused at forward.
 
 Example::
@@ -50,6 +50,7 @@ from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
 from ._moe import MoELayerMixin, check_cp_beside_tp, is_moe_layer, moe_refusals
+from ._mtp import MTPModelMixin, is_mtp_model, mtp_refusals
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
 from ._version import check_megatron_core
@@ -118,6 +119,10 @@ class _EntryMoE(EntryMixin, MoELayerMixin):
     """A bare MoE ``TransformerLayer`` given to :func:`enable_runtime_cp`: the entry and its router's binding."""
 
 
+class _EntryMTP(EntryMixin, MTPModelMixin):
+    """A ``GPTModel`` with multi-token prediction: the entry and its MTP rolls' binding (:mod:`._mtp`)."""
+
+
 def _first_tensor(arguments: dict[str, Any], *names: str) -> Any:
     for name in names:
         value = arguments.get(name)
@@ -176,8 +181,7 @@ def _check_dense(arguments: dict[str, Any], scope: CPScope) -> None:
 def _refusals(config: Any, modules: list[nn.Module]) -> list[str]:
     """Options whose CP consumers would keep the static group under runtime CP (see the module docstring)."""
     out = []
-    if getattr(config, "mtp_num_layers", None):
-        out.append(f"mtp_num_layers={config.mtp_num_layers} (multi-token prediction rolls tensors over the static CP group)")
+    out += mtp_refusals(config)  # MTP rolls follow the scope (._mtp); what they cannot is refused there
     out += moe_refusals(config)  # MoE routers follow the scope (._moe); what they cannot is refused there
     if getattr(config, "multi_latent_attention", False):  # local spec: 0.19.2's DotProductAttention takes no
         out.append("multi_latent_attention=True (MLA's own CP RoPE path; megatron-core 0.19.2's local spec cannot "
@@ -248,8 +252,9 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
     Raises:
         ImportError: megatron-core is not installed.
         RuntimeError: an unsupported megatron-core release (:data:`SUPPORTED_MEGATRON_CORE`).
-        ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MTP, MLA, YaRN /
-            mRoPE, Mamba / linear attention, CUDA graphs, MoE with expert parallelism or MoE recompute;
+        ValueError: the model uses an option whose CP consumers cannot follow a runtime group (MLA, YaRN /
+            mRoPE, Mamba / linear attention, CUDA graphs, MoE with expert parallelism or MoE recompute, MTP with
+            ``calculate_per_token_loss``;
             with the local spec also attention dropout and a causal window reaching right), or no module of it
             takes ``packed_seq_params``.
 
@@ -271,13 +276,21 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
         )
     for _, module in entries:
         recompute = getattr(getattr(module, "config", None), "recompute_granularity", None) is not None
-        swap_class(module, EntryMixin, _cpscope_static=_static_scope(module), _cpscope_recompute=recompute,
+        swap_class(module, _entry_mixin(module), _cpscope_static=_static_scope(module), _cpscope_recompute=recompute,
                    _cpscope_tp=_tp_ranks(module))
     names = [name for name, _ in entries] + _convert_consumers(modules, config, classes)
     for _, entry in entries:
         entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
     logger.debug("enable_runtime_cp: converted %d modules", len(names))
     return sorted(set(names))
+
+
+def _entry_mixin(module: nn.Module) -> type:
+    """The entry's mixin, with the consumer binding the entry module itself needs (chosen once: swapping an
+    entry again would drop its state)."""
+    if is_mtp_model(module):
+        return _EntryMTP
+    return _EntryMoE if is_moe_layer(module) else EntryMixin
 
 
 class _Classes(NamedTuple):
@@ -335,8 +348,12 @@ def _convert_consumers(modules: dict[str, nn.Module], config: Any, classes: _Cla
                 names.append(f"{name}.core_attention" if name else "core_attention")
         elif classes.te_core is not None and issubclass(base, classes.te_core):
             swap_class(module, TEAttentionMixin)
-        elif is_moe_layer(module):  # its router's groups follow the microbatch (an entry layer keeps its entry)
-            swap_class(module, _EntryMoE if isinstance(module, EntryMixin) else MoELayerMixin)
+        elif is_mtp_model(module):  # its MTP rolls follow the microbatch (._mtp; an entry already has them)
+            if not isinstance(module, MTPModelMixin):
+                swap_class(module, MTPModelMixin)
+        elif is_moe_layer(module):  # its router's groups follow the microbatch (an entry layer has them already)
+            if not isinstance(module, MoELayerMixin):
+                swap_class(module, MoELayerMixin)
         else:
             continue
         names.append(name)
