@@ -7,7 +7,7 @@ the difference is the sentinel's own work — the sampled rows' reference, ``dq`
 identities — and not the CPU ring. The stand-in's output is not attention: a huge ``rtol`` keeps the comparisons
 from reporting (the same code runs; only the verdict is never a mismatch)::
 
-    python benchmarks/bench_sentinel_sampled.py --tokens 4096 16384 --before HEAD~1 \\
+    python benchmarks/bench_sentinel_sampled.py --tokens 4096 16384 --ops-tokens 32768 65536 --before REV \\
         --json benchmarks/results/sentinel_sampled_cpu.json
 
 ``--before REV`` also times ``cpscope/_sentinel/attention_sampled.py`` as it was at git revision ``REV``, in the
@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--before", default=None, help="git revision of attention_sampled.py to compare with")
+    p.add_argument("--ops-tokens", type=int, nargs="*", default=[],
+                   help="more sizes at which only the operations are counted (no timing)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
@@ -135,9 +137,14 @@ def main() -> None:
             row["extra_ratio_before_over_now"] = round(row["before_extra_ms"] / max(row["now_extra_ms"], 1e-9), 2)
         rows.append(row)
         print(row, flush=True)
+    ops = []
+    for tokens in args.ops_tokens:
+        ops.append({"tokens": tokens, **{f"{m}_ops": _ops(tokens, dtype, impls[m], args) for m in impls}})
+        print(ops[-1], flush=True)
     out = {"device": "cpu", "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
            "shape": f"bshd [1, T, {H}/{HKV}, {D}], CP1, causal", "rows_checked": args.rows,
-           "reference_dtype": "float32", "before": args.before, "repeats": args.repeats, "rows": rows}
+           "reference_dtype": "float32", "before": args.before, "repeats": args.repeats, "rows": rows,
+           "ops_only": ops}
     if args.json:
         dump(out, args.json)
         print(f"wrote {args.json}")

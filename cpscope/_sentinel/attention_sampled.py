@@ -325,16 +325,17 @@ def _identity_terms(rec: _Sampled, dq: torch.Tensor, dk: torch.Tensor, dv: torch
             xa, ya = _rows(x, rec.fmt, a, b).to(f), _rows(y, rec.fmt, a, b).to(f)
             if i == 3 and rec.real is not None:  # padding rows: no gradient flows from them
                 xa = xa * rec.key_ok[a:b, None, None].to(f)
+            # Σ|x| as a 1-norm: one read, no |x| temporary
             if i == 2:
                 sums[0] += xa.sum(0)
-                sums[2] += xa.abs().sum(0)
+                sums[2] += torch.linalg.vector_norm(xa, 1, dim=0)
             elif i == 3:
                 heads = xa.reshape(b - a, h_kv, -1, dvh)
                 sums[1] += heads.sum((0, 2))
-                sums[3] += heads.abs().sum((0, 2))
-            xy = xa * ya  # a new tensor (xa may be the gradient itself when no conversion was needed)
+                sums[3] += torch.linalg.vector_norm(heads, 1, dim=(0, 2))
+            xy = xa * ya
             dots[i] += xy.sum()
-            dots[4 + i] += xy.abs_().sum()
+            dots[4 + i] += torch.linalg.vector_norm(xy.reshape(-1), 1)
     return torch.cat([dots, sums.reshape(-1)])
 
 
