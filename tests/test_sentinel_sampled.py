@@ -111,3 +111,29 @@ def test_the_sampled_check_gathers_no_keys_or_values():
     for ms, seen in run_ranks(2, _gathers):
         assert ms == [] and seen
         assert all(s[0] <= 5 or len(s) == 1 for s in seen), seen  # rows [5, h, d], indices [5], digests [n]
+
+
+def _small_chunks(cases):
+    """``_run`` for each case with chunks of 5 keys / rows (many chunks, inside and across batch rows)."""
+    import cpscope._sentinel.attention_sampled as sampled
+
+    saved = sampled._KEYS_PER_CHUNK, sampled._CHUNK_ELEMENTS
+    sampled._KEYS_PER_CHUNK, sampled._CHUNK_ELEMENTS = 5, 1
+    try:
+        return [_run(*c) for c in cases]
+    finally:
+        sampled._KEYS_PER_CHUNK, sampled._CHUNK_ELEMENTS = saved
+
+
+def test_the_sampled_check_in_many_chunks():
+    """The streamed reference and the identities read the local tensors in views of a few rows each: the same
+    verdicts as in one chunk — correct runs pass in every layout (padded too), planted bugs are caught."""
+    correct = [("none", lay, torch.float64, 2, False) for lay in ("thd", "bshd", "sbhd")]
+    correct.append(("none", "thd", torch.float64, 4, True))
+    bugs = [("out", "bshd"), ("dk", "sbhd"), ("dv", "thd")]
+    for results in run_ranks(2, _small_chunks, correct + bugs):
+        for case, (ms, checks) in zip(correct, results):
+            assert ms == [] and checks["attention"] == 1 and checks["attention-grad"] == 1, (case, ms, checks)
+        for (case, _), (ms, _) in zip(bugs, results[len(correct):]):
+            want = ("attention", "out") if case == "out" else ("attention-grad", case)
+            assert want in set(ms), (case, ms)

@@ -39,7 +39,9 @@ from .tracker import Tracker
 
 __all__ = ["sampled_numeric"]
 
-_KEYS_PER_CHUNK = 4096  # keys per streamed chunk: [h, cp·R, chunk] scores at a time
+_KEYS_PER_CHUNK = 4096  # at least this many keys per streamed chunk ...
+_CHUNK_ELEMENTS = 1 << 24  # ... and up to 2^24 elements a temporary ([h, cp·R, keys] scores; rows × h × d): 64 MiB
+# in float32. Each chunk costs a fixed number of operations (kernel launches and host time on a GPU): few large chunks
 
 
 def sampled_numeric(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torch.Tensor],
@@ -65,8 +67,9 @@ class _Sampled(_Call):
         # the call's own tensors in their layout (no copies; rows are taken in chunks where needed)
         self.local_q, self.local_k, self.local_v = q.detach(), call.k.detach(), call.v.detach()
         self.n = int(keys.numel())
-        self.sel = _pick(self.key_ok, t.opts.rows, hash64((where.get("step"), where.get("microbatch"),
-                                                            where.get("call"), scope.rank)))
+        self.sel = _pick(None if self.real is None else self.key_ok, self.n, t.opts.rows,
+                         hash64((where.get("step"), where.get("microbatch"), where.get("call"), scope.rank)),
+                         q.device)
         self.out_local: Optional[torch.Tensor] = None
         self.dout_local: Optional[torch.Tensor] = None
 
@@ -101,11 +104,15 @@ class _Sampled(_Call):
         qm = self._all_gather(_take(self.local_q, self.fmt, sel).to(dt), "sampled query rows")  # [M, h, d]
         self.gi = self._all_gather(self.keys.index_select(0, sel), "sampled row indices")  # [M]
         self.gdoc, _ = _key_layout(self.offs, self.real, self.gi)
-        bad = torch.tensor([0.0 if bool(torch.isfinite(self.local_k).all() and torch.isfinite(self.local_v).all()
-                                         and torch.isfinite(qm).all()) else 1.0], dtype=dt, device=qm.device)
+        # inf / NaN inputs, max |V| (the magnitude of the output's terms) and the maxima in one reduction, one sync
+        ok = torch.isfinite(self.local_k).all() & torch.isfinite(self.local_v).all() & torch.isfinite(qm).all()
+        bad = (~ok).to(dt).reshape(1)
+        v_max = self.local_v.abs().amax().to(dt).reshape(1) if self.local_v.numel() else qm.new_zeros(1)
         m, smax = _stream_max(self, qm)
-        both = self._reduce(torch.cat([m.reshape(-1), smax.reshape(1), bad]), "reference maxima", dist.ReduceOp.MAX)
-        m, self.score_max, nonfinite = both[:-2].view_as(m), float(both[-2]), float(both[-1])
+        both = self._reduce(torch.cat([m.reshape(-1), smax.reshape(1), bad, v_max]), "reference maxima",
+                            dist.ReduceOp.MAX)
+        tail = both[-3:].tolist()
+        m, self.score_max, nonfinite, v_max = both[:-3].view_as(m), tail[0], tail[1], tail[2]
         sink = self._sinks()
         if sink is not None:  # one more logit per head in every denominator
             m = torch.maximum(m, sink)
@@ -127,7 +134,6 @@ class _Sampled(_Call):
         got = _take(out.detach(), self.fmt, sel)
         if keep:
             self.out_local = out.detach()
-        v_max = float(self._reduce(self.local_v.abs().amax().to(dt).reshape(1), "max |V|", dist.ReduceOp.MAX))
         return {**compare(got, mine, rtol=self.t.tolerance(self.dtype, grad=False),
                           atol=error_floor(self.dtype, self.longest, self.score_max), terms=v_max), "nonfinite": 0.0}
 
@@ -193,27 +199,57 @@ def _key_layout(offs: tuple, real: Optional[tuple], idx: torch.Tensor) -> tuple[
     return doc, (idx - cu[doc]) < lens[doc]
 
 
-def _pick(ok: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    """``n`` local rows (real ones first), in local order, drawn with ``seed``."""
+def _pick(ok: Optional[torch.Tensor], rows: int, n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``n`` of the ``rows`` local rows (real ones first; ``ok`` ``None``: all real, read on the host, no device
+    sync), in local order, drawn with ``seed``."""
     gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-    real = torch.nonzero(ok.cpu()).flatten()
-    pad = torch.nonzero(~ok.cpu()).flatten()
-    order = torch.cat([real[torch.randperm(real.numel(), generator=gen)],
-                       pad[torch.randperm(pad.numel(), generator=gen)]])
-    return order[:min(n, order.numel())].sort().values.to(ok.device)
+    if ok is None:
+        order = torch.randperm(rows, generator=gen)
+    else:
+        real = torch.nonzero(ok.cpu()).flatten()
+        pad = torch.nonzero(~ok.cpu()).flatten()
+        order = torch.cat([real[torch.randperm(real.numel(), generator=gen)],
+                           pad[torch.randperm(pad.numel(), generator=gen)]])
+    return order[:min(n, order.numel())].sort().values.to(device)
 
 
-def _chunks(rec: _Sampled):
-    """Local keys in chunks: ``(k, v, visible [M, J])`` in the reference dtype."""
-    for a in range(0, rec.n, _KEYS_PER_CHUNK):
-        b = min(rec.n, a + _KEYS_PER_CHUNK)
+def _spans(n: int, per_row: int, step: int):
+    """``(a, b)`` ranges of at most ``step`` canonical rows that stay inside one batch row (``per_row`` rows each):
+    each one a view of a ``bshd`` / ``sbhd`` / ``thd`` tensor (:func:`_rows`)."""
+    for start in range(0, n, per_row):
+        end = min(n, start + per_row)
+        for a in range(start, end, step):
+            yield a, min(end, a + step)
+
+
+def _rows(x: torch.Tensor, fmt: str, a: int, b: int) -> torch.Tensor:
+    """Canonical rows ``a:b`` of one batch row (see :func:`_spans`), a view ``[b − a, h, d]``."""
+    if fmt == "thd":
+        return x[a:b]
+    s = x.shape[1] if fmt == "bshd" else x.shape[0]
+    i, a, b = a // s, a % s, a % s + (b - a)
+    return x[i, a:b] if fmt == "bshd" else x[a:b, i]
+
+
+def _per_row(rec: _Sampled) -> int:
+    """Canonical rows per batch row of the call's layout (all of them in ``thd``)."""
+    x = rec.local_k
+    return rec.n if rec.fmt == "thd" else int(x.shape[1] if rec.fmt == "bshd" else x.shape[0]) or 1
+
+
+def _chunks(rec: _Sampled, m_rows: int, heads: int):
+    """Local keys in chunks (views, converted once): ``(k, v, visible [M, J])`` in the reference dtype; ``J`` keys
+    such that the ``[heads, M, J]`` scores hold about :data:`_CHUNK_ELEMENTS` elements."""
+    step = max(_KEYS_PER_CHUNK, _CHUNK_ELEMENTS // max(1, heads * m_rows))
+    for a, b in _spans(rec.n, _per_row(rec), step):
         ki = rec.keys[a:b]
-        vis = (rec.gdoc[:, None] == rec.key_doc[None, a:b]) & rec.key_ok[None, a:b]
+        vis = (rec.gdoc[:, None] == rec.key_doc[None, a:b])
+        if rec.real is not None:
+            vis &= rec.key_ok[None, a:b]
         more = visible_keys(rec.gi, ki, rec.causal, rec.mods.window)
         if more is not None:
             vis &= more
-        idx = torch.arange(a, b, device=ki.device)
-        yield _take(rec.local_k, rec.fmt, idx).to(rec.dt), _take(rec.local_v, rec.fmt, idx).to(rec.dt), vis
+        yield _rows(rec.local_k, rec.fmt, a, b).to(rec.dt), _rows(rec.local_v, rec.fmt, a, b).to(rec.dt), vis
 
 
 def _scores(rec: _Sampled, qm: torch.Tensor, k: torch.Tensor, raw: bool = False) -> torch.Tensor:
@@ -229,7 +265,7 @@ def _stream_max(rec: _Sampled, qm: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     h_kv = rec.local_k.shape[-2]
     mx = qm.new_full((h_kv, qm.shape[1] // h_kv, qm.shape[0]), float("-inf"))
     smax = qm.new_zeros(())
-    for k, _, vis in _chunks(rec):
+    for k, _, vis in _chunks(rec, qm.shape[0], qm.shape[1]):
         raw = _scores(rec, qm, k, raw=True)
         smax = torch.maximum(smax, raw.abs().amax()) if raw.numel() else smax
         cap = rec.mods.softcap
@@ -242,7 +278,7 @@ def _stream_sums(rec: _Sampled, qm: torch.Tensor, m: torch.Tensor) -> tuple[torc
     l = torch.zeros_like(m)
     acc = qm.new_zeros(*m.shape, rec.local_v.shape[-1])
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))[..., None]
-    for k, v, vis in _chunks(rec):
+    for k, v, vis in _chunks(rec, qm.shape[0], qm.shape[1]):
         p = torch.exp(_scores(rec, qm, k) - safe).masked_fill(~vis, 0.0)
         l += p.sum(-1)
         acc += torch.einsum("kgmj,jkd->kgmd", p, v)
@@ -262,39 +298,44 @@ def _stream_dq(rec: _Sampled, dom: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     dq = rec.qm.new_zeros(m_, h_kv, g, rec.qm.shape[-1])
     dq_t = torch.zeros_like(dq)
     cap = rec.mods.softcap
-    for k, v, vis in _chunks(rec):
+    do_abs = do.abs()
+    for k, v, vis in _chunks(rec, m_, h):
         s = _scores(rec, rec.qm, k)
         p = torch.exp(s - lse).masked_fill(~vis, 0.0)
         if cap is not None:  # the scores' gradient through the cap: 1 − tanh²
             p = p * (1 - (s / cap) ** 2)
         dp = torch.einsum("mkgd,jkd->kgmj", do, v)
         dq += torch.einsum("kgmj,jkd->mkgd", p * (dp - delta), k) * rec.scale
-        dp_abs = torch.einsum("mkgd,jkd->kgmj", do.abs(), v.abs())
+        dp_abs = torch.einsum("mkgd,jkd->kgmj", do_abs, v.abs())
         dq_t += torch.einsum("kgmj,jkd->mkgd", p * (dp_abs + delta_abs), k.abs()) * rec.scale
     return dq.reshape(m_, h, -1), dq_t.reshape(m_, h, -1)
 
 
 def _identity_terms(rec: _Sampled, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-    """This rank's parts of the three identities and their magnitudes, one vector (summed over the group); the
-    local tensors are read in chunks of rows (bounded temporaries)."""
+    """This rank's parts of the three identities and their magnitudes, one vector (summed over the group). Each pair
+    of local tensors is read in views of rows, converted once (bounded temporaries, a few operations a chunk)."""
     f = torch.float64 if rec.dt == torch.float64 else torch.float32
     h_kv, dvh = rec.local_v.shape[-2], rec.local_v.shape[-1]
     dots = torch.zeros(8, dtype=f, device=rec.keys.device)
     sums = torch.zeros(4, h_kv, dvh, dtype=f, device=rec.keys.device)  # Σ dV, Σ dO, and their magnitudes
-    for a in range(0, rec.n, _KEYS_PER_CHUNK):
-        idx = torch.arange(a, min(rec.n, a + _KEYS_PER_CHUNK), device=rec.keys.device)
-        q, k, v, o, do, gq, gk, gv = (_take(x, rec.fmt, idx).to(f) for x in (
-            rec.local_q, rec.local_k, rec.local_v, rec.out_local, rec.dout_local, dq, dk, dv))
-        do = do * rec.key_ok[a:a + idx.numel(), None, None].to(f)  # padding rows: no gradient flows from them
-        for i, (x, y) in enumerate(((gk, k), (gq, q), (gv, v), (do, o))):
-            xy = x * y
+    pairs = ((dk, rec.local_k), (dq, rec.local_q), (dv, rec.local_v), (rec.dout_local, rec.out_local))
+    for i, (x, y) in enumerate(pairs):
+        step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[-2] * x.shape[-1]))  # rows per chunk
+        for a, b in _spans(rec.n, _per_row(rec), step):
+            xa, ya = _rows(x, rec.fmt, a, b).to(f), _rows(y, rec.fmt, a, b).to(f)
+            if i == 3 and rec.real is not None:  # padding rows: no gradient flows from them
+                xa = xa * rec.key_ok[a:b, None, None].to(f)
+            # Σ|x| as a 1-norm: one read, no |x| temporary
+            if i == 2:
+                sums[0] += xa.sum(0)
+                sums[2] += torch.linalg.vector_norm(xa, 1, dim=0)
+            elif i == 3:
+                heads = xa.reshape(b - a, h_kv, -1, dvh)
+                sums[1] += heads.sum((0, 2))
+                sums[3] += torch.linalg.vector_norm(heads, 1, dim=(0, 2))
+            xy = xa * ya
             dots[i] += xy.sum()
-            dots[4 + i] += xy.abs().sum()
-        do_heads = do.reshape(do.shape[0], h_kv, -1, dvh)
-        sums[0] += gv.sum(0)
-        sums[1] += do_heads.sum((0, 2))
-        sums[2] += gv.abs().sum(0)
-        sums[3] += do_heads.abs().sum((0, 2))
+            dots[4 + i] += torch.linalg.vector_norm(xy.reshape(-1), 1)
     return torch.cat([dots, sums.reshape(-1)])
 
 
