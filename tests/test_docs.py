@@ -6,37 +6,22 @@ only (no import of cpscope), well under a second.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-import textwrap
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._scripts import load_script, write
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("check_docs", os.path.join(_ROOT, "scripts", "check_docs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("check_docs", mod)  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(sys.modules["check_docs"])
-    return sys.modules["check_docs"]
-
-
-def _write(root, rel: str, text: str) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text))
+    return load_script("check_docs")
 
 
 def test_checker_finds_each_kind_of_stale_reference(tmp_path):
-    _write(tmp_path, "cpscope/__init__.py", "from .a import live\nfrom . import sub\n")
-    _write(tmp_path, "cpscope/a.py", "def live():\n    pass\n\nclass Box:\n    def open(self):\n        pass\n")
-    _write(tmp_path, "cpscope/sub/__init__.py", "from .impl import Thing as Alias\n")
-    _write(tmp_path, "cpscope/sub/impl.py", "class Thing:\n    size = 1\n")
-    _write(tmp_path, "benchmarks/bench_x.py", 'DEFAULT_JSON = "out_x.json"\n')
-    _write(tmp_path, "benchmarks/results/x.json", "{}")
-    _write(tmp_path, "tests/test_a.py", "def test_live():\n    pass\n")
-    _write(tmp_path, "README.md", """\
+    write(tmp_path, "cpscope/__init__.py", "from .a import live\nfrom . import sub\n")
+    write(tmp_path, "cpscope/a.py", "def live():\n    pass\n\nclass Box:\n    def open(self):\n        pass\n")
+    write(tmp_path, "cpscope/sub/__init__.py", "from .impl import Thing as Alias\n")
+    write(tmp_path, "cpscope/sub/impl.py", "class Thing:\n    size = 1\n")
+    write(tmp_path, "benchmarks/bench_x.py", 'DEFAULT_JSON = "out_x.json"\n')
+    write(tmp_path, "benchmarks/results/x.json", "{}")
+    write(tmp_path, "tests/test_a.py", "def test_live():\n    pass\n")
+    write(tmp_path, "README.md", """\
         `cpscope.live`, `cpscope.a.Box.open`, `cpscope.sub.Alias.size`, `cpscope.sub.impl` are live;
         `cpscope.gone`, `cpscope.a.Box.shut` and `cpscope.sub.Alias.weight` are not.
         ```python

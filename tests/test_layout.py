@@ -7,28 +7,13 @@ fail); the second applies the goals to ``cpscope/``.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-import textwrap
-
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._scripts import ROOT, load_script, write
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("check_layout", os.path.join(_ROOT, "scripts", "check_layout.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("check_layout", mod)  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(sys.modules["check_layout"])
-    return sys.modules["check_layout"]
-
-
-def _write(root, rel: str, text: str) -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text))
+    return load_script("check_layout")
 
 
 _BLOCK = "\n".join(f"    total = total + {i} * x  # step {i}" for i in range(7))
@@ -37,8 +22,8 @@ _BLOCK = "\n".join(f"    total = total + {i} * x  # step {i}" for i in range(7))
 def _synthetic(root) -> None:
     """A package breaking each rule once: a lazy-import cycle a <-> b, a private name imported across rooms
     (c from a) and inside a subpackage (pkg.y from pkg.x), a long file, a long function, one repeated block."""
-    _write(root, "cpscope/__init__.py", "from .a import A\n")
-    _write(root, "cpscope/a.py", '''
+    write(root, "cpscope/__init__.py", "from .a import A\n")
+    write(root, "cpscope/a.py", '''
         """Module a."""
         A = 1
         _SECRET = 2
@@ -48,15 +33,15 @@ def _synthetic(root) -> None:
             from cpscope import b  # lazy: still an import
             return b.B
     ''')
-    _write(root, "cpscope/b.py", "from cpscope.a import A\nB = A\n")
-    _write(root, "cpscope/c.py", "from .a import _SECRET\n\n\ndef f(x):\n    total = 0\n" + _BLOCK + "\n"
+    write(root, "cpscope/b.py", "from cpscope.a import A\nB = A\n")
+    write(root, "cpscope/c.py", "from .a import _SECRET\n\n\ndef f(x):\n    total = 0\n" + _BLOCK + "\n"
            "    return total\n\n\ndef g(x):\n    total = 0\n    # other comments, same code\n" + _BLOCK.replace(
                "# step", "# another") + "\n    return total\n")
-    _write(root, "cpscope/pkg/__init__.py", "")
-    _write(root, "cpscope/pkg/x.py", "_HELPER = 3\n")
-    _write(root, "cpscope/pkg/y.py", "from ._sub import thing\nfrom .x import _HELPER\n")
-    _write(root, "cpscope/pkg/_sub.py", "thing = 1\n")
-    _write(root, "cpscope/long.py", "def long():\n" + "".join(f"    y{i} = {i}\n" for i in range(85))
+    write(root, "cpscope/pkg/__init__.py", "")
+    write(root, "cpscope/pkg/x.py", "_HELPER = 3\n")
+    write(root, "cpscope/pkg/y.py", "from ._sub import thing\nfrom .x import _HELPER\n")
+    write(root, "cpscope/pkg/_sub.py", "thing = 1\n")
+    write(root, "cpscope/long.py", "def long():\n" + "".join(f"    y{i} = {i}\n" for i in range(85))
            + "\n" + "".join(f"Z{i} = {i}\n" for i in range(420)))
 
 
@@ -81,6 +66,6 @@ def test_checker_finds_each_broken_rule(tmp_path):
 
 def test_layout_goals():
     cl = _checker()
-    lay = cl.analyse(_ROOT)
+    lay = cl.analyse(ROOT)
     failed = {k: fig for k, (ok, fig) in cl.goals(lay).items() if not ok}
     assert not failed, (failed, cl.report(lay))

@@ -20,9 +20,11 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
+
+from tests.attention._fake_cudnn import visible  # the block contract's mask (one copy)
 
 REL_TOL = 1e-2
 W_SMALL = 255  # the window of the small parity cases
@@ -66,20 +68,6 @@ CASES: dict[str, tuple] = {
     "flash_mla_window": ("flash", "bshd", (1024, 1024), (8, 8, 192, 128), True, (W_SMALL, 0), None),
     "flash_thd_window": ("flash", "thd", (_CU, _CU), (8, 2, 128, 128), True, (W_SMALL, 0), None),
 }
-
-
-def visible(n_q: int, n_k: int, causal: bool, window: Optional[tuple], device: Any) -> torch.Tensor:
-    """``[n_q, n_k]`` bool of the block contract."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right == -1 else min(right, 0)
-    diff = torch.arange(n_k, device=device)[None, :] - torch.arange(n_q, device=device)[:, None] - (n_k - n_q)
-    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
-    if left != -1:
-        keep &= diff >= -left
-    if right != -1:
-        keep &= diff <= right
-    return keep
 
 
 def reference(q, k, v, dout, scale, causal, window, softcap, cu=None):

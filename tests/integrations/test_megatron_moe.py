@@ -162,15 +162,9 @@ def _reset_global_aux(model: Any) -> None:
 # ------------------------------------------------------------------------------------------------ the two runs
 
 
-def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, int, dict]:
-    """cpscope's loop on this rank's microbatches; returns the loss, the target count and, per microbatch of the
-    plan (by position), the auxiliary losses summed over its CP group's ranks."""
-    from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
-
-    mine = _for_rank(plan, dist.get_rank())
-    mbs = prepare_megatron_microbatches(mine, docs, groups)
-    logs: dict[int, list] = {}
+def _spied_forward(plan: list, logs: dict):
+    """``megatron_forward`` that records each microbatch's auxiliary losses in ``logs[its index in plan]``."""
+    from cpscope.integrations.megatron import megatron_forward
 
     def forward(m: Any, mb: Any) -> torch.Tensor:
         log: list = []
@@ -178,6 +172,20 @@ def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, i
             out = megatron_forward(m, mb)
         logs[next(i for i, p in enumerate(plan) if p.seqs == mb.seqs)] = log
         return out
+
+    return forward
+
+
+def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, int, dict]:
+    """cpscope's loop on this rank's microbatches; returns the loss, the target count and, per microbatch of the
+    plan (by position), the auxiliary losses summed over its CP group's ranks."""
+    from cpscope.integrations.megatron import prepare_megatron_microbatches
+    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+
+    mine = _for_rank(plan, dist.get_rank())
+    mbs = prepare_megatron_microbatches(mine, docs, groups)
+    logs: dict[int, list] = {}
+    forward = _spied_forward(plan, logs)
 
     n = global_num_targets(mbs, dp_group=dist.group.WORLD)
     with _moe_cpu_shims():

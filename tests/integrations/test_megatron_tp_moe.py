@@ -42,7 +42,7 @@ from tests.integrations.test_megatron_moe import (
     EXPERTS,
     GLOBAL,
     PER_MICROBATCH,
-    _aux_spy,
+    _spied_forward,
     _index_sets,
     _moe_config,
     _moe_cpu_shims,
@@ -105,7 +105,7 @@ def _summed(logs: dict, group: Any = None) -> dict:
 
 
 def _cp_step(model: Any, plan: list, docs: list, groups: dict, ps: Any) -> tuple[float, int, dict]:
-    from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
+    from cpscope.integrations.megatron import prepare_megatron_microbatches
     from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
 
     dp = ps.get_data_parallel_group()
@@ -113,13 +113,7 @@ def _cp_step(model: Any, plan: list, docs: list, groups: dict, ps: Any) -> tuple
     mine = [mb for mb in plan if dp_ranks.index(dist.get_rank()) in mb.ranks]
     mbs = prepare_megatron_microbatches(mine, docs, {s: g.cp for s, g in groups.items()}, ranks=dp_ranks)
     logs: dict[int, list] = {}
-
-    def forward(m: Any, mb: Any) -> torch.Tensor:
-        log: list = []
-        with _aux_spy(log):
-            out = megatron_forward(m, mb)
-        logs[next(i for i, p in enumerate(plan) if p.seqs == mb.seqs)] = log
-        return out
+    forward = _spied_forward(plan, logs)
 
     n = global_num_targets(mbs, dp_group=dp)
     with _moe_cpu_shims():
