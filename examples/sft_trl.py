@@ -3,13 +3,13 @@
 The script makes everything it needs: a character-level tokenizer, a dataset of documents with a long-tail length
 distribution (each a repeated random pattern, so the loss falls once attention learns to copy), and a tiny Llama
 (or Qwen3) from a config, seeded — no download. ``--mode hybrid`` trains it on 4 ranks with
-:class:`cpscope.integrations.hf_trainer.HybridCPSFTTrainer`: every step, TRL's packed rows of all ranks are planned
+:class:`cpscope.integrations.hf.trainer.HybridCPSFTTrainer`: every step, TRL's packed rows of all ranks are planned
 into CP1 / CP2 / CP4 microbatches; ``--mode single`` trains the same model on the same data in one process with the
 plain ``SFTTrainer`` and 4× the batch per device: the logged losses are the same.
 
 The change against a plain TRL script is three lines::
 
-    import cpscope.integrations.hf_trainer as cpt
+    import cpscope.integrations.hf.trainer as cpt
     trainer = cpt.HybridCPSFTTrainer(model=model, args=sft_config, train_dataset=ds, processing_class=tok,
                                      hybrid_cp=cpt.HybridCP(capacity=48))
 
@@ -182,7 +182,7 @@ def build_trainer(run: SFTRun, out: str) -> Any:
     hybrid = run.mode == "hybrid"
     kwargs: dict[str, Any] = {}
     if hybrid:
-        import cpscope.integrations.hf_trainer as cpt
+        import cpscope.integrations.hf.trainer as cpt
 
         kwargs["hybrid_cp"] = cpt.HybridCP(capacity=run.capacity, cost=CPU_COST)
     if run.trainer == "sft":

@@ -1,7 +1,7 @@
 """Hybrid CP in transformers' ``Trainer`` and TRL's ``SFTTrainer``: the same training as one process without CP.
 
 Every multi-rank test trains the example's tiny Llama (examples/sft_trl.py: a seeded config, no weights, fp32,
-SGD) on 4 gloo ranks with :mod:`cpscope.integrations.hf_trainer` — TRL's packed rows planned into CP1 / CP2 / CP4
+SGD) on 4 gloo ranks with :mod:`cpscope.integrations.hf.trainer` — TRL's packed rows planned into CP1 / CP2 / CP4
 microbatches every step — and compares the logged losses and the final weights with the **plain** trainer on one
 process (SDPA attention, no cpscope code in its path) fed the same global batches: 4× the rows per device.
 """
@@ -146,7 +146,7 @@ def _packed_batch() -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = ex.build_trainer(_run(mode="single"), out)
         batch = next(iter(trainer.get_train_dataloader()))
-    from cpscope.integrations._hf_documents import document_offsets
+    from cpscope.integrations.hf.documents import document_offsets
 
     cut = max(c for c in document_offsets(batch["position_ids"]) if c <= 512)  # whole documents, <= 512 tokens
     return {k: batch[k][:, :cut] for k in ("input_ids", "labels", "position_ids")}
@@ -161,8 +161,8 @@ def _cpscope_logits(model, batch: dict, group, rank: int):
     """cpscope's hybrid-CP path for one CP4 microbatch of all the row's documents: logits of the real tokens, and
     their indices in the row."""
     from cpscope.hybrid import Microbatch
-    from cpscope.integrations import hf_trainer
-    from cpscope.integrations._hf_documents import batch_documents, local_microbatches
+    from cpscope.integrations.hf import trainer as hf_trainer
+    from cpscope.integrations.hf.documents import batch_documents, local_microbatches
 
     docs = batch_documents(batch)
     planned = Microbatch(cp=4, block=0, seqs=tuple(range(len(docs.lengths))), tokens_per_rank=0, cost=0.0)
@@ -181,7 +181,7 @@ def _cpscope_logits(model, batch: dict, group, rank: int):
 
 def _cross_document(batch: dict):
     import cpscope.integrations.hf as cphf
-    from cpscope.integrations._hf_documents import document_offsets
+    from cpscope.integrations.hf.documents import document_offsets
 
     _register_row_causal()
     group = cpscope.new_cp_groups([4])[4]

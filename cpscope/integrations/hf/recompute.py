@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
-from ..recompute import scoped
+from ...recompute import scoped
 
 __all__ = ["ATTN_IMPLEMENTATION", "ScopedCheckpointFunction", "enable_scoped_recompute", "install_checkpoint_wrapper"]
 

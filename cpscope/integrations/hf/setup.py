@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..hybrid import cp_candidates, padded_length
+from ...hybrid import cp_candidates, padded_length
 
 __all__ = ["check_collator", "check_trainer", "check_capacity"]
 
@@ -35,7 +35,7 @@ def check_collator(collator: Any) -> None:
 
     Accepted: transformers' ``DataCollatorWithFlattening`` (with ``return_position_ids``), TRL's
     ``DataCollatorForLanguageModeling`` with ``padding_free=True`` (what ``packing=True`` selects). Unknown
-    collators are checked on every batch (:func:`cpscope.integrations._hf_documents.batch_documents`).
+    collators are checked on every batch (:func:`cpscope.integrations.hf.documents.batch_documents`).
 
     Example::
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import AttentionInterface
 
-from ..scope import runtime_cp
-from .hf import ATTN_IMPLEMENTATION
+from ...scope import runtime_cp
+from . import ATTN_IMPLEMENTATION
 
 __all__ = ["use_cpscope_attention", "check_model_for_cp", "base_model", "call_model"]
 

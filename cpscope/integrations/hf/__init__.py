@@ -24,7 +24,7 @@ of the full-batch mean loss.
 The per-layer attention options of today's decoders run under CP as in the model's own eager attention:
 ``sliding_window`` (Mistral, Qwen2/3, Gemma 2/3, gpt-oss: query ``i`` sees keys ``i - W < j <= i``), ``softcap``
 (Gemma 2), ``s_aux`` (gpt-oss sinks, differentiable) and a v head dim other than q/k's (DeepSeek-V3's multi-latent
-attention); see :mod:`cpscope.integrations._hf_options`.
+attention); see :mod:`cpscope.integrations.hf.options`.
 
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
 (query and key lengths differ), a sliding window without a causal mask, attention dropout.
@@ -61,14 +61,14 @@ from typing import Any, Optional
 import torch
 from transformers import AttentionInterface
 
-from .. import _hooks
-from .._checks import check_cu_seqlens, check_divisible_seq
-from .._pack import cu_seqlens_list
-from ..attention import context_parallel_attention
-from ..scope import UNSET as _UNSET, CPScope, resolve_scope
-from ..sharding import zigzag_positions, zigzag_shard
-from ._hf_options import attention_options, longest_sequence
-from ._hf_recompute import (
+from ... import _hooks
+from ..._checks import check_cu_seqlens, check_divisible_seq
+from ..._pack import cu_seqlens_list
+from ...attention import context_parallel_attention
+from ...scope import UNSET as _UNSET, CPScope, resolve_scope
+from ...sharding import zigzag_positions, zigzag_shard
+from .options import attention_options, longest_sequence
+from .recompute import (
     ATTN_IMPLEMENTATION,
     ScopedCheckpointFunction,
     enable_scoped_recompute,
