@@ -173,7 +173,7 @@ def memory_per_rank(shape: ModelShape, tokens_per_rank: int, assume: Assumptions
 
         >>> m = memory_per_rank(PRESETS["llama3-8b"], 16384)
         >>> round(m["total"] / 2**30, 1), round(m["states"] / 2**30, 1)
-        (183.6, 134.6)
+        (214.4, 134.6)
     """
     per_layer = shape.activation_bytes_per_token() * tokens_per_rank
     if assume.recompute:
