@@ -32,6 +32,12 @@ def long_tail_lengths(
 
     Returns:
         int64 array of shape ``[n]``.
+
+    Example:
+
+        >>> from cpscope.hybrid import long_tail_lengths
+        >>> long_tail_lengths(4, seed=0).tolist()
+        [2560, 1792, 5376, 2432]
     """
     if n < 0 or granularity < 1 or not 1 <= min_len <= max_len or median <= 0 or sigma < 0:
         raise ValueError(
