@@ -26,6 +26,11 @@ The per-layer attention options of today's decoders run under CP as in the model
 (Gemma 2), ``s_aux`` (gpt-oss sinks, differentiable) and a v head dim other than q/k's (DeepSeek-V3's multi-latent
 attention); see :mod:`cpscope.integrations.hf.options`.
 
+Hybrid models (linear-attention, state-space or short-convolution layers: Qwen3.5, Qwen3-Next, Kimi Linear,
+Nemotron-H, Bamba, Granite 4 hybrids, Falcon-H1, LFM2) need their token mixers bound to the scope: run under CP > 1
+with only ``attn_implementation="cpscope"`` set, their first attention layer raises ``ValueError`` on every rank
+(:mod:`cpscope.integrations.hf.mixers`).
+
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
 (query and key lengths differ), a sliding window without a causal mask, attention dropout.
 
@@ -67,6 +72,7 @@ from ..._pack import cu_seqlens_list
 from ...attention import context_parallel_attention
 from ...scope import UNSET as _UNSET, CPScope, resolve_scope
 from ...sharding import zigzag_positions, zigzag_shard
+from .mixers import refuse_unbound_mixers
 from .options import attention_options, longest_sequence
 from .recompute import (
     ATTN_IMPLEMENTATION,
@@ -295,6 +301,7 @@ def cpscope_attention_forward(
         return _attention_forward_island(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                          **kwargs)
     scope = resolve_scope()  # read once, here in forward
+    refuse_unbound_mixers(module, scope.size)  # a hybrid model's unbound recurrences: raise on every rank
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
     _refuse_unsupported(query, key, attention_mask, dropout)
