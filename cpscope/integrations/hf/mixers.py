@@ -3,7 +3,7 @@
 Hybrid decoders (Qwen3.5 and Qwen3-Next: gated DeltaNet; Kimi Linear: Kimi Delta Attention; Nemotron-H, Bamba,
 Granite 4 hybrids and Falcon-H1: Mamba2; LFM2: short convolutions) interleave attention with layers whose recurrent
 state or convolution window runs along the sequence. Under CP every rank holds zigzag chunks of the sequence, so such
-a layer, unless it is bound to the scope (``enable_runtime_cp`` of :mod:`cpscope.integrations.hf`), would run its
+a layer, unless it is bound to the scope (:func:`cpscope.integrations.hf.enable_runtime_cp`), would run its
 recurrence over non-contiguous tokens from a zero state on every rank: wrong numbers, no error.
 
 transformers names every decoder layer's kind in ``config.layer_types`` (one vocabulary,
@@ -86,6 +86,6 @@ def refuse_unbound_mixers(module: Any, cp_size: int, config: Optional[Any] = Non
             f"{type(config).__name__} has {kinds} layers (linear-attention, state-space or short-convolution layers "
             f"whose state runs along the sequence) that are not bound to the CP scope: under CP{cp_size} they would "
             f"run on each rank's zigzag chunks alone and give wrong results. Call "
-            f"enable_runtime_cp(model) from cpscope.integrations.hf once before training (it binds every token-mixing "
+            f"cpscope.integrations.hf.enable_runtime_cp(model) once before training (it binds every token-mixing "
             f"layer), instead of only setting attn_implementation='cpscope'"
         )
