@@ -26,15 +26,18 @@ from ..scope import CPScope
 
 __all__ = ["all_gather_pieces"]
 
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scope: CPScope) -> torch.Tensor:
         ctx.scope = scope  # resolved in forward; backward reads only this
         x = x.contiguous()
-        out = torch.empty((scope.size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=scope.group)
-        return out
+        out = torch.empty((scope.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _ALL_GATHER(out, x, group=scope.group)  # rank-major along dim 0
+        return out.view(scope.size, *x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -45,12 +48,12 @@ class _AllGather(torch.autograd.Function):
             dist.all_reduce(total, group=scope.group)
             return total[scope.rank].clone(), None
         out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, grad, group=scope.group)
+        _REDUCE_SCATTER(out, grad.flatten(0, 1), group=scope.group)
         return out, None
 
 
 def all_gather_pieces(x: torch.Tensor, scope: CPScope) -> torch.Tensor:
-    """``[cp, *x.shape]``: every rank's ``x`` (same shape and dtype on every rank), in CP rank order.
+    """``[cp, *x.shape]``: every rank's ``x`` (at least 1-D; same shape and dtype on every rank), in CP rank order.
 
     Differentiable: the gradient of this rank's ``x`` is the sum over the ranks of the gradient of its slot. Under
     CP1 it is ``x[None]``.
