@@ -28,6 +28,7 @@ from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
+from .cuts import cut_mismatch
 from .comm import collective_device, exchange, exchange_objects
 from .report import Mismatch
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
@@ -80,6 +81,9 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     vscope = expected or scope  # the group that runs this microbatch: where the verdict is agreed
     scope_ok = expected is None or same_scope(expected, scope)
     local = _local_checks(call, mb, expected, vscope, cu, index)
+    foreign = t.cuts.foreign({"q": call.q, "k": call.k, "v": call.v}, scope)
+    if foreign is not None:
+        local.append(cut_mismatch("attention", foreign, scope, dict(mb.where(index), group=group_of(vscope))))
     mb.rope_layouts = []
     mb.unverified = 0  # the agreement below carries every pending mismatch of this rank
     t.verdicts.emit(local, consistent=vscope.size == 1)
