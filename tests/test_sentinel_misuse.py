@@ -53,3 +53,24 @@ def _correct_use_is_quiet():
 
 def test_shards_used_in_their_scope_raise_nothing():
     assert run_ranks(2, _correct_use_is_quiet, timeout=120) == [0, 0]
+
+
+def _not_sharded(layout: str):
+    """Item 1: every rank passes the same full q/k/v (zigzag_shard forgotten)."""
+    groups = cpscope.new_cp_groups([2])
+    q, k, v = _qkv()
+    if layout == "sbhd":
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    with cpscope.sentinel(every=1), cpscope.runtime_cp(groups[2]):
+        try:
+            cpscope.context_parallel_attention(q, k, v, qkv_format=layout, causal=True)
+        except cpscope.SentinelError as e:
+            return [(m.check, m.field) for m in e.mismatches], str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_unsharded_inputs_under_cp2_are_reported_on_every_rank(layout):
+    for found, msg in run_ranks(2, _not_sharded, layout, timeout=120):
+        assert found == [("sharding", "not sharded")], msg
+        assert "not zigzag-sharded" in msg
