@@ -20,7 +20,7 @@ if [[ ! -x $VENV/bin/python ]]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.cpscope-core-setup
-if [[ ! -f $stamp || setup.cfg -nt $stamp ]]; then
+if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   echo "cpscope: setting up $VENV (torch 2.13.0 CPU build, the test extra, cpscope editable without extras)..."
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" "pytest>=7" "hypothesis>=6" numpy tqdm
   "$VENV/bin/python" -m pip install -q --no-deps -e .
