@@ -82,6 +82,7 @@ from ..._checks import check_cu_seqlens, check_divisible_seq
 from ...attention import context_parallel_attention
 from ...scope import UNSET as _UNSET, CPScope, resolve_scope
 from ...sharding import zigzag_positions, zigzag_shard
+from . import batch_scope
 from .inputs import _PerTensor, _check_mask, _packed_offsets, _unsupported
 from .mixers import refuse_unbound_mixers
 from .options import attention_options, longest_sequence
@@ -194,6 +195,12 @@ def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: 
     if dropout:
         raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
     if query.shape[2] != key.shape[2]:
+        if resolve_scope().size > 1:
+            raise ValueError(
+                "generation does not run under context parallelism: attention got a KV cache (query length "
+                f"{query.shape[2]} != key length {key.shape[2]}) under CP > 1; generate outside every "
+                "cpscope.runtime_cp scope, with another attn_implementation"
+            )
         raise _unsupported(
             f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
             "attn_implementation for generation"
@@ -232,6 +239,7 @@ def cpscope_attention_forward(
         return _attention_forward_island(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                          **kwargs)
     scope = resolve_scope()  # read once, here in forward
+    batch_scope.check(kwargs, scope)  # a batch sharded for another scope: ValueError on every rank
     refuse_unbound_mixers(module, scope.size)  # a hybrid model's unbound recurrences: raise on every rank
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
@@ -349,6 +357,7 @@ def shard_batch(
         cu_t = torch.tensor(cu, dtype=torch.int32, device=tokens.device)
         max_len = max(e - s for s, e in zip(cu[:-1], cu[1:]))
         out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max_len, max_length_k=max_len)
+    batch_scope.mark(out, scope)  # the model must run under this scope (checked by the attention function)
     return out
 
 
@@ -388,6 +397,7 @@ def _shifted_labels(labels: torch.Tensor, cu: Optional[list[int]], ignore_index:
 
 
 install_checkpoint_wrapper()
+batch_scope.install_generate_guard()
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)
 
