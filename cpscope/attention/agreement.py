@@ -52,7 +52,7 @@ import logging
 import struct
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,9 +60,7 @@ import torch.distributed as dist
 from .._variants import VARIANTS
 from ..groups import group_ranks
 
-if TYPE_CHECKING:
-    from .api import AttentionCall
-
+AttentionCall = Any  # cpscope.attention.api.AttentionCall (not imported: api imports this module)
 __all__ = ["RanksDisagreeError", "check_agreement", "digest", "describe", "FIELDS", "LABELS"]
 
 logger = logging.getLogger(__name__)
