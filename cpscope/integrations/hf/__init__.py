@@ -55,11 +55,23 @@ Example::
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from typing import Any, Optional
 
 import torch
-from transformers import AttentionInterface
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+except ImportError as e:  # transformers absent, or too old to have the attention registry
+    raise ImportError(
+        f"cpscope.integrations.hf needs transformers >= 5.4 ({e}); install it with: pip install 'cpscope[hf]'"
+    ) from e
+if tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 4):
+    # older releases call the mask function with other arguments: refuse at import rather than at the first forward
+    raise ImportError(f"cpscope.integrations.hf needs transformers >= 5.4, found {transformers.__version__}; "
+                      "install it with: pip install 'cpscope[hf]'")
 
 from ... import _hooks
 from ..._checks import check_cu_seqlens, check_divisible_seq
