@@ -34,7 +34,6 @@ from .._variants import P2P
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ._inputs import (check_attention_inputs, check_dense_max_seqlen, check_sinks, check_softcap, check_softmax_scale,
                       check_thd_pack, check_window)
-from .agreement import check_agreement
 from .blocks import Window
 from .halo import halo_attention
 from .halo_plan import effective_window, halo_plan_for
@@ -175,20 +174,13 @@ def attention_with_scope(
     args = (q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen, softmax_scale, comm)
     features = {"window": window, "sinks": sinks, "softcap": softcap}
     observer = _hooks.attention
-    if observer is None and scope.size == 1:
+    if observer is None:
         return run_call(prepare_call(*args, **features))
     try:
         call = prepare_call(*args, **features)
-    except ValueError as e:  # the ranks agree first (every rank learns it, none waits), then it is raised
+    except ValueError as e:  # the observer agrees with the other ranks first, then raises it
         call = AttentionCall(*args, error=e, **features)
-    run = run_call if scope.size == 1 else _agreed_run  # CP > 1: the group agrees on the call before any exchange
-    return run(call) if observer is None else observer(call, run)
-
-
-def _agreed_run(call: "AttentionCall") -> torch.Tensor:
-    """:func:`run_call` after the group agreed on the call (:mod:`cpscope.attention.agreement`)."""
-    check_agreement(call)
-    return run_call(call)
+    return observer(call, run_call)
 
 
 _attention_with_scope_island = torch.compiler.disable(attention_with_scope)
