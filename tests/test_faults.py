@@ -31,7 +31,8 @@ def _fresh_group() -> dist.ProcessGroup:
 
 
 def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
+    # each rank its own rows: identical rows on every rank are reported by the sentinel as unsharded inputs
+    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     return tuple(torch.randn(1, 8, 2, 4, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3))
 
 
