@@ -2,11 +2,13 @@
 
 Three checks, all local (no collective of cpscope's; an FSDP2 model's own all-gathers run on every rank alike):
 
-1. the model's layers are attention layers (``config.layer_types``, where the model has them): linear-attention,
-   state-space or convolution layers mix tokens outside attention, which cpscope does not shard;
-2. ``attn_implementation="cpscope"`` is set (:func:`use_cpscope_attention` sets it) and **every** decoder layer's
-   attention really runs through it — a layer that bypasses transformers' ``AttentionInterface`` would run its own
-   attention on zigzag shards;
+1. the model's layers (``config.layer_types``, where the model has them) are attention layers, layers without a
+   token mixer (MLP / MoE blocks), or linear-attention, state-space and short-convolution layers that
+   :func:`cpscope.integrations.hf.enable_runtime_cp` bound to the scope (one bound mixer per such layer); an unbound
+   one would run its recurrence on each rank's zigzag chunks alone;
+2. ``attn_implementation="cpscope"`` is set (:func:`use_cpscope_attention` sets it) and **every** attention layer
+   (``layer_types``' attention and hybrid entries, else every decoder layer) really runs through it — a layer that
+   bypasses transformers' ``AttentionInterface`` would run its own attention on zigzag shards;
 3. a probe: a packed row of two documents, at CP1, must give the second document the logits it gets alone. Any
    token mixing across the boundary (a layer outside the interface, a custom mask, a cumulative op) shows here.
 
@@ -24,14 +26,19 @@ import torch
 from transformers import AttentionInterface
 
 from ...scope import runtime_cp
+from .bound_layers import MIXINS
+from .mixers import MIXER_LAYER_TYPES
 from .recompute import ATTN_IMPLEMENTATION
 
 __all__ = ["use_cpscope_attention", "check_model_for_cp", "base_model", "call_model"]
 
 logger = logging.getLogger(__name__)
 
-# Layer kinds that are attention (what cpscope shards); anything else in ``config.layer_types`` is refused.
+# Layer kinds that are attention (what cpscope shards); "hybrid" layers (Falcon-H1) run attention and a mixer.
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+_BOTH_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+# Layer kinds without a token mixer (Nemotron-H's MLP / MoE blocks; MLP kinds of ``ALLOWED_MLP_LAYER_TYPES``).
+_NO_MIXER_LAYER_TYPES = ("mlp", "moe", "dense", "sparse")
 _PROBE_LENGTHS = (6, 10)
 
 
@@ -74,16 +81,34 @@ def use_cpscope_attention(model: torch.nn.Module) -> None:
                     ATTN_IMPLEMENTATION)
 
 
-def _check_layer_types(config: Any) -> None:
-    layer_types = getattr(config, "layer_types", None)
+def _bound_mixers(model: torch.nn.Module) -> int:
+    """How many modules of ``model`` ``enable_runtime_cp`` bound as token mixers (their class swapped)."""
+    return sum(1 for m in model.modules() if isinstance(m, MIXINS))
+
+
+def _check_layer_types(config: Any, model: torch.nn.Module) -> Optional[int]:
+    """Refuse layer kinds that would mix tokens unbound; the number of attention layers ``layer_types`` names."""
+    layer_types = [str(t) for t in (getattr(config, "layer_types", None) or ())]
     if not layer_types:
-        return
-    other = sorted({str(t) for t in layer_types if str(t) not in _ATTENTION_LAYER_TYPES})
+        return None
+    known = _ATTENTION_LAYER_TYPES + _BOTH_LAYER_TYPES + _NO_MIXER_LAYER_TYPES + MIXER_LAYER_TYPES
+    other = sorted({t for t in layer_types if t not in known})
     if other:
         raise ValueError(
-            f"{type(config).__name__} has layers of type {other}: they mix tokens outside attention (per "
-            f"document only with offsets cpscope does not shard), so this model cannot run under CP"
+            f"{type(config).__name__} has layers of type {other}: cpscope does not know how they mix tokens "
+            f"(attention, linear-attention, state-space and short-convolution layers it knows), so this model "
+            f"cannot run under CP"
         )
+    mixing = [t for t in layer_types if t in MIXER_LAYER_TYPES]
+    bound = _bound_mixers(model)
+    if len(mixing) > bound:
+        raise ValueError(
+            f"{type(config).__name__} has {len(mixing)} layers of type {sorted(set(mixing))} (linear-attention, "
+            f"state-space or short-convolution layers: they mix tokens outside attention) but only {bound} token "
+            f"mixers bound to the CP scope; call cpscope.integrations.hf.enable_runtime_cp(model) (the hybrid-CP "
+            f"trainer does) so that they run under CP"
+        )
+    return sum(1 for t in layer_types if t in _ATTENTION_LAYER_TYPES + _BOTH_LAYER_TYPES)
 
 
 def call_model(module: Callable[..., Any], input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -131,7 +156,7 @@ def check_model_for_cp(model: torch.nn.Module, *, forward_module: Optional[Calla
     inner = base_model(model)
     config = inner.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    _check_layer_types(text)
+    attention_layers = _check_layer_types(text, inner)
     module = forward_module if forward_module is not None else model
     try:
         device = next(p.device for p in inner.parameters())
@@ -145,11 +170,13 @@ def check_model_for_cp(model: torch.nn.Module, *, forward_module: Optional[Calla
     finally:
         for m, mode in training:
             m.training = mode
-    layers = getattr(text, "num_hidden_layers", None)
+    total = getattr(text, "num_hidden_layers", None)
+    layers = attention_layers if attention_layers is not None else total
+    what = "layers" if layers == total else "attention layers"
     n_called = len({id(m) for m in called})
     if layers is not None and n_called < int(layers):
         raise ValueError(
-            f"{type(inner).__name__}: only {n_called} of its {layers} layers ran attention through "
+            f"{type(inner).__name__}: only {n_called} of its {layers} {what} ran attention through "
             f"attn_implementation={ATTN_IMPLEMENTATION!r}; the others attend (or mix tokens) their own way, which "
             f"cannot run under CP"
         )

@@ -24,9 +24,15 @@ What each training step does on every rank (one ``training_step`` call = one acc
 4. the gradients are synchronised once per optimizer step — after the last micro-step of the accumulation window
    — as a sum, for DDP or FSDP2 (:mod:`cpscope.train.sync`), whatever the number of microbatches of each rank.
 
-The model is switched to ``attn_implementation="cpscope"`` (plain document-masked attention at CP1, so evaluation
-runs as before; switch back with ``model.set_attn_implementation("sdpa")`` to generate). Before the first step a
-probe checks that the model's layers all attend through cpscope and that no document sees another; the trainer's
+The trainer calls :func:`cpscope.integrations.hf.enable_runtime_cp` on the model at construction: it is switched to
+``attn_implementation="cpscope"`` (plain document-masked attention at CP1, so evaluation runs as before; switch back
+with ``model.set_attn_implementation("sdpa")`` to generate) and, in a hybrid decoder (Qwen3.5, Qwen3-Next, Kimi
+Linear, Nemotron-H, Bamba, Granite 4, Falcon-H1, LFM2), every gated DeltaNet, Kimi Delta Attention, Mamba2 and short
+convolution layer is bound to the scope, each packed document starting from a zero state
+(:attr:`HybridCPMixin.cp_bound_layers` names them). Unless ``HybridCP.cost`` is given, the planner's default cost
+counts the quadratic attention work and the ring traffic of the attention layers only
+(:meth:`cpscope.hybrid.CostModel.for_layer_mix`): the other layers cost linear time in the document length. Before
+the first step a probe checks that the model's layers all attend through cpscope and that no document sees another; the trainer's
 settings, the collator and ``capacity`` are checked at construction (:mod:`cpscope.integrations.hf.setup`). Each
 logged step gets ``cp_tokens_per_second``, ``cp_step_seconds`` and, per CP size, ``cp{n}_microbatches`` and
 ``cp{n}_token_share``; :attr:`HybridCPMixin.cp_history` keeps every step's figures.
@@ -46,18 +52,19 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ...groups import new_cp_groups
-from ...hybrid import cp_candidates, plan_hybrid
+from ...hybrid import CostModel, LayerMix, cp_candidates, plan_hybrid
 from ...train.collectives import allreduce_sum
 from ...train.loop import IGNORE_INDEX, LocalMicrobatch, run_step
 from ...train.sync import GradientSync, gradient_sync
 from ...sharding import zigzag_position_ids
 from .documents import (Documents, batch_documents, concat_documents, document_offsets, gather_documents,
                             local_microbatches)
-from .model_check import call_model, check_model_for_cp, use_cpscope_attention
+from .model_check import base_model, call_model, check_model_for_cp
+from .runtime import enable_runtime_cp
 from .setup import check_trainer
 
 # HybridCPSFTTrainer (TRL imported on first use) resolves through the module __getattr__ below.
-__all__ = ["HybridCP", "HybridCPMixin", "HybridCPTrainer", "hybrid_cp_trainer"]
+__all__ = ["HybridCP", "HybridCPMixin", "HybridCPTrainer", "default_cost", "hybrid_cp_trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +77,8 @@ class HybridCP:
         capacity: tokens one rank holds in one microbatch (after padding, ``Σ padded length / cp``); a document
             longer than it runs at a larger CP size. ``None``: the largest batch any rank got this micro-step.
         max_cp: the largest CP size (e.g. the GPUs of a node); ``None``: the largest power of two dividing the world.
-        cost: the planner's cost model (:class:`cpscope.hybrid.CostModel` or ``StepCost``); ``None``: its default.
+        cost: the planner's cost model (:class:`cpscope.hybrid.CostModel` or ``StepCost``); ``None``: its default,
+            for a hybrid model with only its attention layers quadratic (:func:`default_cost`).
         pad_id: the input id of the padding that makes each document a multiple of ``2·cp`` (its targets are
             ignored; causal attention never lets a real token see it).
         check_model: run the document-isolation probe before the first step.
@@ -85,6 +93,24 @@ class HybridCP:
     cost: Any = None
     pad_id: int = 0
     check_model: bool = True
+
+
+def default_cost(model: torch.nn.Module) -> Optional[CostModel]:
+    """The planner's default :class:`~cpscope.hybrid.CostModel` for ``model``: ``None`` (the planner's own default)
+    for an attention-only model; for a hybrid one the same with the quadratic and ring terms of its attention layers
+    only (:meth:`~cpscope.hybrid.CostModel.for_layer_mix`, the layer counts from its config's ``layer_types``).
+
+    Example::
+
+        default_cost(qwen3_next)      # CostModel(attn=6.25e-10, ...): a quarter of the layers attend
+    """
+    config = getattr(base_model(model), "config", None)
+    try:
+        mix = LayerMix.from_config(config)
+    except ValueError as e:  # layer kinds the model check refuses with its own message
+        logger.debug("hybrid CP: no layer mix for the default cost (%s)", e)
+        return None
+    return CostModel().for_layer_mix(mix) if mix.linear else None
 
 
 class _WindowSync(GradientSync):
@@ -188,7 +214,8 @@ class HybridCPMixin:
     Raises:
         ValueError: at construction, a setting hybrid CP cannot honour (collator without document boundaries,
             another loss, DeepSpeed / fp16 scaler / accelerate CP, a capacity too small for ``max_length``, a model
-            that cannot switch to cpscope's attention); before the first step, a model that mixes documents; at
+            that cannot switch to cpscope's attention or has a token-mixing layer ``enable_runtime_cp`` cannot bind);
+            before the first step, a model that mixes documents; at
             any step, on every rank, a batch without document boundaries or a document the plan cannot place.
 
     Example::
@@ -206,7 +233,9 @@ class HybridCPMixin:
         super().__init__(*args, **kwargs)
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_trainer(self, capacity=self.hybrid_cp.capacity, max_cp=self.hybrid_cp.max_cp, world=world)
-        use_cpscope_attention(self.model)
+        # cpscope attention, and every linear-attention / state-space / short-convolution layer bound to the scope
+        self.cp_bound_layers: list[str] = enable_runtime_cp(self.model)
+        self._cp_cost = self.hybrid_cp.cost if self.hybrid_cp.cost is not None else default_cost(self.model)
         self._cp: Optional[_Runtime] = None
         self._cp_clock: Optional[float] = None
         self._cp_step: dict = {}
@@ -275,7 +304,7 @@ class HybridCPMixin:
             raise ValueError("hybrid CP: the world's batch holds no document")
         capacity = self.hybrid_cp.capacity or max(largest_batch, 1)
         try:
-            return plan_hybrid(docs.lengths, n_ranks=world, capacity=capacity, cost=self.hybrid_cp.cost,
+            return plan_hybrid(docs.lengths, n_ranks=world, capacity=capacity, cost=self._cp_cost,
                                max_cp=self.hybrid_cp.max_cp)
         except ValueError as e:  # the same plan, hence the same error, on every rank
             raise ValueError(f"hybrid CP cannot plan this batch (documents of {max(docs.lengths)} tokens at most, "
