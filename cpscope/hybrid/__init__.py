@@ -1,9 +1,10 @@
 """Hybrid context parallelism: plan a CP size per sequence of a global batch and balance the work over CP groups.
 
 The main API: :func:`plan_hybrid` returns a :class:`Plan` — for every rank the ordered :class:`Microbatch` list
-(CP size, block of ranks, sequences) — under a measurable :class:`CostModel`; :func:`plan_static` and
-:func:`plan_greedy` are baselines; :func:`lower_bound` bounds any plan's makespan. Pure logic: its modules use numpy
-only — no torch, no process group.
+(CP size, block of ranks, sequences) — under a measurable :class:`CostModel` (for hybrid models, whose
+linear-attention, state-space or convolution layers cost linear time: :meth:`CostModel.for_layer_mix` with a
+:class:`LayerMix`); :func:`plan_static` and :func:`plan_greedy` are baselines; :func:`lower_bound` bounds any
+plan's makespan. Pure logic: its modules use numpy only — no torch, no process group.
 
 Running a plan is the job of two modules of their own: :mod:`cpscope.train.loop` (pack, pad, shard and bind each
 microbatch; ``run_step``) and :mod:`cpscope.train.sync` (gradient synchronisation once per step for a plain module,
@@ -20,12 +21,14 @@ from .baselines import plan_greedy, plan_static
 from .bound import lower_bound
 from .cost import CostModel, padded_length
 from .data import long_tail_lengths
+from .layer_mix import LayerMix
 from .plan import Microbatch, Plan
 from .planner import plan_hybrid
 from .problem import cp_candidates
 
 __all__ = [
     "CostModel",
+    "LayerMix",
     "Microbatch",
     "Plan",
     "cp_candidates",

@@ -16,6 +16,12 @@ and a *microbatch* (several sequences packed in ``thd``, all at the same ``cp``,
 step (kernel launches, handshakes) summed over layers and passes. All four coefficients are settable, and
 :meth:`CostModel.fit` measures them from timed runs by non-negative least squares.
 
+**Hybrid models.** Only attention layers cost quadratic time and send K/V around the ring; linear-attention,
+state-space and short-convolution layers cost linear time in the document length (their per-token work is part of
+``linear``) and exchange a fixed-size state summary per microbatch. :meth:`CostModel.for_layer_mix` turns the
+cost of a model whose blocks all attend into that of the same model with only ``mix.attention`` of its
+``mix.layers`` blocks attending (:class:`~cpscope.hybrid.layer_mix.LayerMix`, e.g. from a transformers config).
+
 Example::
 
     >>> cm = CostModel(attn=2.5e-9, linear=1e-4, comm=2e-6, latency=1e-3)
@@ -24,14 +30,18 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 from dataclasses import dataclass, fields
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from .layer_mix import LayerMix
 
 __all__ = ["CostModel", "padded_length"]
 
@@ -107,11 +117,34 @@ class CostModel:
     comm: float = 2.0e-6
     latency: float = 1.0e-3
 
+    _RING_FIELDS = ("comm",)  # per-token ring traffic: only attention layers send it (see for_layer_mix)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{f.name} must be a finite number ≥ 0, got {value!r}")
+
+    def for_layer_mix(self, mix: "LayerMix") -> "CostModel":
+        """This cost (of the model with **every** block attending) for the same model with ``mix.attention`` of its
+        ``mix.layers`` blocks attending, the others linear-time mixers.
+
+        The quadratic term ``attn`` and the ring traffic ``comm`` scale by ``mix.attention_fraction``; the
+        per-token ``linear`` is kept (a linear-time mixer's projections and chunked recurrence take the place of
+        the attention layer's projections and per-token work); so is ``latency`` (every mixer, attention or not,
+        synchronises with its CP peers: a ring step or a summary exchange). A subclass names its other per-token
+        ring-traffic fields in ``_RING_FIELDS``; they scale like ``comm``.
+
+        Example::
+
+            >>> from cpscope.hybrid.layer_mix import LayerMix
+            >>> hybrid = CostModel(attn=4e-9, comm=2e-6).for_layer_mix(LayerMix(attention=1, linear=3, layers=4))
+            >>> hybrid.attn, hybrid.comm, hybrid.linear == CostModel().linear
+            (1e-09, 5e-07, True)
+        """
+        f = mix.attention_fraction
+        ring = {name: getattr(self, name) * f for name in self._RING_FIELDS}
+        return dataclasses.replace(self, attn=self.attn * f, **ring)
 
     # -- evaluation (all vectorised; numpy broadcasting between lengths and cp) --------------------------
     def seq_cost(self, lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
