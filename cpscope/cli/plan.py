@@ -2,8 +2,9 @@
 predicted step time, memory per rank and gain against every static CP size, before any GPU is rented.
 
 Inputs: document lengths (a file, a local dataset, or a built-in distribution: :mod:`cpscope.cli.lengths`), a
-cluster (``--gpus-per-node`` × ``--nodes`` ranks), a model shape (``--preset`` or ``--layers --hidden --heads ...``)
-and a GPU (``--gpu``). The time model is :func:`cpscope.cli.shape.analytic_cost` (FLOPs at assumed efficiencies,
+cluster (``--gpus-per-node`` × ``--nodes`` ranks), a model shape (``--preset``, ``--hf-config`` or ``--layers --hidden
+--heads ...``; a hybrid model's linear-attention, state-space and short-convolution layers with ``--linear-layers``:
+they cost linear, not quadratic, time in the document length and send no K/V around the ring) and a GPU (``--gpu``). The time model is :func:`cpscope.cli.shape.analytic_cost` (FLOPs at assumed efficiencies,
 printed), or a measured one with ``--calibration``: the JSON :mod:`cpscope.train.calibrate` writes (a per-call
 attention model, priced per microbatch with its communication variant) or any JSON with a ``cost_model`` of
 :class:`~cpscope.hybrid.cost.CostModel` coefficients (what ``benchmarks/bench_hybrid.py`` writes). The prediction
@@ -12,6 +13,8 @@ itself is :func:`cpscope.cli.predict.predict`.
 Examples::
 
     python -m cpscope plan --dist sft --gpus-per-node 8 --nodes 8 --preset llama3-8b
+    python -m cpscope plan --dist sft --gpus-per-node 8 --preset llama3-8b --linear-layers 24   # 3 linear : 1 attn
+    python -m cpscope plan --dist longtail --gpus-per-node 8 --hf-config path/to/Qwen3-Next/config.json
     python -m cpscope plan --lengths lengths.txt --column n_tokens --gpus-per-node 8 --preset llama3-70b --json
     python -m cpscope plan --dataset my_local_ds --column text --tokenizer meta-llama/Llama-3.1-8B --plot plan.png
 """
@@ -37,7 +40,9 @@ NAME = "plan"
 HELP = "predict hybrid CP's step time, memory and gain against static CP for a length distribution"
 DESCRIPTION = __doc__.split("\n\nInputs:")[0] + "\n\n" + "Examples::" + __doc__.split("Examples::")[1]
 
-_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "mlp", "dtype")
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab", "mlp", "dtype",
+                "linear_layers", "attention_layers")
+_FULL_SHAPE = _SHAPE_FLAGS[:9]  # what a shape from flags alone is made of (the layer counts have defaults)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,10 +79,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model shape (a preset, a full shape, or a preset with some overridden)")
-    m.add_argument("--preset", choices=sorted(PRESETS), help="default llama3-8b when no shape is given")
+    m = p.add_argument_group("model shape (a preset, a transformers config, a full shape, or one of the first two "
+                             "with some overridden)")
+    source = m.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), help="default llama3-8b when no shape is given")
+    source.add_argument("--hf-config", metavar="FILE", help="a transformers config.json (or its folder): the shape, "
+                        "and its attention / linear-time layers from layer_types")
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "ffn-hidden", "vocab"):
         m.add_argument(f"--{flag}", type=int, default=None)
+    m.add_argument("--linear-layers", type=int, default=None,
+                   help="how many of the --layers blocks are linear attention / state space / short convolution "
+                   "(linear time in the document length; default 0, or the --hf-config's)")
+    m.add_argument("--attention-layers", type=int, default=None,
+                   help="how many blocks attend (default layers - linear-layers; more for blocks holding both)")
     m.add_argument("--mlp", choices=("swiglu", "gelu"), default=None)
     m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     a = p.add_argument_group("time and memory model (assumptions; see docs/cli.md)")
@@ -88,15 +102,35 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--linear-efficiency", type=float, default=d.linear_efficiency)
     a.add_argument("--exposed-comm", type=float, default=d.exposed_comm)
     a.add_argument("--ring-step-ms", type=float, default=d.ring_step_ms,
-                   help="fixed ms per layer and ring step, forward + backward")
+                   help="fixed ms per attention layer and ring step, forward + backward")
+    a.add_argument("--exchange-ms", type=float, default=d.exchange_ms,
+                   help="fixed ms per linear-time layer and CP peer (its state-summary exchange), forward + backward")
     a.add_argument("--state-bytes-per-param", type=float, default=d.state_bytes_per_param)
     a.add_argument("--recompute", action="store_true", help="full activation checkpointing")
     a.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
 
 
+def _hf_config(path: str) -> ModelShape:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"--hf-config: no such file {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hf-config: {p} is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--hf-config: {p} holds a {type(data).__name__}, not a transformers config object")
+    return ModelShape.from_hf_config(data)
+
+
 def _shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
     given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
-    if args.preset or not given:
+    if getattr(args, "hf_config", None):
+        shape = replace(_hf_config(args.hf_config), **given)
+        return shape, f"transformers config {args.hf_config}" + (f" with {given}" if given else "")
+    if args.preset or not set(given) & set(_FULL_SHAPE):
         name = args.preset or "llama3-8b"
         shape = replace(PRESETS[name], **given)
         return shape, f"preset {name}" + (f" with {given}" if given else "")
@@ -108,7 +142,7 @@ def _shape(args: argparse.Namespace) -> tuple[ModelShape, str]:
         raise ValueError(f"--hidden {given['hidden']} is not divisible by --heads {heads}: give --head-dim")
     shape = ModelShape(**{"kv_heads": heads, "head_dim": given["hidden"] // heads, "ffn_hidden": 4 * given["hidden"],
                           "vocab": 32000, **given})
-    return shape, "the flags given" + ("" if len(given) == len(_SHAPE_FLAGS) else " (the rest derived, see shape)")
+    return shape, "the flags given" + ("" if set(_FULL_SHAPE) <= set(given) else " (the rest derived, see shape)")
 
 
 def _load_cost(path: str, shape: ModelShape, linear: float) -> tuple[Any, str]:
@@ -119,11 +153,15 @@ def _load_cost(path: str, shape: ModelShape, linear: float) -> tuple[Any, str]:
     data = json.loads(p.read_text())
     if isinstance(data, dict) and "coefficients" in data and "features" in data:
         comm = CommCostModel.from_json(data)
+        attention = shape.layer_mix().attention
+        if attention == 0:
+            raise ValueError(f"{path} models attention calls, but the model has no attention layer "
+                             f"(--linear-layers {shape.linear_layers} of {shape.layers}); plan without --calibration")
         step = StepCost(comm, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
-                        layers=shape.layers, linear=linear)
+                        layers=attention, linear=linear)
         meta = {k: comm.meta.get(k) for k in ("device", "world_size", "cp_sizes", "torch")}
         return step, (f"measured per-call attention model {path} ({meta}; variants {list(step.variants)}) × "
-                      f"{shape.layers} layers, + {linear:.3g} s per token of other work (analytic)")
+                      f"{attention} attention layers, + {linear:.3g} s per token of other work (analytic)")
     coef = data.get("cost_model", data) if isinstance(data, dict) else None
     keys = ("attn", "linear", "comm", "latency")
     if not isinstance(coef, dict) or not all(k in coef for k in keys):
@@ -159,7 +197,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.gpu_memory_gib is not None:
         hw = replace(hw, memory=args.gpu_memory_gib * 2**30)
     assume = Assumptions(args.attn_efficiency, args.linear_efficiency, args.exposed_comm, args.ring_step_ms,
-                         args.state_bytes_per_param, recompute=args.recompute)
+                         args.state_bytes_per_param, recompute=args.recompute, exchange_ms=args.exchange_ms)
     analytic = analytic_cost(shape, hw, gpus_per_node=args.gpus_per_node, assume=assume)
     if args.calibration:
         cost, cost_from = _load_cost(args.calibration, shape, analytic.linear)

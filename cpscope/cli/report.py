@@ -15,7 +15,7 @@ import numpy as np
 
 from ..hybrid import CostModel
 from .predict import Prediction
-from .shape import Assumptions, Hardware, ModelShape, NodeAwareCost
+from .shape import LINEAR_CHUNK, Assumptions, Hardware, ModelShape, NodeAwareCost
 
 __all__ = ["plot", "render", "to_json"]
 
@@ -33,14 +33,21 @@ def _cost_dict(cost: Any) -> dict[str, Any]:
 def _assumptions(shape: ModelShape, hw: Hardware, a: Assumptions, analytic: NodeAwareCost,
                  measured: bool) -> list[str]:
     time = [] if measured else [
-        f"attention: causal flash attention, backward 2.5x forward, at {a.attn_efficiency:.0%} of {hw.name}'s "
-        f"{hw.peak_flops / 1e12:.0f} TFLOP/s dense peak -> attn = {analytic.attn:.3g} s per token²",
+        f"attention: causal flash attention in {shape.layer_mix().attention} layers, backward 2.5x forward, at "
+        f"{a.attn_efficiency:.0%} of {hw.name}'s {hw.peak_flops / 1e12:.0f} TFLOP/s dense peak -> attn = "
+        f"{analytic.attn:.3g} s per token²",
         f"other work: 6 x {shape.layers * shape.layer_matmul_params() + shape.vocab * shape.hidden:,} matmul "
-        f"parameters FLOPs per token at {a.linear_efficiency:.0%} of peak -> linear = {analytic.linear:.3g} s per token",
+        f"parameters FLOPs per token"
+        + (f" + the chunked recurrence (chunk {LINEAR_CHUNK}) of {shape.linear_layers} linear-time layers"
+           if shape.linear_layers else "")
+        + f" at {a.linear_efficiency:.0%} of peak -> linear = {analytic.linear:.3g} s per token",
         f"ring K/V traffic: {a.exposed_comm:.0%} exposed, {hw.nvlink / 1e9:.0f} GB/s in a node, {hw.network / 1e9:.0f} "
         f"GB/s per GPU across nodes -> comm = {analytic.comm:.3g} / {analytic.comm_inter:.3g} s per token",
-        f"ring step: {a.ring_step_ms} ms per layer and step (forward + backward; cpscope's ring as measured on 2xH200)"
-        f" -> latency = {analytic.latency:.3g} s per step",
+        f"ring step: {a.ring_step_ms} ms per attention layer and step (forward + backward; cpscope's ring as "
+        f"measured on 2xH200)"
+        + (f", {a.exchange_ms} ms per linear-time layer and peer (state-summary exchange, assumed)"
+           if shape.linear_layers else "")
+        + f" -> latency = {analytic.latency:.3g} s per step",
     ]
     return time + [
         "step time = the slowest rank's forward + backward of its microbatches; the gradient all-reduce, optimizer "
@@ -86,7 +93,8 @@ def to_json(pred: Prediction, steps: Sequence[np.ndarray], *, source: str, shape
                    "documents_per_step": [int(x.size) for x in steps], "tokens_per_step": [int(x.sum()) for x in steps],
                    "length_mean": float(all_lengths.mean()), "length_median": float(np.median(all_lengths)),
                    "length_max": int(all_lengths.max()), "cp_sizes": pred.cp_sizes},
-        "model": {**asdict(shape), "params": shape.params(), "from": shape_from},
+        "model": {**asdict(shape), "attention_layers": shape.layer_mix().attention, "params": shape.params(),
+                  "from": shape_from},
         "hardware": {**asdict(hw), "memory_gib": _gib(hw.memory)},
         "cost_model": {"from": cost_from, **_cost_dict(cost)},
         "assumptions": _assumptions(shape, hw, assume, analytic, measured=cost is not analytic),
@@ -135,6 +143,8 @@ def render(result: dict[str, Any], show_steps: int = 2) -> str:
         f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads ({m['kv_heads']} k/v) x {m['head_dim']}"
         f", ffn {m['ffn_hidden']} ({m['mlp']}), vocab {m['vocab']}, {m['dtype']}: {m['params'] / 1e9:.2f} B parameters"
         f" ({m['from']})",
+        f"  token mixers: {m['attention_layers']} attention layers (quadratic in the document length), "
+        f"{m['linear_layers']} linear-time layers (linear attention, state space, short convolution)",
         f"lengths: {i['lengths']}",
         f"  {i['steps']} steps of {i['documents_per_step']} documents; mean {i['length_mean']:,.0f}, median "
         f"{i['length_median']:,.0f}, longest {i['length_max']:,} tokens",
