@@ -23,8 +23,8 @@ would compute with the static group under runtime CP. MoE routers (aux losses, z
 ``tp_cp`` / ``tp_dp_cp`` groups) follow the microbatch (:mod:`._moe`), and so do multi-token prediction's rolls
 and its loss normalisation (:mod:`._mtp`). The others are refused by :func:`enable_runtime_cp` with a
 ``ValueError`` naming the option: multi-latent attention and YaRN / mRoPE (their own CP RoPE paths), Mamba /
-gated-delta-net (linear-attention) mixers, CUDA graphs (static ``seq_length // context_parallel_size`` inputs), and
-the options :func:`._moe.moe_refusals` and :func:`._mtp.mtp_refusals` name.
+gated-delta-net mixers (CUDA-only kernels: :mod:`._mixers` says why), CUDA graphs (static ``seq_length //
+context_parallel_size`` inputs), and the options :func:`._moe.moe_refusals` and :func:`._mtp.mtp_refusals` name.
 Inference (``inference_context``) is refused at forward.
 
 Example::
@@ -49,6 +49,7 @@ from ...groups import group_ranks
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
+from ._mixers import LINEAR_MIXER_REFUSALS
 from ._moe import MoELayerMixin, check_cp_beside_tp, check_routers, is_moe_layer, moe_refusals
 from ._mtp import MTPModelMixin, is_mtp_model, mtp_refusals
 from ._packed import read_packed_seq_params
@@ -191,10 +192,10 @@ def _refusals(config: Any, modules: list[nn.Module]) -> list[str]:
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):
         out.append(f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} (graphs capture static CP shapes)")
     names = {type(m).__name__ for m in modules}
-    for cls in ("YarnRotaryEmbedding", "MultimodalRotaryEmbedding", "MambaMixer", "GatedDeltaNet",
-                "MultiLatentAttention"):
+    for cls in ("YarnRotaryEmbedding", "MultimodalRotaryEmbedding", "MultiLatentAttention"):
         if cls in names:
             out.append(f"{cls} modules (their own CP paths read the static group)")
+    out += [LINEAR_MIXER_REFUSALS[cls] for cls in LINEAR_MIXER_REFUSALS if cls in names]
     return out
 
 
