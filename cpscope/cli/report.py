@@ -143,8 +143,9 @@ def render(result: dict[str, Any], show_steps: int = 2) -> str:
         f"model: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads ({m['kv_heads']} k/v) x {m['head_dim']}"
         f", ffn {m['ffn_hidden']} ({m['mlp']}), vocab {m['vocab']}, {m['dtype']}: {m['params'] / 1e9:.2f} B parameters"
         f" ({m['from']})",
-        f"  token mixers: {m['attention_layers']} attention layers (quadratic in the document length), "
-        f"{m['linear_layers']} linear-time layers (linear attention, state space, short convolution)",
+        *([f"  token mixers: {m['attention_layers']} attention layers (quadratic in the document length), "
+           f"{m['linear_layers']} linear-time layers (linear attention, state space, short convolution)"]
+          if m["linear_layers"] or m["attention_layers"] != m["layers"] else []),
         f"lengths: {i['lengths']}",
         f"  {i['steps']} steps of {i['documents_per_step']} documents; mean {i['length_mean']:,.0f}, median "
         f"{i['length_median']:,.0f}, longest {i['length_max']:,} tokens",

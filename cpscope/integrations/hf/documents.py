@@ -36,8 +36,8 @@ __all__ = ["Documents", "batch_documents", "concat_documents", "document_offsets
 # Keys of a flattened batch that carry no per-token data cpscope must cut (offsets, lengths, flags).
 _META_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch", "use_cache",
               "return_loss", "seq_lengths")
-# Per-token keys cpscope consumes; ``seq_idx`` (document index per token, for linear-attention layers, which
-# cannot run under CP and are refused by the model check) is dropped.
+# Per-token keys cpscope consumes; ``seq_idx`` (document index per token, for linear-attention kernels) is dropped:
+# the layers enable_runtime_cp binds read the packed documents from cu_seq_lens.
 _TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "seq_idx")
 
 
