@@ -155,21 +155,21 @@ class Problem:
 
 def install_cpu_stub() -> list[int]:
     """Replace the CPU block kernel by zeros of the right shapes; returns the call counter."""
-    from cpscope.attention import blocks
+    from cpscope.attention.kernels import exact as blocks
 
-    if not hasattr(blocks, "_cpu_forward"):
-        raise RuntimeError("cpscope.attention.blocks._cpu_forward not found: cannot stub the CPU kernel (refusing "
+    if not hasattr(blocks, "forward"):
+        raise RuntimeError("cpscope.attention.kernels.exact.forward not found: cannot stub the CPU kernel (refusing "
                            "to run the exact-math kernel, which builds a t x t mask, at this size)")
     calls = [0]
 
-    def stub(q, k, v, scale, causal, vl):
+    def stub(q, k, v, scale, causal, vl, window=None, softcap=None):
         calls[0] += 1
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         if vl is not None:  # [t, h, d] -> lse [h, t]
             return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=dt)
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=dt)
 
-    blocks._cpu_forward = stub
+    blocks.forward = stub
     return calls
 
 

@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack, pack_for
-from .blocks import Varlen, Window
+from .kernels import Placeholders, Varlen, Window
 from .merge import rows_add_
 
 __all__ = ["DiagPart", "RingGeometry", "RingPlan", "RingStep", "plan_for_pack"]
@@ -217,6 +217,7 @@ class RingPlan:
             raise RuntimeError(f"a ring of {size} ranks with window={window}: windowed calls run the halo exchange")
         self.varlen, self.causal, self.scale, self.rank, self.size = varlen, causal, scale, rank, size
         self.window, self.softcap = window, softcap
+        self.placeholders = Placeholders()  # what this call's dense forwards hand to its backward (kept on ctx)
         # Halves are slices along `dim` (dense: dim 1; varlen holding ONE sequence: dim 0, zero-copy) or, for
         # several packed documents, index gathers/scatters (`dim` None).
         self.dim: Optional[int] = 1

@@ -394,10 +394,10 @@ class _HostSyncCounter:
             self.handles.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "where", f"layer {i}")))
             self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "where", "outside layers")))
         self.saved = {m: getattr(torch.Tensor, m) for m in self._METHODS}
-        from cpscope.attention import blocks
+        from cpscope.attention.kernels import exact
 
-        self.blocks = blocks
-        self.kernels = {name: getattr(blocks, name) for name in ("_cpu_forward", "_cpu_backward")}
+        self.blocks = exact
+        self.kernels = {name: getattr(exact, name) for name in ("forward", "backward")}
 
     def _in_kernel(self, fn):
         def run(*args, **kwargs):
