@@ -6,10 +6,11 @@ names (``cudnn`` / ``plain``: the default, cuDNN where the table allows it; ``fl
 flash-attention-2),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
-``out = 0, lse = -inf``, ``ok``, and what cuDNN refused to build (``cudnn_refused``: the block then ran on the next
-route, see :mod:`cpscope.attention.kernels.router`). ``split`` cases cut the keys of one windowed block in two blocks (each with
-the window that the bottom-right alignment gives it), merge the two by their log-sum-exp and run both backwards
-with the merged statistics: external statistics, blocks with more queries than keys, and rows with no key.
+``out = 0, lse = -inf``, ``ok``, what cuDNN refused to build in this case (``cudnn_refused``: the block then ran on
+the next route, see :mod:`cpscope.attention.kernels.router`) and the route each block took (``routes``). ``split``
+cases cut the keys of one windowed block in two blocks (each with the window that the bottom-right alignment gives
+it), merge the two by their log-sum-exp and run both backwards with the merged statistics: external statistics,
+blocks with more queries than keys, and rows with no key.
 
 The reference is written here from the block contract (query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` iff
 ``-left <= j - (i + n_k - n_q) <= right``; ``right`` 0 when causal; softcap before the mask), not from cpscope.
@@ -103,9 +104,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _inputs(layout, shape, dims, dev, gen):
+def _inputs(layout, shape, dims, dev, gen, dtype=torch.bfloat16):
     h, h_kv, d, dv = dims
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, device=dev, dtype=dtype, generator=gen)  # noqa: E731
     if layout == "thd":
         cu_q, cu_k = shape
         return mk(cu_q[-1], h, d), mk(cu_k[-1], h_kv, d), mk(cu_k[-1], h_kv, dv), mk(cu_q[-1], h, dv)
@@ -116,7 +117,19 @@ def _inputs(layout, shape, dims, dev, gen):
     return q, k, v, do
 
 
-def _block_fns(route: str, vl: Any):
+def _taken(direction: str, q, k, v, vl, c, w, sc) -> dict:
+    """After a block ran: the first route the table offers it here (``first``), the route it takes now (``took``:
+    the next one where cuDNN refused the graph) and the recorded refusal (``refused``, ``None`` if none)."""
+    from cpscope.attention.kernels import router
+
+    kind = router.kind_of(q, k, v, causal=c, varlen=vl, window=w, softcap=sc)
+    first = router.available_routes(kind, router.caps_of(q.device), dtype=q.dtype)[0]
+    took = router.choose(q, k, v, causal=c, varlen=vl, window=w, softcap=sc, direction=direction)
+    why = router.fallbacks().get(router._refusal_key(first, kind, direction, q, k, v))
+    return {"direction": direction, "kind": kind, "first": first, "took": took, "refused": why}
+
+
+def _block_fns(route: str, vl: Any, routes: list):
     from cpscope.attention.kernels import Placeholders, block_backward, block_forward
     from cpscope.attention.policy import use_kernel_policy
 
@@ -125,12 +138,16 @@ def _block_fns(route: str, vl: Any):
 
     def fwd(q, k, v, s, c, w, sc):
         with use_kernel_policy(**changes):
-            return block_forward(q, k, v, scale=s, causal=c, varlen=vl, window=w, softcap=sc, placeholders=ph)
+            res = block_forward(q, k, v, scale=s, causal=c, varlen=vl, window=w, softcap=sc, placeholders=ph)
+            routes.append(_taken("forward", q, k, v, vl, c, w, sc))
+            return res
 
     def bwd(do, q, k, v, o, l, s, c, w, sc):
         with use_kernel_policy(**changes):
-            return block_backward(do, q, k, v, o, l, scale=s, causal=c, varlen=vl, window=w, softcap=sc,
-                                  placeholders=ph)
+            res = block_backward(do, q, k, v, o, l, scale=s, causal=c, varlen=vl, window=w, softcap=sc,
+                                 placeholders=ph)
+            routes.append(_taken("backward", q, k, v, vl, c, w, sc))
+            return res
 
     return fwd, bwd
 
@@ -160,13 +177,14 @@ def _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap):
     return _errors(out, lse, (dq, dk, dv), ref)
 
 
-def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
-    """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``)."""
+def run_case(name: str, dev: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Relative errors of case ``name`` (see :data:`CASES`) with ``dtype`` inputs, whether it is within tolerance
+    (``ok``), and the route each block took (``routes``: see :func:`_taken`)."""
     from cpscope.attention.kernels import Varlen
 
     route, layout, shape, dims, causal, window, softcap = CASES[name]
     gen = torch.Generator(device=dev).manual_seed(1000 + seed)
-    q, k, v, do = _inputs("bshd" if layout == "split" else layout, shape, dims, dev, gen)
+    q, k, v, do = _inputs("bshd" if layout == "split" else layout, shape, dims, dev, gen, dtype)
     scale = 1.0 / math.sqrt(dims[2])
     vl, cu = None, None
     if layout == "thd":
@@ -176,7 +194,8 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         vl = Varlen(t(cu[0]), t(cu[1]), max(lens[0]), max(lens[1]), tuple(cu[0]), tuple(cu[1]))
     from cpscope.attention.kernels import fallbacks
 
-    fwd, bwd = _block_fns(route, vl)
+    routes: list = []
+    fwd, bwd = _block_fns(route, vl, routes)
     before = set(fallbacks())
     if layout == "split":
         res = _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap)
@@ -186,4 +205,4 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         grads = bwd(do, q, k, v, ref[0].to(q.dtype), ref[1].float(), scale, causal, window, softcap)
         res = _errors(out, lse, grads, ref)
     refused = {str(k[0]): why for k, why in fallbacks().items() if k not in before}
-    return {"route": route, "layout": layout, **res, "cudnn_refused": refused}
+    return {"route": route, "layout": layout, **res, "cudnn_refused": refused, "routes": routes}

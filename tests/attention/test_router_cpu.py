@@ -82,10 +82,10 @@ def test_decision_table(kind):
 
 
 def test_policy_steers_the_table():
-    assert available_routes("dense", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "exact"]
+    assert available_routes("dense", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "efficient", "exact"]
     assert available_routes("dense-window", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "exact"]
     assert available_routes("dense-softcap", GPU, KernelPolicy(dense_cudnn=False)) == ["exact"]
-    assert available_routes("packed", GPU, KernelPolicy(varlen="flash")) == ["flash", "exact"]
+    assert available_routes("packed", GPU, KernelPolicy(varlen="flash")) == ["flash", "efficient", "exact"]
     assert available_routes("packed-softcap-window", GPU, KernelPolicy(varlen="flash")) == ["exact"]
     with pytest.raises(RuntimeError, match="'cudnn' requested"):
         available_routes("packed", GPU_NO_FRONTEND, KernelPolicy(varlen="cudnn"))

@@ -5,22 +5,29 @@ A block's **kind** (:func:`kind_of`) is its layout (dense / packed) and what it 
 ================================  =====================================  ===============================================
 kind                              routes, in order                       why
 ================================  =====================================  ===============================================
-``dense``                         cudnn (aten), flash (aten), exact      cuDNN attention is what SDPA picks on Hopper
-``dense-mla``                     cudnn (aten), flash (padded), exact    cuDNN takes a v head dim of its own
+``dense``                         cudnn (aten), flash (aten),            cuDNN attention is what SDPA picks on Hopper;
+                                  efficient, exact                       fp32: the memory-efficient kernel, as SDPA
+``dense-mla``                     cudnn (aten), flash (padded),          cuDNN takes a v head dim of its own
+                                  efficient, exact
 ``dense-window``                  cudnn (graph), flash, exact            a band the graph runs as one kernel
 ``dense-window-split``            flash, exact                           two cuDNN kernels failed parity on an H200
 ``dense-softcap``                 cudnn (graph), exact                   flash-attention-2 has no softcap
 ``dense-softcap-split``           exact                                  as ``dense-window-split``
-``packed``                        cudnn (graph), flash (varlen), exact   cuDNN's ragged kernels where installed
-``packed-mla``                    cudnn (graph), flash (padded), exact
+``packed``                        cudnn (graph), flash (varlen),         cuDNN's ragged kernels where installed
+                                  efficient, exact
+``packed-mla``                    cudnn (graph), flash (padded),
+                                  efficient, exact
 ``packed-window``                 cudnn (graph), flash, exact
 ``packed-softcap-window``         cudnn (graph), exact                   a left-bounded band over equal offsets
 ``packed-softcap``                exact                                  other packed softcaps failed parity (H200)
 ================================  =====================================  ===============================================
 
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
-graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash``
-needs CUDA; ``exact`` runs anywhere) and has not been **refused**: a graph that cuDNN refuses to build
+graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash`` and
+``efficient`` need CUDA; ``exact`` runs anywhere), **takes the inputs' dtype** (:data:`DTYPES`: cuDNN and flash
+take fp16 / bf16, aten's memory-efficient kernels fp32 too, the exact math any floating dtype — so fp16 runs where
+bf16 does, fp32 on the memory-efficient kernels where its kind lists them and on the exact math elsewhere, fp64 on
+the exact math) and has not been **refused**: a graph that cuDNN refuses to build
 (:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs) sends that kind
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
 warning; :func:`fallbacks` lists what fell back and why. ``flex`` is a route name reserved for a FlexAttention
@@ -47,24 +54,33 @@ from .aten import Kernel
 from .block import Placeholders, Varlen, Window
 from ..policy import KernelPolicy, kernel_policy
 
-__all__ = ["ROUTES", "TABLE", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
+__all__ = ["ROUTES", "TABLE", "DTYPES", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
            "routing_table", "block_forward", "block_backward"]
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("cudnn", "flash", "flex", "exact")
+ROUTES = ("cudnn", "flash", "efficient", "flex", "exact")
 TABLE: dict[str, tuple[str, ...]] = {
-    "dense": ("cudnn", "flash", "exact"),
-    "dense-mla": ("cudnn", "flash", "exact"),
+    "dense": ("cudnn", "flash", "efficient", "exact"),
+    "dense-mla": ("cudnn", "flash", "efficient", "exact"),
     "dense-window": ("cudnn", "flash", "exact"),
     "dense-window-split": ("flash", "exact"),
     "dense-softcap": ("cudnn", "exact"),
     "dense-softcap-split": ("exact",),
-    "packed": ("cudnn", "flash", "exact"),
-    "packed-mla": ("cudnn", "flash", "exact"),
+    "packed": ("cudnn", "flash", "efficient", "exact"),
+    "packed-mla": ("cudnn", "flash", "efficient", "exact"),
     "packed-window": ("cudnn", "flash", "exact"),
     "packed-softcap-window": ("cudnn", "exact"),
     "packed-softcap": ("exact",),
+}
+
+_HALF = (torch.float16, torch.bfloat16)
+# The input dtypes each route's kernels take (a route not listed takes any).
+DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cudnn": _HALF,
+    "flash": _HALF,
+    "efficient": (torch.float32, *_HALF),
+    "exact": (torch.float64, torch.float32, *_HALF),
 }
 
 _EXACT = Kernel("exact tiled math", lambda *a: exact.forward(*a[:8]), lambda *a: exact.backward(*a[:11]))
@@ -91,6 +107,8 @@ def _kernel(route: str, kind: str) -> Kernel:
         return _CUDNN_DENSE if kind.startswith("dense") else _CUDNN_THD
     if route == "flash":
         return {"dense": aten.SDPA_FLASH, "packed": aten.FLASH_VARLEN}.get(kind, aten.FLASH)
+    if route == "efficient":
+        return aten.EFFICIENT
     raise ValueError(f"route {route!r} has no kernel for {kind!r} blocks")
 
 
@@ -127,7 +145,7 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
     this process lacks."""
     if route == "exact":
         return None
-    if route == "flash":
+    if route in ("flash", "efficient"):
         return None if caps.cuda else "not a CUDA device"
     if route != "cudnn":
         return f"no {route} kernel"
@@ -147,10 +165,20 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
     return None
 
 
-def available_routes(kind: str, caps: Caps, policy: Optional[KernelPolicy] = None) -> list[str]:
-    """The routes of ``kind``'s row that ``caps`` and the policy allow, in the table's order."""
+def _dtype_why_not(route: str, dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why ``route``'s kernels cannot take ``dtype`` inputs (``None``: they can, or the dtype is not known)."""
+    takes = DTYPES.get(route)
+    if dtype is None or takes is None or dtype in takes:
+        return None
+    return f"takes {', '.join(str(t).replace('torch.', '') for t in takes)}, not {str(dtype).replace('torch.', '')}"
+
+
+def available_routes(kind: str, caps: Caps, policy: Optional[KernelPolicy] = None,
+                     dtype: Optional[torch.dtype] = None) -> list[str]:
+    """The routes of ``kind``'s row that ``caps`` and the policy allow and that take ``dtype`` inputs (any dtype
+    when ``None``), in the table's order."""
     pol = policy if policy is not None else kernel_policy()
-    return [r for r in TABLE[kind] if _why_not(r, kind, caps, pol) is None]
+    return [r for r in TABLE[kind] if _dtype_why_not(r, dtype) is None and _why_not(r, kind, caps, pol) is None]
 
 
 # ---- refused graphs --------------------------------------------------------------------------------------------
@@ -185,7 +213,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, v
 
 
 def _choose(kind: str, direction: str, q, k, v, caps: Caps) -> str:
-    for route in available_routes(kind, caps):
+    for route in available_routes(kind, caps, dtype=q.dtype):
         if _refusal_key(route, kind, direction, q, k, v) not in _REFUSED:
             return route
     return "exact"
@@ -244,12 +272,14 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def routing_table(device: Any = None, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[str, str]]:
     """For each kind of block (:data:`TABLE`), the route it takes on ``device`` (default: the current CUDA device,
     else the CPU) and why: the kernel, and the routes before it that were skipped with their reasons (``dtype``: the
-    inputs' dtype, for graphs cuDNN refused earlier). Builds no graph and runs no kernel.
+    inputs' dtype — routes whose kernels do not take it are skipped, and graphs cuDNN refused earlier for it).
+    Builds no graph and runs no kernel.
 
     Example::
 
         for kind, (route, why) in routing_table().items():
             print(f"{kind:24} {route:6} {why}")
+        routing_table("cuda", torch.float32)["dense"]      # ('efficient', 'aten memory-efficient attention (...)')
     """
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -259,7 +289,7 @@ def routing_table(device: Any = None, dtype: torch.dtype = torch.bfloat16) -> di
         skipped = []
         for route in routes:
             try:
-                why = _why_not(route, kind, caps, pol)
+                why = _dtype_why_not(route, dtype) or _why_not(route, kind, caps, pol)
             except RuntimeError as e:
                 why = str(e)
             if why is None and (route, kind) in refused:
