@@ -68,3 +68,31 @@ def test_sink_kernels_triton_vs_float64(layout):
     from tests.attention.test_sink_kernels_cpu import check_sinks
 
     assert check_sinks("cuda", layout) < 1e-2
+
+
+@pytest.mark.gpu
+def test_no_leak_warnings_at_exit():
+    """A process that built cuDNN graphs (packed and dense, with a softcap) exits without the frontend's nanobind
+    "leaked" warnings: cpscope releases its graphs and handles at exit."""
+    import pathlib
+    import subprocess
+    import sys
+
+    if not _cudnn_frontend():
+        pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
+    code = (
+        "import torch, cpscope\n"
+        "from cpscope.attention.kernels import cudnn_frontend\n"
+        "cu = torch.tensor([0, 1000, 4096], dtype=torch.int32, device='cuda')\n"
+        "for fmt, shape, kw in (('thd', (4096,), {'cu_seqlens': cu}), ('bshd', (1, 4096), {'softcap': 30.0})):\n"
+        "    q, k, v = (torch.randn(*shape, h, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "               for h in (8, 2, 2))\n"
+        "    out = cpscope.context_parallel_attention(q, k, v, qkv_format=fmt, group=None, **kw)\n"
+        "    out.sum().backward()\n"
+        "assert cudnn_frontend.cached_graphs(), 'no graph was built'\n"
+        "torch.cuda.synchronize()\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "leaked" not in res.stderr, res.stderr[-3000:]

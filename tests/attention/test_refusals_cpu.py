@@ -1,8 +1,14 @@
 """A graph cuDNN refuses is a fallback, never a failure (issue 31), on CPU with the fake frontend: the GPU parity
 check (``tests/attention/test_kernels_gpu.py``'s :func:`check_fallbacks` over ``_kernel_cases``) passes when the
 refused blocks fell back with a recorded refusal and right numbers, and fails when a block left its route without
-one."""
+one. And the frontend's objects are released at exit (no nanobind leak warnings)."""
 from __future__ import annotations
+
+import contextlib
+import pathlib
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -57,3 +63,37 @@ def test_a_fallback_without_a_recorded_refusal_fails(frontend, monkeypatch):
     res["routes"][0].update(took="exact")  # as if the router had left cuDNN silently
     with pytest.raises(AssertionError, match="no refusal recorded"):
         check_fallbacks("thd_window", res)
+
+
+def test_graphs_and_handles_are_released_at_exit(monkeypatch):
+    """The exit hook drops the cached graphs and destroys the handles through the frontend (nanobind warns about
+    frontend objects still alive when its extension is torn down), and runs when the process exits."""
+    destroyed, freed = [], []
+    fake = types.SimpleNamespace(destroy_handle=destroyed.append)
+    monkeypatch.setattr(cudnn_frontend, "module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda idx: contextlib.nullcontext())
+
+    class Graph:
+        def __del__(self):
+            freed.append(1)
+
+    g = Graph()
+    g.cycle = g  # a graph in a reference cycle (it keeps its score modifier's callables)
+    monkeypatch.setitem(cudnn_frontend._handles, 0, "handle 0")
+    monkeypatch.setitem(cudnn_frontend._graphs, ("fwd",), g)
+    del g
+    cudnn_frontend._release_at_exit()
+    assert destroyed == ["handle 0"] and freed == [1]
+    assert not cudnn_frontend._handles and not cudnn_frontend.cached_graphs()
+    cudnn_frontend._release_at_exit()  # nothing left: nothing done
+    assert destroyed == ["handle 0"]
+    # and it runs at exit: a process that holds a (fake) handle destroys it when it ends
+    code = ("import contextlib, types, torch\n"
+            "from cpscope.attention.kernels import cudnn_frontend as fe\n"
+            "fake = types.SimpleNamespace(destroy_handle=lambda h: print('destroyed', h))\n"
+            "fe.module = lambda: fake\n"
+            "torch.cuda.device = lambda idx: contextlib.nullcontext()\n"
+            "fe._handles[0] = 'handle 0'\n")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0 and res.stdout.strip() == "destroyed handle 0", (res.stdout, res.stderr[-2000:])

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -204,6 +205,15 @@ def _refuse(key: tuple, err: Exception) -> None:
                 key[2], key[0], err)
 
 
+def _drop_frames(err: BaseException) -> None:
+    """Free what a caught refusal's traceback holds (the finished frames' locals: the block's tensors, the graph
+    being built) once the refusal is recorded, so that nothing of the failed attempt outlives it — whoever keeps the
+    exception (a debugger, a logging handler)."""
+    traceback.clear_frames(err.__traceback__)
+    err.__traceback__ = None
+    err.__context__ = err.__cause__ = None
+
+
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, varlen: Optional[Varlen],
            window: Window, softcap: Optional[float], direction: str = "forward",
            caps: Optional[Caps] = None) -> str:
@@ -232,6 +242,7 @@ def _run(direction: str, args: tuple, q, k, v, causal, varlen, window, softcap, 
             if kern not in _GRAPHS:
                 raise
             _refuse(_refusal_key(route, kind, direction, q, k, v), e)
+            _drop_frames(e)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
