@@ -118,15 +118,18 @@ def _inputs(layout, shape, dims, dev, gen, dtype=torch.bfloat16):
 
 
 def _taken(direction: str, q, k, v, vl, c, w, sc) -> dict:
-    """After a block ran: the first route the table offers it here (``first``), the route it takes now (``took``:
-    the next one where cuDNN refused the graph) and the recorded refusal (``refused``, ``None`` if none)."""
+    """After a block ran: the first route the table offers it here (``first``; ``first_bf16``: for bf16 inputs),
+    the route it takes now (``took``: the next one where cuDNN refused the graph) and the recorded refusal
+    (``refused``, ``None`` if none) — all under the policy in force."""
     from cpscope.attention.kernels import router
 
     kind = router.kind_of(q, k, v, causal=c, varlen=vl, window=w, softcap=sc)
-    first = router.available_routes(kind, router.caps_of(q.device), dtype=q.dtype)[0]
+    caps = router.caps_of(q.device)
+    first = router.available_routes(kind, caps, dtype=q.dtype)[0]
     took = router.choose(q, k, v, causal=c, varlen=vl, window=w, softcap=sc, direction=direction)
     why = router.fallbacks().get(router._refusal_key(first, kind, direction, q, k, v))
-    return {"direction": direction, "kind": kind, "first": first, "took": took, "refused": why}
+    return {"direction": direction, "kind": kind, "first": first, "took": took, "refused": why,
+            "first_bf16": router.available_routes(kind, caps, dtype=torch.bfloat16)[0]}
 
 
 def _block_fns(route: str, vl: Any, routes: list):

@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_block_parity_by_dtype(name, dtype):
-    from cpscope.attention.kernels import router
     from tests.attention.test_kernels_gpu import check_fallbacks
 
     res = run_case(name, torch.device("cuda", 0), seed=sorted(CASES).index(name), dtype=dtype)
@@ -32,10 +31,9 @@ def test_block_parity_by_dtype(name, dtype):
     bad = {n: res[n] for n in ("out", "dq", "dk", "dv") if not res[n] <= tol}
     assert not bad and res["lse"] <= lse_tol, f"{name} {dtype}: relative errors {bad} above {tol} ({res})"
     check_fallbacks(name, res)
-    caps = router.caps_of(torch.device("cuda", 0))
     for r in res["routes"]:
         if dtype == torch.float16:  # bf16's route
-            assert r["first"] == router.available_routes(r["kind"], caps, dtype=torch.bfloat16)[0], r
+            assert r["first"] == r["first_bf16"], r
         else:
             assert r["took"] == ("efficient" if r["kind"] in _EFFICIENT_KINDS else "exact"), r
 

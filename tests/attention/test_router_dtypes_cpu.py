@@ -10,7 +10,7 @@ import torch
 
 import cpscope
 from cpscope.attention.kernels import Placeholders, Varlen, aten, router
-from cpscope.attention.kernels.router import DTYPES, TABLE, Caps, available_routes
+from cpscope.attention.kernels.router import DTYPES, TABLE, available_routes
 from tests.attention._fake_cudnn import block_reference, rel
 from tests.attention._fake_efficient import fake_aten
 from tests.attention.test_router_cpu import BLOCKS, CPU, GPU, GPU_NO_FRONTEND

@@ -191,7 +191,8 @@ def _efficient_forward(q, k, v, scale, causal, vl, window, softcap, placeholders
 
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal, vl, window, softcap, placeholders):
     qb, kb, vb, seqs, mask = _eff_args(q, k, v, causal, vl)
-    ob, dob = (x.unsqueeze(0) if vl is not None else x for x in (out, dout.contiguous()))
+    # the backward kernel reads ``out`` as a dense [b, s, h, d_v] tensor (its row stride is h * d_v)
+    ob, dob = (x.unsqueeze(0) if vl is not None else x for x in (out.contiguous(), dout.contiguous()))
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a row that sees no key anywhere: exp(s - inf) = 0
     if vl is None:
         b, h, s_q = lse.shape
