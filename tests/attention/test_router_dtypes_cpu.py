@@ -157,3 +157,13 @@ def test_fp32_blocks_run_the_efficient_kernels_end_to_end(fake, monkeypatch):
         for got, want in zip(grads, ref_grads):
             assert rel(flat(got), want) < 1e-5, fmt
     assert ran and set(ran) == {"efficient"}, ran
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_the_efficient_path_leaves_no_cycle(fake, monkeypatch, fmt):
+    """fp32 calls on the memory-efficient kernels (the fake ops) leave nothing in a reference cycle."""
+    from tests.attention.test_no_cycles import _api, _check
+
+    monkeypatch.setattr(router, "caps_of", lambda device: GPU_NO_FRONTEND)
+    _check(_api(fmt, {}))
+    _check(_api(fmt, {"sinks": True}, d_v=8))
