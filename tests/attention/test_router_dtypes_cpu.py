@@ -17,14 +17,8 @@ from tests.attention.test_router_cpu import BLOCKS, CPU, GPU, GPU_NO_FRONTEND
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
-# kind -> fp32 route on (GPU + frontend, GPU without frontend, CPU): the memory-efficient kernels where the kind
-# lists them (no window, no softcap), else the exact math
-EXPECTED_FP32 = {
-    "dense": ("efficient", "efficient", "exact"),
-    "dense-mla": ("efficient", "efficient", "exact"),
-    "packed": ("efficient", "efficient", "exact"),
-    "packed-mla": ("efficient", "efficient", "exact"),
-}
+# the kinds whose rows list aten's memory-efficient kernels (fp32's CUDA kernel where there is no window or softcap)
+PLAIN = ("dense", "dense-mla", "packed", "packed-mla")
 
 
 @pytest.fixture(autouse=True)
@@ -46,17 +40,19 @@ def test_fp16_routes_as_bf16(kind):
 
 @pytest.mark.parametrize("kind", sorted(TABLE))
 def test_fp32_and_fp64_routes(kind):
-    """fp32: never cuDNN or flash (they take half precision only); the memory-efficient kernels where the row has
-    them, the exact math elsewhere. fp64: the exact math everywhere."""
-    for caps, want in zip((GPU, GPU_NO_FRONTEND, CPU), EXPECTED_FP32.get(kind, ("exact",) * 3)):
-        assert _choose(kind, F32, caps) == want, (kind, caps)
+    """fp32: never cuDNN or flash (they take half precision only); on CUDA the memory-efficient kernels where the row
+    has them, else FlexAttention where the row has it, else the exact math. fp64: the exact math everywhere."""
+    for caps in (GPU, GPU_NO_FRONTEND):
+        got = _choose(kind, F32, caps)
+        assert got == ("efficient" if kind in PLAIN else "flex" if "flex" in TABLE[kind] else "exact"), (kind, caps)
         assert _choose(kind, F64, caps) == "exact", (kind, caps)
+    assert _choose(kind, F32, CPU) == _choose(kind, F64, CPU) == "exact"
 
 
 def test_every_route_of_every_row_says_which_dtypes_it_takes():
     for kind, routes in TABLE.items():
         for r in routes:
-            assert r in DTYPES or r == "flex", (kind, r)
+            assert r in DTYPES, (kind, r)
     assert set(DTYPES["exact"]) == {F16, BF16, F32, F64}  # every dtype the inputs may have runs somewhere
     assert available_routes("dense", GPU, dtype=F32) == ["efficient", "exact"]
     assert available_routes("dense", GPU, dtype=BF16) == ["cudnn", "flash", "efficient", "exact"]

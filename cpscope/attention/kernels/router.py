@@ -25,9 +25,9 @@ kind                              routes, in order                       why
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
 graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash`` and
 ``efficient`` need CUDA; ``exact`` runs anywhere), **takes the inputs' dtype** (:data:`DTYPES`: cuDNN and flash
-take fp16 / bf16, aten's memory-efficient kernels fp32 too, the exact math any floating dtype — so fp16 runs where
-bf16 does, fp32 on the memory-efficient kernels where its kind lists them and on the exact math elsewhere, fp64 on
-the exact math) and has not been **refused**: a graph that cuDNN refuses to build
+take fp16 / bf16, aten's memory-efficient kernels and FlexAttention fp32 too, the exact math any floating dtype —
+so fp16 runs where bf16 does, fp32 on the memory-efficient kernels where its kind lists them and on FlexAttention or
+the exact math elsewhere, fp64 on the exact math) and has not been **refused**: a graph that cuDNN refuses to build
 (:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs) sends that kind
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
 warning; :func:`fallbacks` lists what fell back and why. ``flex`` is a route name reserved for a FlexAttention
@@ -81,6 +81,7 @@ DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "cudnn": _HALF,
     "flash": _HALF,
     "efficient": (torch.float32, *_HALF),
+    "flex": (torch.float32, *_HALF),
     "exact": (torch.float64, torch.float32, *_HALF),
 }
 
