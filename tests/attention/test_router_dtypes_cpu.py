@@ -10,7 +10,7 @@ import torch
 
 import cpscope
 from cpscope.attention.kernels import Placeholders, Varlen, aten, router
-from cpscope.attention.kernels.router import DTYPES, TABLE, available_routes
+from cpscope.attention.kernels.router import DTYPES, TABLE, routes_for
 from tests.attention._fake_cudnn import block_reference, rel
 from tests.attention._fake_efficient import fake_aten
 from tests.attention.test_router_cpu import BLOCKS, CPU, GPU, GPU_NO_FRONTEND
@@ -54,15 +54,17 @@ def test_every_route_of_every_row_says_which_dtypes_it_takes():
         for r in routes:
             assert r in DTYPES, (kind, r)
     assert set(DTYPES["exact"]) == {F16, BF16, F32, F64}  # every dtype the inputs may have runs somewhere
-    assert available_routes("dense", GPU, dtype=F32) == ["efficient", "exact"]
-    assert available_routes("dense", GPU, dtype=BF16) == ["cudnn", "flash", "efficient", "exact"]
-    assert available_routes("dense-softcap", GPU, dtype=F32) == ["exact"]
+    assert routes_for("dense", GPU, F32) == ["efficient", "exact"]
+    assert routes_for("dense", GPU, BF16) == routes_for("dense", GPU, F16) == ["cudnn", "flash", "exact"]
+    assert routes_for("dense-softcap", GPU, F32) == [r for r in TABLE["dense-softcap"] if r in ("flex", "exact")]
+    assert routes_for("dense", GPU, F64) == ["exact"]
 
 
 def test_routing_table_by_dtype(monkeypatch):
     monkeypatch.setattr(router, "caps_of", lambda device: GPU)
     t32 = router.routing_table(torch.device("cpu"), torch.float32)
     assert t32["dense"][0] == "efficient" and "cudnn: takes float16, bfloat16, not float32" in t32["dense"][1]
+    assert "efficient: takes float32, not bfloat16" not in router.routing_table(torch.device("cpu"))["dense"][1]
     assert t32["packed-softcap-window"][0] == "exact"
     assert router.routing_table(torch.device("cpu"), torch.float64)["dense"][0] == "exact"
     assert router.routing_table(torch.device("cpu"), torch.float16)["dense"][0] == "cudnn"

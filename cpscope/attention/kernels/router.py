@@ -5,29 +5,22 @@ A block's **kind** (:func:`kind_of`) is its layout (dense / packed) and what it 
 ================================  =====================================  ===============================================
 kind                              routes, in order                       why
 ================================  =====================================  ===============================================
-``dense``                         cudnn (aten), flash (aten),            cuDNN attention is what SDPA picks on Hopper;
-                                  efficient, exact                       fp32: the memory-efficient kernel, as SDPA
-``dense-mla``                     cudnn (aten), flash (padded),          cuDNN takes a v head dim of its own
-                                  efficient, exact
+``dense``                         cudnn (aten), flash (aten), exact      cuDNN attention is what SDPA picks on Hopper
+``dense-mla``                     cudnn (aten), flash (padded), exact    cuDNN takes a v head dim of its own
 ``dense-window``                  cudnn (graph), flash, exact            a band the graph runs as one kernel
 ``dense-window-split``            flash, exact                           two cuDNN kernels failed parity on an H200
 ``dense-softcap``                 cudnn (graph), exact                   flash-attention-2 has no softcap
 ``dense-softcap-split``           exact                                  as ``dense-window-split``
-``packed``                        cudnn (graph), flash (varlen),         cuDNN's ragged kernels where installed
-                                  efficient, exact
-``packed-mla``                    cudnn (graph), flash (padded),
-                                  efficient, exact
+``packed``                        cudnn (graph), flash (varlen), exact   cuDNN's ragged kernels where installed
+``packed-mla``                    cudnn (graph), flash (padded), exact
 ``packed-window``                 cudnn (graph), flash, exact
 ``packed-softcap-window``         cudnn (graph), exact                   a left-bounded band over equal offsets
 ``packed-softcap``                exact                                  other packed softcaps failed parity (H200)
 ================================  =====================================  ===============================================
 
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
-graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash`` and
-``efficient`` need CUDA; ``exact`` runs anywhere), **takes the inputs' dtype** (:data:`DTYPES`: cuDNN and flash
-take fp16 / bf16, aten's memory-efficient kernels and FlexAttention fp32 too, the exact math any floating dtype —
-so fp16 runs where bf16 does, fp32 on the memory-efficient kernels where its kind lists them and on FlexAttention or
-the exact math elsewhere, fp64 on the exact math) and has not been **refused**: a graph that cuDNN refuses to build
+graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash``
+needs CUDA; ``exact`` runs anywhere) and has not been **refused**: a graph that cuDNN refuses to build
 (:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs) sends that kind
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
 warning; :func:`fallbacks` lists what fell back and why. ``flex`` is a route name reserved for a FlexAttention
@@ -39,6 +32,12 @@ Example::
 
     choose(q, k, v, causal=True, varlen=None, window=(4095, 0), softcap=None)     # 'cudnn' on an H100, 'exact' on CPU
     routing_table(torch.device("cuda", 0))["packed-softcap"]                      # ('exact', 'the table ...')
+
+**Dtypes.** A route is taken only where its kernels take the inputs' dtype (:data:`DTYPES`, :func:`routes_for`):
+cuDNN and flash take fp16 / bf16; ``efficient`` (aten's memory-efficient kernels, needs CUDA) is fp32's, listed
+before ``exact`` by the plain kinds (``dense``, ``dense-mla``, ``packed``, ``packed-mla``); FlexAttention takes fp32
+too; the exact math any floating dtype. So fp16 runs where bf16 does, fp32 on the memory-efficient kernels, or on
+FlexAttention or the exact math where a window or softcap is asked for, fp64 on the exact math.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ from .aten import Kernel
 from .block import Placeholders, Varlen, Window
 from ..policy import KernelPolicy, kernel_policy
 
-__all__ = ["ROUTES", "TABLE", "DTYPES", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
+__all__ = ["ROUTES", "TABLE", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
            "routing_table", "block_forward", "block_backward"]
 
 log = logging.getLogger(__name__)
@@ -73,16 +72,6 @@ TABLE: dict[str, tuple[str, ...]] = {
     "packed-window": ("cudnn", "flash", "exact"),
     "packed-softcap-window": ("cudnn", "exact"),
     "packed-softcap": ("exact",),
-}
-
-_HALF = (torch.float16, torch.bfloat16)
-# The input dtypes each route's kernels take (a route not listed takes any).
-DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "cudnn": _HALF,
-    "flash": _HALF,
-    "efficient": (torch.float32, *_HALF),
-    "flex": (torch.float32, *_HALF),
-    "exact": (torch.float64, torch.float32, *_HALF),
 }
 
 _EXACT = Kernel("exact tiled math", lambda *a: exact.forward(*a[:8]), lambda *a: exact.backward(*a[:11]))
@@ -112,6 +101,36 @@ def _kernel(route: str, kind: str) -> Kernel:
     if route == "efficient":
         return aten.EFFICIENT
     raise ValueError(f"route {route!r} has no kernel for {kind!r} blocks")
+
+
+_HALF = (torch.float16, torch.bfloat16)
+# The input dtypes each route's kernels take (a route not listed takes any). ``efficient`` is fp32's: half precision
+# always has cuDNN or flash before it where it has CUDA at all.
+DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cudnn": _HALF,
+    "flash": _HALF,
+    "efficient": (torch.float32,),
+    "flex": (torch.float32, *_HALF),
+    "exact": (torch.float64, torch.float32, *_HALF),
+}
+
+
+def _dtype_why_not(route: str, dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why ``route``'s kernels cannot take ``dtype`` inputs (``None``: they can, or the dtype is not known)."""
+    takes = DTYPES.get(route)
+    if dtype is None or takes is None or dtype in takes:
+        return None
+    return f"takes {', '.join(str(t).replace('torch.', '') for t in takes)}, not {str(dtype).replace('torch.', '')}"
+
+
+def routes_for(kind: str, caps: "Caps", dtype: torch.dtype, policy: Optional[KernelPolicy] = None) -> list[str]:
+    """:func:`available_routes` of ``kind`` whose kernels take ``dtype`` inputs, in the table's order.
+
+    Example::
+
+        routes_for("dense", Caps(cuda=True, frontend=True), torch.float32)      # ['efficient', 'exact']
+    """
+    return [r for r in available_routes(kind, caps, policy) if _dtype_why_not(r, dtype) is None]
 
 
 def kind_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, varlen: Optional[Varlen],
@@ -147,7 +166,9 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
     this process lacks."""
     if route == "exact":
         return None
-    if route in ("flash", "efficient"):
+    if route == "efficient":  # aten's memory-efficient kernels (fp32's, see DTYPES)
+        return None if caps.cuda else "not a CUDA device"
+    if route == "flash":
         return None if caps.cuda else "not a CUDA device"
     if route != "cudnn":
         return f"no {route} kernel"
@@ -167,20 +188,10 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
     return None
 
 
-def _dtype_why_not(route: str, dtype: Optional[torch.dtype]) -> Optional[str]:
-    """Why ``route``'s kernels cannot take ``dtype`` inputs (``None``: they can, or the dtype is not known)."""
-    takes = DTYPES.get(route)
-    if dtype is None or takes is None or dtype in takes:
-        return None
-    return f"takes {', '.join(str(t).replace('torch.', '') for t in takes)}, not {str(dtype).replace('torch.', '')}"
-
-
-def available_routes(kind: str, caps: Caps, policy: Optional[KernelPolicy] = None,
-                     dtype: Optional[torch.dtype] = None) -> list[str]:
-    """The routes of ``kind``'s row that ``caps`` and the policy allow and that take ``dtype`` inputs (any dtype
-    when ``None``), in the table's order."""
+def available_routes(kind: str, caps: Caps, policy: Optional[KernelPolicy] = None) -> list[str]:
+    """The routes of ``kind``'s row that ``caps`` and the policy allow, in the table's order."""
     pol = policy if policy is not None else kernel_policy()
-    return [r for r in TABLE[kind] if _dtype_why_not(r, dtype) is None and _why_not(r, kind, caps, pol) is None]
+    return [r for r in TABLE[kind] if _why_not(r, kind, caps, pol) is None]
 
 
 # ---- refused graphs --------------------------------------------------------------------------------------------
@@ -224,7 +235,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, v
 
 
 def _choose(kind: str, direction: str, q, k, v, caps: Caps) -> str:
-    for route in available_routes(kind, caps, dtype=q.dtype):
+    for route in routes_for(kind, caps, q.dtype):
         if _refusal_key(route, kind, direction, q, k, v) not in _REFUSED:
             return route
     return "exact"
