@@ -6,9 +6,10 @@ ring's and the halo's ``batch_isend_irecv``, the all-gather / all-to-all variant
 ``all_gather_single`` / ``reduce_scatter_*`` / ``all_to_all_single``, the sentinel's ``all_gather``) raises on a
 CUDA tensor. Inside :func:`staged`, those functions of ``torch.distributed`` are replaced by ones that copy a CUDA
 send buffer to the host on the **current stream** when the op is posted (so the caller's stream hand-offs still
-order it: the ring posts on its side stream after an event), run the original op on host tensors, and copy the
-received host buffer back into the caller's CUDA tensor when the caller **waits** (on the stream it waits on). A
-work object whose wait takes a timeout (the sentinel's) keeps it.
+order it: the ring posts on its side stream after an event), run the original op on host tensors (a batch of
+point-to-point ops one by one, as gloo does), and copy the received host buffer back into the caller's CUDA tensor
+when the caller **waits** (on the stream it waits on). A work object whose wait takes a timeout (the sentinel's)
+keeps it.
 
 ``stage_cpu=True`` stages CPU tensors the same way (host copies of host tensors), so that CPU tests run this module's
 bookkeeping under gloo in CI (``tests/test_gloo_staging.py``) and it cannot rot unseen. :data:`COUNTS` says how
@@ -36,7 +37,7 @@ __all__ = ["staged", "COUNTS", "REPLACED", "ALIASES"]
 COUNTS: Counter = Counter()  # op name -> tensors staged, since the last staged() began
 ALIASES: list[str] = []  # "module.attr" of the cpscope aliases the last staged() replaced
 
-REPLACED = ("isend", "irecv", "send", "recv", "all_gather", "all_gather_into_tensor", "all_gather_single",
+REPLACED = ("batch_isend_irecv", "isend", "irecv", "send", "recv", "all_gather", "all_gather_into_tensor", "all_gather_single",
             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single")
 
 _STAGE_CPU = [False]
@@ -158,7 +159,19 @@ def _make(orig: dict[str, Callable]) -> dict[str, Callable]:
         work = orig["all_to_all"](outs, [_to_host(t) for t in input_tensor_list], group, async_op)
         return _finish(work, async_op, _copy_back(list(zip(output_tensor_list, outs))), outs)
 
-    made = {"isend": isend, "irecv": irecv, "send": send, "recv": recv, "all_gather": all_gather,
+    def batch_isend_irecv(p2p_op_list):
+        # each op on its own, through the staging isend / irecv (what gloo's own batch does, without asking the
+        # group for a backend of the tensors' device type)
+        reqs = []
+        for op in p2p_op_list:
+            sending = op.op in (isend, orig["isend"])
+            peer = {"group_dst": op.group_peer} if sending else {"group_src": op.group_peer}
+            work = (isend if sending else irecv)(op.tensor, group=op.group, tag=op.tag, **peer)
+            if work is not None:
+                reqs.append(work)
+        return reqs
+
+    made = {"batch_isend_irecv": batch_isend_irecv, "isend": isend, "irecv": irecv, "send": send, "recv": recv, "all_gather": all_gather,
             "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
     for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
                  "all_to_all_single"):
