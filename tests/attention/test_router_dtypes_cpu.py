@@ -165,3 +165,39 @@ def test_the_efficient_path_leaves_no_cycle(fake, monkeypatch, fmt):
     monkeypatch.setattr(router, "caps_of", lambda device: GPU_NO_FRONTEND)
     _check(_api(fmt, {}))
     _check(_api(fmt, {"sinks": True}, d_v=8))
+
+
+def _efficient_under_cp(world: int) -> dict:
+    """On a gloo rank: the CP matrix's calls (every variant, bshd and thd, plain and sinks) with fp32 blocks on the
+    memory-efficient kernels (the fake ops), against float64."""
+    from tests.attention._cp_matrix import SIZES, VARIANTS, one_call
+
+    import cpscope as cps
+
+    ran = []
+    orig_caps, orig_kernel, orig_aten = router.caps_of, router._kernel, aten._aten
+    router.caps_of = lambda device: GPU_NO_FRONTEND
+    router._kernel = lambda route, kind: ran.append(route) or orig_kernel(route, kind)
+    aten._aten = fake_aten()
+    try:
+        group = cps.new_cp_groups([world], hierarchical=True)[world]
+        worst = {}
+        for i, comm in enumerate(VARIANTS[world]):
+            for fmt in ("bshd", "thd"):
+                for feat in ("dense", "sinks"):
+                    errs = one_call(group, comm, fmt, feat, torch.device("cpu"), torch.float32, SIZES["cpu"], seed=i)
+                    worst[comm] = max(worst.get(comm, 0.0), *errs.values())
+    finally:
+        router.caps_of, router._kernel, aten._aten = orig_caps, orig_kernel, orig_aten
+    return {"worst": worst, "routes": sorted(set(ran))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_efficient_kernels_under_every_variant(world):
+    """The ring's, all-gather's and Ulysses' blocks (more queries than keys, external statistics, merges) on the
+    memory-efficient kernels' glue at CP2 / CP4."""
+    from tests.distributed import run_ranks
+
+    for res in run_ranks(world, _efficient_under_cp, world):
+        assert res["routes"] == ["efficient"], res
+        assert max(res["worst"].values()) < 1e-5, res
