@@ -10,7 +10,7 @@ the outputs and each run's final state, differentiably in everything (the initia
   states ``[N, HV, K, V]``;
 * ``simple_gla(q, k, v, g, *, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
   chunk_size)`` — ``chunk_simple_gla``, which is Mamba2's SSD with ``q = C``, ``k = B``, ``v = dt·x``,
-  ``g = dt·A`` (``state_v_first``: states ``[N, H, P, N]``, Mamba2's layout).
+  ``g = dt·A`` (states ``[N, H, N, P]``; ``[N, H, P, N]``, Mamba2's layout, with ``state_v_first``).
 
 Two implementations: :data:`FLA` (the Triton kernels, :mod:`cpscope.linear._fla`; CUDA, 16/32-bit floats) and
 :data:`TORCH` (the chunked torch code of :mod:`~cpscope.linear.delta_chunk` / :mod:`~cpscope.linear.ssd_chunk`, in

@@ -137,9 +137,9 @@ def local_scan(kern: kernels.Kernels, runs: Runs, a: torch.Tensor, xdt: torch.Te
     runs' final states, only under CP), both fp32 / fp64."""
     sd = a.dtype
     y, final = kern.simple_gla(*(runs.shape(t) for t in (Ch, Bh, xdt, a)), scale=1.0, initial_state=None,
-                               output_final_state=runs.pieces.cp > 1, state_v_first=True, cu_seqlens=runs.cu,
-                               cu_seqlens_cpu=runs.cu_cpu, chunk_size=chunk_size)
-    return y.reshape(xdt.shape).to(sd), (None if final is None else final.to(sd))
+                               output_final_state=runs.pieces.cp > 1, cu_seqlens=runs.cu, cu_seqlens_cpu=runs.cu_cpu,
+                               chunk_size=chunk_size)  # the kernel's default state layout: the direct call's speed
+    return y.reshape(xdt.shape).to(sd), (None if final is None else final.transpose(-1, -2).to(sd))  # [.., P, N]
 
 
 def _totals(a: torch.Tensor, *, s0: Any) -> tuple[torch.Tensor, torch.Tensor]:
