@@ -11,7 +11,9 @@ and of transformers' ``torch_chunk_gated_delta_rule``.
 Under CP each local piece is run once with the value columns widened by ``K`` identity columns: from the initial
 state ``[0 | I]`` the run leaves ``[b | A]`` (its summary, :mod:`cpscope.linear.summaries`) and outputs
 ``[o⁰ | Aₜᵀ q]``; after the exchange the output from the true incoming state ``S_in`` is ``o⁰ + (Aₜᵀ q)ᵀ S_in``.
-One pass over the tokens, one all-gather of the summaries.
+One pass over the tokens, one all-gather of the summaries. Under CP1 the kernel is called once, directly. The
+kernel is flash-linear-attention's where it runs, else cpscope's torch chunk code (:mod:`cpscope.linear.kernels`);
+:func:`summarise` and :func:`read_incoming` are the local phases before and after the exchange.
 
 Example::
 
@@ -82,8 +84,10 @@ def gated_delta_rule(
         use_qk_l2norm: L2-normalise ``q`` and ``k`` over ``K`` first (eps 1e-6, in fp32), as the models do.
 
     Returns:
-        ``o [B, T, HV, V]`` in ``v``'s dtype. Computed in fp32 (fp64 for fp64 inputs); the chunk summaries are
-        exchanged in that precision. Differentiable in ``q, k, v, g, beta``.
+        ``o [B, T, HV, V]`` in ``v``'s dtype. On CUDA with flash-linear-attention installed, computed by its Triton
+        kernels (``chunk_gated_delta_rule`` / ``chunk_kda``) in the inputs' dtype with fp32 states; otherwise by
+        the torch chunk code in fp32 (fp64 for fp64 inputs). The chunk summaries are exchanged in fp32 (fp64).
+        Differentiable in ``q, k, v, g, beta``.
 
     Raises:
         ValueError: mismatched shapes, a bad ``scale``, a local length that does not match ``cu_seqlens`` and the CP

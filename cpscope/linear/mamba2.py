@@ -6,11 +6,14 @@ Per head ``h`` (group ``g = h // (H / G)``), with the state ``s [P, N]`` startin
     s_t  = exp(dt_t A) s_{t−1} + dt_t x_t B_tᵀ                y_t = s_t C_t + D x_t
 
 — transformers' Mamba2 / Bamba ``torch_forward`` and mamba_ssm's ``mamba_chunk_scan_combined`` (``z=None``; the
-clamp is applied always, as transformers does).
+clamp is applied as transformers does; the default limits clamp nothing after a softplus and are skipped).
 
 The transition over a piece is a scalar per head, ``exp(Σ dt·A)``, so a piece's summary is that scalar and its final
 state from zero; after the one all-gather (:mod:`cpscope.linear.summaries`) the incoming state ``s_in`` adds
-``exp(Σ_{≤t} dt·A) s_in C_t`` to each output row.
+``exp(Σ_{≤t} dt·A) s_in C_t`` to each output row. The local scan is flash-linear-attention's ``chunk_simple_gla``
+where it runs (fla 0.6.0 has no SSD kernel; SSD with a scalar decay per head is simple GLA), else cpscope's torch
+chunk code (:mod:`cpscope.linear.kernels`). The phases — :func:`prepare`, :func:`local_scan`, :func:`piece_decays`,
+(the exchange), :func:`read_states`, :func:`finish` — are public so that every rank can be run in one process.
 
 Example::
 
@@ -86,8 +89,10 @@ def mamba2_scan(
         group: the CP group (``None`` = CP1); default the active scope (read once, in forward).
 
     Returns:
-        ``y [B, T, H, P]`` in ``x``'s dtype; computed in fp32 (fp64 for fp64 inputs), summaries in that precision.
-        Differentiable in ``x, dt, A, B, C, D, dt_bias``.
+        ``y [B, T, H, P]`` in ``x``'s dtype. On CUDA with flash-linear-attention installed the scan runs on its
+        ``chunk_simple_gla`` Triton kernel (SSD is simple GLA with ``q = C``, ``k = B``, ``v = dt·x``,
+        ``g = dt·A``) in ``x``'s dtype; otherwise on the torch chunk code in fp32 (fp64 for fp64 inputs). ``dt``,
+        the summaries and their exchange are fp32 (fp64). Differentiable in ``x, dt, A, B, C, D, dt_bias``.
 
     Raises:
         ValueError: mismatched shapes, a bad ``dt_limit``, a local length that does not match ``cu_seqlens`` and the
