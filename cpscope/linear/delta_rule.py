@@ -106,7 +106,7 @@ def gated_delta_rule(
         o, _ = kern.delta_rule(*(runs.shape(t) for t in (q, k, v, g, beta)), scale=scale, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                cu_seqlens=runs.cu, cu_seqlens_cpu=runs.cu_cpu)
-        return o.reshape(v.shape).to(v.dtype)
+        return o if o.shape == v.shape and o.dtype == v.dtype else o.reshape(v.shape).to(v.dtype)
     o_aug, A, b = summarise(kern, runs, q, k, v, g, beta, scale, use_qk_l2norm)
     s_in = summaries.incoming_states(A, b, runs.pieces, scope)  # [pieces, HV, K, V]: the one collective
     return read_incoming(o_aug, s_in, runs, v.shape[-1]).reshape(v.shape).to(v.dtype)

@@ -138,8 +138,8 @@ class Runs:
     has_empty: bool = False
 
     def shape(self, t: torch.Tensor) -> torch.Tensor:
-        """``[B, T, ...]`` -> ``[rows, L, ...]`` (a view)."""
-        return t.reshape(self.rows, -1, *t.shape[2:])
+        """``[B, T, ...]`` -> ``[rows, L, ...]`` (a view; the tensor itself when ``rows == B``)."""
+        return t if t.shape[0] == self.rows else t.reshape(self.rows, -1, *t.shape[2:])
 
 
 def _runs(pieces: Pieces, batch: int, varlen: bool, cu_seqlens: Any, device: torch.device) -> Runs:
