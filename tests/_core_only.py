@@ -8,7 +8,8 @@ x`` raises ``ModuleNotFoundError``, so ``pytest.importorskip`` skips; ``importli
 
 It proves, in the same venv and without installing anything, what ``scripts/test_core_only.sh`` proves in a venv
 without the extras: every test that needs an optional package skips cleanly without it, and the rest pass.
-``.ci/run`` runs such a pass after the full suite (``scripts/test_core_only_fast.sh``).
+``.ci/run`` runs such a pass after the full suite: ``scripts/test_core_only_fast.sh`` (the tests that reach an
+optional package, :func:`reaches_optional`, in a random order).
 
 Example::
 
@@ -16,11 +17,15 @@ Example::
 """
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import inspect
 import os
+import re
 import sys
+from typing import Any
 
-__all__ = ["MODULES", "DISTRIBUTIONS", "enabled", "install"]
+__all__ = ["MODULES", "DISTRIBUTIONS", "enabled", "install", "reaches_optional"]
 
 # the optional packages (pyproject's extras and what they bring), by import name and by distribution name
 MODULES = ("transformers", "trl", "accelerate", "peft", "datasets", "megatron", "transformer_engine", "triton",
@@ -63,3 +68,50 @@ def install() -> None:
 
     from_name._cpscope_core_only = True  # type: ignore[attr-defined]
     dist_cls.from_name = classmethod(from_name)  # type: ignore[method-assign,assignment]
+
+
+# How a test reaches an optional package: by name (not cpscope's modules named after them, ``integrations.megatron``),
+# or by the calls that ask whether one is there, or through a benchmark script (they import the extras they time)
+_REACH = re.compile(r"(?<![.\w])(" + "|".join(MODULES) + r"|megatron-core|flash-linear-attention|importorskip|find_spec|"
+                    r"importlib\.metadata|_megatron_available|bench_[a-z_]+)\b")
+_MODULE_LEVEL: dict[str, bool] = {}
+
+
+def _module_level_reaches(path: str) -> bool:
+    """Whether a test module's own top-level statements (imports, ``pytestmark``, module-level skips — not its
+    functions' bodies) reach an optional package: then every test in it does."""
+    if path not in _MODULE_LEVEL:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        src = open(path, encoding="utf-8").read()
+        top = [ast.get_source_segment(src, n) or "" for n in tree.body
+               if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+               and not (isinstance(n, ast.Expr) and isinstance(getattr(n, "value", None), ast.Constant))]
+        _MODULE_LEVEL[path] = any(_REACH.search(t) for t in top)
+    return _MODULE_LEVEL[path]
+
+
+def reaches_optional(item: Any) -> bool:
+    """Whether a collected test can behave differently without the optional packages: its module reaches one at
+    the top level, or its own function (or a module-level helper it names) mentions one or asks for one."""
+    path = str(item.fspath)
+    if _module_level_reaches(path):
+        return True
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return True
+    try:
+        body = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return True
+    if _REACH.search(body):
+        return True
+    module = inspect.getmodule(fn)
+    for name in set(re.findall(r"\b(_[A-Za-z0-9_]+)\b", body)):  # the module's private helpers it calls
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper):
+            try:
+                if _REACH.search(inspect.getsource(helper)):
+                    return True
+            except (OSError, TypeError):
+                return True
+    return False
