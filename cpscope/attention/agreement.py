@@ -32,7 +32,9 @@ others and every rank raises at the step boundary; otherwise they raise at once 
 value of each differing field) and a rank that did not read may wait in its exchange until the group's timeout —
 the one case the check cannot end cleanly (see ``docs/agreement.md``).
 
-CP1 (no group, or a size-1 group) does nothing: there is no one to disagree with. Inputs that fail validation raise
+CP1 (no group, or a size-1 group) does nothing: there is no one to disagree with; nor does an activation
+recompute in backward (it repeats a forward call that was agreed; a recompute under another scope is what
+``cpscope.ScopeReadInBackwardError`` and the sentinel report). Inputs that fail validation raise
 their ``ValueError`` at once, before any collective, as before.
 
 Example::
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from .._variants import VARIANTS
+from ..backward_check import in_backward
 from ..groups import group_ranks
 
 AttentionCall = Any  # cpscope.attention.api.AttentionCall (not imported: api imports this module)
@@ -282,8 +285,9 @@ def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.devic
 # ---- the check ------------------------------------------------------------------------------------------------------
 
 
-def check_call(call: "AttentionCall") -> None:
-    """Agree ``call``'s digest over its CP group (CP > 1), before any exchange of its variant.
+def check_call(call: "AttentionCall", group: Any = None) -> None:
+    """Agree ``call``'s digest over its CP group (CP > 1; ``group`` overrides ``call.scope.group``, e.g. for a
+    benchmark of the check on one process), before any exchange of its variant.
 
     Every member of the group calls this for the same attention call (the core does, on every CP > 1 call).
 
@@ -291,9 +295,9 @@ def check_call(call: "AttentionCall") -> None:
         RanksDisagreeError: the ranks differ in a field of :data:`FIELDS` (at once when every rank reads the
             verdict now), or a deferred verdict found that they did.
     """
-    if not _ENABLED:
+    if not _ENABLED or in_backward():  # an activation recompute repeats a forward call agreed already
         return
-    group = call.scope.group
+    group = call.scope.group if group is None else group
     values = _values(call)
     digest = _digest(values, call.pack)
     state = _state()
