@@ -18,7 +18,7 @@ returns wrong rows on every rank (other ``cu_seqlens`` with the same total) or e
    call of each kind — layer 0; packed microbatches: each new pack, whose offsets layer 0 reads to the host
    anyway), else compared **on the device** and accumulated (no host sync: layers 1.. cost one small all-reduce
    each). The accumulated verdict is read at the **step boundary** — a pre-hook on every ``torch.optim``
-   optimizer's ``step`` (registered at the first deferred call), the end of :func:`cpscope.train.run_step`,
+   optimizer's ``step`` (registered at the first deferred call), the end of :func:`cpscope.train.loop.run_step`,
    :func:`verify_agreement` for other loops — and at the next read, so a disagreement is raised before the
    optimizer step that would apply it.
 
@@ -58,76 +58,25 @@ import torch.distributed as dist
 
 from .._variants import VARIANTS
 from ..backward_check import in_backward
-from ..groups import group_ranks
+from .agreement_report import (DTYPES, FIELDS, FORMATS, KEEP_VALUES, LABELS, RanksDisagreeError, raise_gathered,
+                               raise_pending, raise_ranges)
 
 AttentionCall = Any  # cpscope.attention.api.AttentionCall (not imported: api imports this module)
 __all__ = ["RanksDisagreeError", "check_call", "verify_agreement", "FIELDS", "LABELS"]
 
 logger = logging.getLogger(__name__)
 
-FIELDS: tuple[str, ...] = ("comm", "global_len", "rows", "cu_seqlens", "qkv_format", "causal", "dtype", "heads",
-                           "kv_heads", "head_dim", "v_head_dim", "window", "softcap", "sinks")
-LABELS = {
-    "comm": "communication variant (comm)",
-    "global_len": "global length (tokens per sequence; thd: the packed total)",
-    "rows": "rows (bshd/sbhd: batch; thd: documents)",
-    "cu_seqlens": "global cu_seqlens",
-    "qkv_format": "layout (qkv_format)",
-    "causal": "causal",
-    "dtype": "dtype",
-    "heads": "q heads",
-    "kv_heads": "k/v heads",
-    "head_dim": "q/k head dim",
-    "v_head_dim": "v head dim",
-    "window": "window",
-    "softcap": "softcap",
-    "sinks": "sinks given",
-}
-_HINTS = {
-    "comm": "pass the same comm= (or runtime_cp(..., comm=)) on every rank; comm='auto' needs the same chooser and "
-            "calibration on every rank",
-    "cu_seqlens": "every rank passes the whole microbatch's global offsets (the same cu_seqlens), not its own",
-    "global_len": "every rank holds its zigzag shard (zigzag_shard) of the same global sequences",
-    "rows": "every rank holds its zigzag shard of the same batch / documents",
-}
 # Fields whose difference alone leaves every rank's exchanges identical (same sizes, same collectives): the call can
 # run on every rank and the disagreement be raised at the step boundary. Only without a window (a window's halo
 # plan depends on the offsets).
 _NEUTRAL = frozenset({"cu_seqlens"})
-_READABLE = {"global_len", "rows", "heads", "kv_heads", "head_dim", "v_head_dim", "causal", "sinks"}  # ints as is
-
-_FORMATS = ("bshd", "sbhd", "thd")
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _MASK62 = (1 << 62) - 1  # digest values stay in [0, 2^62): their negation fits int64
 _HASH_KEY = ("agreement_digest",)  # the pack memo key of its offsets' hash
 _MEMORY_SIZE = 256  # agreed digests remembered per group (LRU)
-_KEEP_VALUES = 1024  # readable values kept per group between two verdicts, for the report
 
 # Private switch (benchmarks measure the check against none; tests): it must be the same on every rank of a group,
 # which is why it is not offered as a user option — a rank with the check and one without would hang.
 _ENABLED = True
-
-
-class RanksDisagreeError(ValueError):
-    """The ranks of a CP group ran different attention calls (variant, offsets, lengths, ...): raised on every rank.
-
-    ``values`` maps each differing field to ``{global rank: that rank's value}`` (or, when not every rank could be
-    asked, ``{"this rank": ..., "min": ..., "max": ...}``).
-
-    Example::
-
-        try:
-            out = cpscope.context_parallel_attention(q, k, v)
-        except cpscope.RanksDisagreeError as e:
-            print(e.values)            # {'comm': {0: 'p2p', 1: 'all_gather'}}
-    """
-
-    def __init__(self, message: str, values: Optional[dict[str, dict[Any, Any]]] = None) -> None:
-        super().__init__(message)
-        self.values = dict(values or {})
-
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.values)
 
 
 # ---- digest -------------------------------------------------------------------------------------------------------
@@ -159,39 +108,10 @@ def _digest(values: tuple, pack: Any) -> tuple[int, ...]:
     """The int codes of ``values`` (in ``[0, 2^62)``); the offsets' hash is computed once per pack."""
     (name, inner), global_len, rows, offsets, fmt, causal, dtype, h, hk, d, dv, window, softcap, sinks = values
     offsets_hash = 0 if pack is None else pack.memo(_HASH_KEY, lambda: _hash(offsets))
-    return (_comm_code(name, inner), global_len, rows, offsets_hash, _FORMATS.index(fmt) + 1, int(causal),
-            _DTYPES.index(dtype) + 1 if dtype in _DTYPES else _hash(str(dtype)), h, hk, d, dv,
+    return (_comm_code(name, inner), global_len, rows, offsets_hash, FORMATS.index(fmt) + 1, int(causal),
+            DTYPES.index(dtype) + 1 if dtype in DTYPES else _hash(str(dtype)), h, hk, d, dv,
             0 if window is None else _hash(tuple(window)),
             0 if softcap is None else struct.unpack("<q", struct.pack("<d", softcap))[0] & _MASK62, int(sinks))
-
-
-def _show(field: str, value: Any) -> Any:
-    """A readable form of one field's value (for messages and ``RanksDisagreeError.values``)."""
-    if field == "comm":
-        name, inner = value
-        return name if inner is None else f"{name}:{inner}"
-    if field == "cu_seqlens":
-        if value is None:
-            return None
-        cu, real = value
-        return list(cu) if real is None else {"cu_seqlens": list(real), "cu_seqlens_padded": list(cu)}
-    if field == "dtype":
-        return str(value).replace("torch.", "")
-    return value
-
-
-def _decode(field: str, code: int) -> Any:
-    """A digest code back to a readable value, where the code is not a hash."""
-    if field == "comm":
-        name, inner = VARIANTS[code % 1000 - 1], code // 1000
-        return name if not inner else f"{name}:{inner}"
-    if field == "qkv_format":
-        return _FORMATS[code - 1]
-    if field == "dtype" and 1 <= code <= len(_DTYPES):
-        return str(_DTYPES[code - 1]).replace("torch.", "")
-    if field in _READABLE:
-        return code
-    return f"<hash {code:#x}>"
 
 
 # ---- per-group state ------------------------------------------------------------------------------------------------
@@ -209,7 +129,7 @@ class _Pending:
 
     def add(self, values: tuple) -> None:
         self.calls += 1
-        if len(self.values) < _KEEP_VALUES:
+        if len(self.values) < KEEP_VALUES:
             self.values.append(values)
 
 
@@ -325,14 +245,14 @@ def check_call(call: "AttentionCall", group: Any = None) -> None:
             pend.add(values)
             flagged = [FIELDS[i] for i, x in enumerate(out[2 * n + 2:]) if x]
             if everyone and flagged:
-                _raise_pending({group: flagged}, {group: state.pending.pop(group)})
+                raise_pending({group: flagged}, {group: state.pending.pop(group).values})
         return
     if everyone:
-        _raise_gathered(group, differ, values)
+        raise_gathered(group, differ, values)
     if set(differ) <= _NEUTRAL and call.window is None:  # same exchanges on every rank: raise at the step boundary
         _defer(state, group, (buf[:n] + buf[n + 1:2 * n + 1]).ne(0), values)
         return
-    _raise_ranges(group, differ, values, high, low)
+    raise_ranges(group, differ, values, high, low)
 
 
 # ---- step boundary --------------------------------------------------------------------------------------------------
@@ -341,7 +261,7 @@ def check_call(call: "AttentionCall", group: Any = None) -> None:
 def verify_agreement() -> None:
     """Read the deferred verdicts of this thread's groups (one host read per group with unread calls); raise on a
     disagreement. Called before every ``torch.optim`` optimizer step and at the end of
-    :func:`cpscope.train.run_step`; call it yourself at the step boundary of a loop that steps otherwise.
+    :func:`cpscope.train.loop.run_step`; call it yourself at the step boundary of a loop that steps otherwise.
 
     Every rank of a group that ran unread calls must call it (each optimizer step does); no collective runs unless a
     disagreement was found (then one ``all_gather_object`` per group, in the same order on every rank).
@@ -365,59 +285,6 @@ def verify_agreement() -> None:
     bad = {g: [FIELDS[i] for i, x in enumerate(f) if x] for g, f in flags.items()}
     bad = {g: fields for g, fields in bad.items() if fields}
     if bad:
-        _raise_pending(bad, pending)
+        raise_pending(bad, {g: p.values for g, p in pending.items()})
 
 
-def _raise_pending(bad: dict[Any, list[str]], pending: dict[Any, _Pending]) -> None:
-    """Every rank of every group in ``bad`` raises, naming the first call whose flagged fields differ."""
-    parts, found = [], {}
-    for group in sorted(bad, key=group_ranks):  # the same order on every rank: no crossed collectives
-        mine = [[_show(f, row[FIELDS.index(f)]) for f in bad[group]] for row in pending[group].values]
-        rows: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(rows, mine, group=group)
-        members = group_ranks(group)
-        first = next((i for i in range(min(map(len, rows))) if any(r[i] != rows[0][i] for r in rows)), None)
-        for j, field in enumerate(bad[group]):
-            if first is None:
-                found[field] = {}
-                parts.append(f"{LABELS[field]} differs (in a call beyond the {_KEEP_VALUES} kept for the report)")
-                continue
-            found[field] = {members[r]: rows[r][first][j] for r in range(len(rows))}
-            shown = ", ".join(f"rank {g}: {v!r}" for g, v in found[field].items())
-            parts.append(f"{LABELS[field]} differs at attention call {first + 1} since the last verdict — {shown}"
-                         + (f" ({_HINTS[field]})" if field in _HINTS else ""))
-    raise RanksDisagreeError(
-        "the ranks of a CP group ran different attention calls (found at the step boundary, before the optimizer "
-        "step: their outputs are wrong), so every rank of the group raises: " + "; ".join(parts), found)
-
-
-def _raise_gathered(group: Any, differ: Sequence[str], values: tuple) -> None:
-    """Every rank reads this verdict: fetch each rank's readable values and raise, on every rank."""
-    mine = {f: _show(f, values[FIELDS.index(f)]) for f in differ}
-    rows: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(rows, mine, group=group)
-    members = group_ranks(group)
-    found = {f: {members[i]: r[f] for i, r in enumerate(rows)} for f in differ}
-    parts = []
-    for f in differ:
-        shown = ", ".join(f"rank {g}: {v!r}" for g, v in found[f].items())
-        parts.append(f"{LABELS[f]} differs — {shown}" + (f" ({_HINTS[f]})" if f in _HINTS else ""))
-    raise RanksDisagreeError(
-        f"the ranks {members} of a CP group called attention with different arguments; their exchange would hang "
-        f"or return wrong rows, so every rank of the group raises before it: " + "; ".join(parts), found)
-
-
-def _raise_ranges(group: Any, differ: Sequence[str], values: tuple, high: list[int], low: list[int]) -> None:
-    """Not every rank reads this verdict (some repeat a call agreed before): no second collective; name this rank's
-    value and the smallest and largest of the group."""
-    me = dist.get_rank()
-    found, parts = {}, []
-    for f in differ:
-        i = FIELDS.index(f)
-        found[f] = {"this rank": _show(f, values[i]), "min": _decode(f, low[i]), "max": _decode(f, high[i])}
-        parts.append(f"{LABELS[f]} differs — rank {me}: {found[f]['this rank']!r}; the group's values range from "
-                     f"{found[f]['min']!r} to {found[f]['max']!r}" + (f" ({_HINTS[f]})" if f in _HINTS else ""))
-    raise RanksDisagreeError(
-        f"the ranks {group_ranks(group)} of a CP group called attention with different arguments; this rank raises "
-        f"before its exchange (a rank that repeated an earlier call may wait in its exchange until the group's "
-        f"timeout): " + "; ".join(parts), found)
