@@ -102,6 +102,10 @@ def _check_correctness(attend: _Attend, world: int, device: torch.device) -> dic
     err = (attend(*local).double().cpu() - want).abs().max().item()
     res: dict[str, Any] = {"max_abs_err_vs_float64": err, "ok": err < 1e-4}
     if world > 1:
+        # a step boundary first: the agreed memory is forgotten, so every rank reads this call's verdict (a rank
+        # repeating the call agreed just above while another changes its variant is the check's one limit:
+        # docs/agreement.md)
+        agreement.verify_agreement()
         try:
             cpscope.context_parallel_attention(*local, comm="p2p" if rank == 0 else "all_gather")
             res["disagreement"] = "no error"

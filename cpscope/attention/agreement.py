@@ -50,6 +50,7 @@ import hashlib
 import logging
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -139,9 +140,9 @@ class _State:
 
     __slots__ = ("agreed", "pending")
 
-    def __init__(self) -> None:
-        self.agreed: dict[Any, "OrderedDict[tuple, None]"] = {}
-        self.pending: dict[Any, _Pending] = {}
+    def __init__(self) -> None:  # weakly keyed: no destroyed group is kept alive here
+        self.agreed: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple, None]]" = weakref.WeakKeyDictionary()
+        self.pending: "weakref.WeakKeyDictionary[Any, _Pending]" = weakref.WeakKeyDictionary()
 
 
 _STATE: contextvars.ContextVar[Optional[_State]] = contextvars.ContextVar("cpscope_agreement", default=None)
@@ -179,7 +180,8 @@ def _hook_optimizers() -> None:
 
 # ---- transport ------------------------------------------------------------------------------------------------------
 
-_CPU_OK: dict[Any, bool] = {}  # group -> reduces CPU tensors (the same on every member: backends are made together)
+# group -> whether it reduces CPU tensors (the same on every member: a group's backends are made together)
+_CPU_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _transport(group: Any, hint: torch.device) -> torch.device:
@@ -187,9 +189,7 @@ def _transport(group: Any, hint: torch.device) -> torch.device:
     if ok is None:
         backend = str(dist.get_backend(group)).lower()
         ok = _CPU_OK[group] = any(name in backend for name in ("gloo", "mpi", "ucc"))
-    if ok or hint.type != "cuda":
-        return torch.device("cpu") if ok else hint
-    return hint
+    return torch.device("cpu") if ok else hint  # NCCL: the device of the call's tensors
 
 
 def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device) -> torch.Tensor:
@@ -278,7 +278,7 @@ def verify_agreement() -> None:
     if state is None:
         return
     state.agreed.clear()  # each step's first call of each kind reads its verdict again
-    pending, state.pending = state.pending, {}
+    pending, state.pending = dict(state.pending.items()), weakref.WeakKeyDictionary()
     if not pending:
         return
     flags = {g: p.flags.to(torch.int64).tolist() for g, p in pending.items()}  # one host read per group
