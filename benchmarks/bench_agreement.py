@@ -93,14 +93,14 @@ def _check_correctness(attend: _Attend, world: int, device: torch.device) -> dic
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, 64 * world, 4, 16, generator=g, dtype=torch.float64) for _ in range(3)]  # [b, s, h, d]
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=True).transpose(1, 2)
-    dtype = torch.float32
+    dtype, tol = (torch.bfloat16, 3e-2) if device.type == "cuda" else (torch.float32, 1e-4)  # the step's kernels
     if world > 1:
         local = [cpscope.zigzag_shard(t, seq_dim=1).to(device, dtype) for t in full]
         want = cpscope.zigzag_shard(ref, seq_dim=1)
     else:
         local, want = [t.to(device, dtype) for t in full], ref
     err = (attend(*local).double().cpu() - want).abs().max().item()
-    res: dict[str, Any] = {"max_abs_err_vs_float64": err, "ok": err < 1e-4}
+    res: dict[str, Any] = {"max_abs_err_vs_float64": err, "tolerance": tol, "ok": err < tol}
     if world > 1:
         # a step boundary first: the agreed memory is forgotten, so every rank reads this call's verdict (a rank
         # repeating the call agreed just above while another changes its variant is the check's one limit:

@@ -158,11 +158,13 @@ def _state() -> _State:
     return state
 
 
-def _defer(state: _State, group: Any, bad: torch.Tensor, values: tuple) -> None:
+def _defer(state: _State, group: Any, spread: torch.Tensor, values: tuple) -> None:
+    """Keep this call's verdict unread: ``spread`` (max - min per field, on the transport's device) OR-ed into the
+    group's flags — one kernel, no host read."""
     pend = state.pending.get(group)
     if pend is None:
-        pend = state.pending[group] = _Pending(bad.device)
-    pend.flags.logical_or_(bad)
+        pend = state.pending[group] = _Pending(spread.device)
+    torch.logical_or(pend.flags, spread, out=pend.flags)
     pend.add(values)
     if not _HOOKED:
         _hook_optimizers()
@@ -229,7 +231,7 @@ def check_call(call: "AttentionCall", group: Any = None) -> None:
     n = len(FIELDS)
     if not read:  # compared on the device; read at the step boundary
         mem.move_to_end(digest)
-        _defer(state, group, (buf[:n] + buf[n + 1:2 * n + 1]).ne(0), values)
+        _defer(state, group, buf.view(2, n + 1).sum(0)[:n], values)  # max - min per field: > 0 where they differ
         return
     pend = state.pending.get(group)
     row = buf if pend is None else torch.cat([buf, pend.flags.to(buf.device, torch.int64)])
@@ -250,7 +252,7 @@ def check_call(call: "AttentionCall", group: Any = None) -> None:
     if everyone:
         raise_gathered(group, differ, values)
     if set(differ) <= _NEUTRAL and call.window is None:  # same exchanges on every rank: raise at the step boundary
-        _defer(state, group, (buf[:n] + buf[n + 1:2 * n + 1]).ne(0), values)
+        _defer(state, group, buf.view(2, n + 1).sum(0)[:n], values)
         return
     raise_ranges(group, differ, values, high, low)
 
