@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
+from ..attention.agreement import verify_agreement
 from ..groups import group_ranks
 from ..scope import runtime_cp
 from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
@@ -294,6 +295,8 @@ def run_step(
     Raises:
         ValueError: ``sync`` was built for another model or another group; ``num_targets`` not positive; a CP group
             outside ``dp_group``; what :func:`~cpscope.train.sync.gradient_sync` refuses.
+        cpscope.RanksDisagreeError: the ranks of a CP group ran different attention calls in this step (read at
+            its end, before the optimizer step; :func:`cpscope.verify_agreement`).
 
     Example::
 
@@ -331,4 +334,5 @@ def run_step(
         sync.abort_step()
         raise
     sync.end_step()
+    verify_agreement()  # the step boundary: attention calls whose agreement was checked on the device (no host read)
     return StepResult(loss_sum=total, num_targets=num_targets, num_microbatches=len(mbs), dp_group=sync.dp_group)
