@@ -219,7 +219,8 @@ SMALL = dict(heads=4, kv_heads=(4, 2), head_dim=8, tokens=(32, 64), docs=(1, 2),
 
 
 def _calibrate_with_stand_in(directory: str) -> str:
-    from cpscope.train.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     model = calibrate(groups, attention=ring_stand_in, directory=directory, **SMALL)
@@ -264,11 +265,12 @@ def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
     if has_comm:  # the attention takes comm=: the real calibration runs
         assert out == ["ran", "ran"]
     else:
-        assert all("takes no comm=" in o and "ring_stand_in" in o for o in out)
+        assert all("takes no comm=" in o and "stand-in" in o for o in out)
 
 
 def _calibrate_bad_args() -> bool:
-    from cpscope.train.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     for kwargs, match in (({"variants": ("ring",)}, "variants must be"), ({"kv_heads": (3,)}, "multiple of"),
@@ -364,7 +366,8 @@ def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path)
 
 
 def _load_or_calibrate_twice(directory: str) -> bool:
-    from cpscope.train.calibrate import load_or_calibrate, ring_stand_in
+    from cpscope.train.calibrate import load_or_calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     tiny = {**SMALL, "kv_heads": (4,), "tokens": (32,), "docs": (1,)}
