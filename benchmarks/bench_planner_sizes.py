@@ -65,7 +65,7 @@ def _winner(plan: Any, lengths: np.ndarray, n: int) -> str:
     """Which candidate of plan_hybrid gave ``plan`` (where every divisor is allowed and the sizes straddle)."""
     from cpscope.hybrid import plan_hybrid
     from cpscope.hybrid.planner import _nested_subsets
-    from cpscope.hybrid.problem import divisors, is_nested
+    from cpscope.hybrid._problem import divisors, is_nested
 
     sizes = divisors(n)
     if is_nested(sizes):
@@ -105,7 +105,7 @@ def registry_rows(worlds: tuple[int, ...], repeats: int) -> list[dict]:
     import cpscope
     from cpscope.groups import registry as G
     from tests._sim import SimulatedLayer
-    from cpscope.hybrid.problem import divisors
+    from cpscope.hybrid._problem import divisors
 
     rows = []
     real = G._LAYER

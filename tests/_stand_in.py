@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from cpscope.hybrid.comm_cost import VARIANTS
+from cpscope._variants import check_variants, split_comm
 
 __all__ = ["ring_stand_in"]
 
@@ -18,8 +18,7 @@ def ring_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: st
     """
     from cpscope.attention import context_parallel_attention
 
-    if comm.partition(":")[0] not in VARIANTS:
-        raise ValueError(f"unknown communication variant {comm!r}; expected one of {VARIANTS}")
+    check_variants([split_comm(comm)[0]])
     return context_parallel_attention(q, k, v, **kwargs)
 
 

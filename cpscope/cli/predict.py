@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..hybrid import Plan, cp_candidates, plan_hybrid, plan_static
-from ..hybrid.problem import Cost
+from ..hybrid._problem import Cost
 
 __all__ = ["Prediction", "Schedule", "predict"]
 

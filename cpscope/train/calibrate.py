@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..hybrid.comm_cost import (LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner,
-                                dtype_name, load_cached, variant_allowed)
+from .._variants import VARIANTS, check_variants
+from ..hybrid.comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
+                                load_cached, variant_allowed)
 from .auto import calibration_device, device_name
 
 __all__ = ["calibrate", "job_key", "load_or_calibrate"]
@@ -224,8 +225,7 @@ def _check_arguments(variants: Sequence[str], heads: int, kv_heads: Sequence[int
     """``calibrate``'s argument checks (``ValueError`` before any collective)."""
     if not dist.is_initialized():
         raise ValueError("calibrate is collective: initialise torch.distributed first (gloo on CPU, NCCL on GPU)")
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad or not variants:
+    if not check_variants(variants):  # ValueError naming the unknown ones
         raise ValueError(f"variants must be some of {VARIANTS}, got {list(variants)}")
     for name, values in (("kv_heads", kv_heads), ("tokens", tokens), ("docs", docs)):
         if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):

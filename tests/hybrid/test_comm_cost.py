@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpscope
+from cpscope._variants import VARIANTS
 from cpscope.hybrid.comm_cost import (
     FEATURES,
-    VARIANTS,
     CommCostModel,
     Sample,
     cache_key,
@@ -130,7 +130,7 @@ def test_cache_dir_override(tmp_path, monkeypatch) -> None:
 def test_bad_models_and_queries() -> None:
     with pytest.raises(ValueError, match="finite numbers"):
         CommCostModel({"bfloat16": {"p2p": (1.0, -1.0, 0, 0, 0)}})
-    with pytest.raises(ValueError, match="unknown variant 'ring'"):
+    with pytest.raises(ValueError, match="unknown communication variant 'ring'"):
         CommCostModel({"bfloat16": {"ring": (0, 0, 0, 0, 0)}})
     with pytest.raises(ValueError, match="int8"):
         CommCostModel({"int8": {"p2p": (0, 0, 0, 0, 0)}})
@@ -207,7 +207,7 @@ def test_choose_ties_go_to_the_ring_and_errors_name_values() -> None:
     only_a2a = CommCostModel({"bfloat16": {"a2a": same}})
     with pytest.raises(ValueError, match=r"no communication variant is both fitted .*'a2a'.* cp=8, heads=12"):
         choose(only_a2a, [4096], cp=8, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16")
-    with pytest.raises(ValueError, match="unknown communication variants"):
+    with pytest.raises(ValueError, match="unknown communication variant .ring."):
         choose(tie, [4096], cp=2, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", candidates=("ring",))
     with pytest.raises(ValueError, match="no fit for dtype 'float32'"):
         choose(tie, [4096], cp=2, heads=8, kv_heads=8, head_dim=64, dtype="float32")
