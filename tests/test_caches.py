@@ -31,8 +31,8 @@ PACKAGE = Path(cpscope.__file__).parent
 # Module-level state that is not a cache (clearing it would change behaviour, not just cost a rebuild).
 NOT_CACHES = {
     "cpscope._tensor_cache._CLEARS": "the registry of clear functions itself",
-    "cpscope.scope._SCOPES": "interning: scope_for returns the same CPScope per live group (weak, self-cleaning)",
-    "cpscope.scope._CALLBACKS": "the dropping references of _SCOPES",
+    "cpscope._scope_binding._SCOPES": "interning: scope_for returns the same CPScope per live group (weak, self-cleaning)",
+    "cpscope._scope_binding._CALLBACKS": "the dropping references of _SCOPES",
     "cpscope.streams._STREAMS": "the CP stream per device (contract: created once per device; work is queued on it)",
     "cpscope.groups.registry._USED": "names already used per world: a destroyed group's name must not come back",
     "cpscope.integrations._swap._CLASSES": "one swapped class per (base, mixins): identity (isinstance, pickle)",
