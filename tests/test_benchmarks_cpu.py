@@ -69,9 +69,9 @@ def test_ring_block_rows():
 
 
 def test_host_layer_with_stubbed_kernel(monkeypatch):
-    from cpscope.attention import blocks
+    from cpscope.attention.kernels import exact
 
-    monkeypatch.setattr(blocks, "_cpu_forward", blocks._cpu_forward)  # restored after the test
+    monkeypatch.setattr(exact, "forward", exact.forward)  # restored after the test
     calls = bh.install_cpu_stub()
     args = argparse.Namespace(tokens=256, heads=2, kv_heads=1, dim=8, dtype=torch.float32, packs=2, layers=3,
                               sleep_ms=0.0)

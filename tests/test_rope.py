@@ -452,10 +452,12 @@ def interpreted_rope_kernel(monkeypatch):
     pytest.importorskip("triton")
     from cpscope.rope import _kernel as _rope_kernel
 
+    from cpscope.attention.policy import use_kernel_policy
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(_rope_kernel, "_FORCE", True)
     _rope_kernel._kernel.cache_clear()
-    yield _rope_kernel
+    with use_kernel_policy(triton_on_cpu=True):
+        yield _rope_kernel
     _rope_kernel._kernel.cache_clear()
 
 

@@ -456,9 +456,9 @@ def test_clear_caches_calls_every_registered_clear():
         assert calls == [1] and _tensor_cache.stats() == {"tensors": 0, "derived": 0, "values": 0}
     finally:
         _tensor_cache._CLEARS.remove(fn)
-    from cpscope.attention import _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend
 
-    assert _cudnn_thd.clear_cache in _tensor_cache._CLEARS  # the cuDNN graph cache registered itself
+    assert cudnn_frontend.clear_cache in _tensor_cache._CLEARS  # the cuDNN graph cache registered itself
 
 
 def test_tensor_cache_from_many_threads():

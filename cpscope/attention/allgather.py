@@ -38,7 +38,7 @@ import torch
 
 from .._pack import pack_for
 from ..scope import CPScope
-from .blocks import Varlen, Window, acc_dtype, block_backward, block_forward
+from .kernels import Varlen, Window, acc_dtype, block_backward, block_forward
 from .comm import GroupCollectives, Pending
 from .halo import halo_attention
 from .halo_plan import halo_plan_for
@@ -166,7 +166,8 @@ def forward(
         else:
             kk, vv = (plan.keys(p.wait(), blk) for p in gathered[blk.src])
         o, l = block_forward(plan.rows(q, blk), kk, vv, scale=plan.scale, causal=blk.src == "local",
-                             varlen=plan.varlen(blk, q.device), softcap=plan.softcap)
+                             varlen=plan.varlen(blk, q.device), softcap=plan.softcap,
+                             placeholders=plan.ring.placeholders)
         if out is None:  # the first block covers all rows
             out, lse = o.to(acc_dtype(q.dtype)), l.to(acc_dtype(q.dtype))
         else:
@@ -196,7 +197,8 @@ def backward(
 
     def local_piece(p: DiagPart) -> None:
         g = block_backward(p.take_q(dout), p.take_q(q), p.take_kv(k), p.take_kv(v), p.take_q(out), p.take_lse(lse),
-                           scale=plan.scale, causal=True, varlen=p.varlen, softcap=plan.softcap)
+                           scale=plan.scale, causal=True, varlen=p.varlen, softcap=plan.softcap,
+                           placeholders=plan.ring.placeholders)
         p.take_q(dq).add_(g[0])
         p.take_kv(dk).copy_(g[1])
         p.take_kv(dv).copy_(g[2])
@@ -211,7 +213,8 @@ def backward(
             kg, vg = (p.wait() for p in gathered[src])
             g = block_backward(plan.rows(dout, blk), plan.rows(q, blk), plan.keys(kg, blk), plan.keys(vg, blk),
                                plan.rows(out, blk), plan.lse_rows(lse, blk), scale=plan.scale, causal=False,
-                               varlen=plan.varlen(blk, q.device), softcap=plan.softcap)
+                               varlen=plan.varlen(blk, q.device), softcap=plan.softcap,
+                               placeholders=plan.ring.placeholders)
             if blk.back:
                 rp.add_q_back(dq, g[0])
             else:

@@ -34,20 +34,16 @@ from .._variants import P2P
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ._inputs import (check_attention_inputs, check_dense_max_seqlen, check_sinks, check_softcap, check_softmax_scale,
                       check_thd_pack, check_window)
-from .blocks import Window
+from .kernels import Window
 from .halo import halo_attention
 from .halo_plan import effective_window, halo_plan_for
 from .layout import packed, unpacked
+from .policy import kernel_policy
 from .ring import ring_attention
 from .ring_plan import RingPlan, plan_for_pack
 from .variants import Variant, resolve_variant, run_variant
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "AttentionCall", "prepare_call", "run_call"]
-
-# Private test knob: bshd/sbhd run with the dense kernels (False, the default; cuDNN attention on CUDA) or as packed
-# varlen blocks (True: each batch row one zigzag-sharded "document"), so that tests cover both routes on CPU.
-_DENSE_AS_VARLEN: bool = False
-
 
 def context_parallel_attention(
     q: torch.Tensor,
@@ -275,7 +271,7 @@ def _pack_of(q: torch.Tensor, scope: CPScope, qkv_format: str, cu_seqlens: Optio
     b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
     g = s * scope.size  # global sequence length
     check_dense_max_seqlen(max_seqlen, g)
-    if cu_seqlens is None and not _DENSE_AS_VARLEN:
+    if cu_seqlens is None and not kernel_policy().dense_as_varlen:
         return None
     # row i is a document of global length g, zigzag-sharded (padded at its end when real lengths are given)
     layout = tuple(range(0, b * g + 1, g))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..groups import group_ranks
-from .blocks import acc_dtype, block_backward, block_forward
+from .kernels import acc_dtype, block_backward, block_forward
 from .comm import GroupCollectives
 from .halo_plan import HaloBlock, HaloGeometry, HaloPlan, Rows
 from .merge import merge_rows_, merge_sinks_, sinks_grad

@@ -35,7 +35,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack
-from .blocks import Varlen, Window
+from .kernels import Varlen, Window
+from .mods import Band
 from .merge import rows_add_
 
 __all__ = ["effective_window", "Rows", "HaloBlock", "HaloGeometry", "HaloPlan", "halo_plan_for"]
@@ -52,18 +53,7 @@ def effective_window(window: Window, causal: bool, longest: int) -> Window:
         effective_window((4096, 0), True, 2048)    # None: every document is shorter than the window
         effective_window((255, 7), True, 8192)     # (255, 0)
     """
-    if window is None:
-        return None
-    left, right = window
-    if left >= longest - 1:
-        left = -1
-    if causal:
-        right = 0
-    elif right >= longest - 1:
-        right = -1
-    if left == -1 and (causal or right == -1):
-        return None
-    return left, right
+    return Band.effective(window, causal, longest)
 
 
 class Rows(NamedTuple):

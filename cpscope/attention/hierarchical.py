@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
-from .blocks import Window
+from .kernels import Window
 from .comm import GroupCollectives
 from .layout import Packed
 from .ulysses import UlyssesPlan, check_heads, run

@@ -6,12 +6,13 @@
 * :func:`rows_add_` adds ``val[r]`` into ``acc[idx[r]]`` for unique ``idx`` (fp32 math, stored in ``acc``'s dtype):
   a plain gather-add-store per row, no atomics (``index_add_`` on CUDA uses atomics and a generic kernel).
 
-Layouts (as :mod:`cpscope.attention.blocks`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
+Layouts (as :mod:`cpscope.attention.kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
 ``[t, h, d]`` with ``lse`` ``[h, t]``. Any strides are accepted (views of larger tensors, transposed lse).
 
 Triton is imported lazily, on the first CUDA tensor (the module imports without it); without Triton, for fp64, or on
-other devices the torch fallback runs with the same semantics. ``_FORCE_TRITON = True`` (tests only) sends CPU tensors
-through the Triton kernels too, for Triton's interpreter (``TRITON_INTERPRET=1``).
+other devices the torch fallback runs with the same semantics. The kernel policy's ``triton_on_cpu`` (tests only,
+:func:`cpscope.attention.policy.use_kernel_policy`) sends CPU tensors through the Triton kernels too, for Triton's
+interpreter (``TRITON_INTERPRET=1``).
 
 * :func:`merge_sinks_` merges attention sinks (one logit per head, no value) into final ``(out, lse)``, and
   :func:`sink_terms` gives each row's share of their gradient.
@@ -30,9 +31,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .policy import kernel_policy
+
 __all__ = ["merge_rows_", "rows_add_", "merge_sinks_", "sink_terms", "sinks_grad"]
 
-_FORCE_TRITON = False  # private: tests run the Triton kernels on CPU tensors under TRITON_INTERPRET=1
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_TILE = 4096  # elements of one merge program's [BLOCK_H, BLOCK_D] tile
 _ADD_BLOCK = 2048  # elements of one rows_add_ program
@@ -104,7 +106,7 @@ def _on_device(t: torch.Tensor) -> Any:
 
 def _use_triton(*tensors: torch.Tensor) -> bool:
     t = tensors[0]
-    if not (t.is_cuda or _FORCE_TRITON):
+    if not (t.is_cuda or kernel_policy().triton_on_cpu):
         return False
     if any(x.dtype not in _TRITON_DTYPES for x in tensors):
         return False

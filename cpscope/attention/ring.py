@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .blocks import acc_dtype, block_backward, block_forward
+from .kernels import acc_dtype, block_backward, block_forward
 from .comm import RingComm, is_dense
 from .merge import merge_rows_, merge_sinks_, sinks_grad
 from .ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
@@ -57,7 +57,7 @@ def ring_forward(
             comm.send_recv([kc, vc], recv_shapes=plan.recv_shapes(plan.rank - step - 1, [kc, vc]))
         st = plan.step(step)
         o, l = block_forward(*plan.block_rows(st, q, kc, vc), scale=plan.scale, causal=st.causal, varlen=st.varlen,
-                             window=plan.window, softcap=plan.softcap)
+                             window=plan.window, softcap=plan.softcap, placeholders=plan.placeholders)
         if plan.size == 1:  # CP1: one plain kernel call, nothing to merge
             if sinks is not None:
                 merge_sinks_(o, l, sinks)
@@ -126,7 +126,8 @@ class _BackwardRing:
         if size == 1:  # CP1: one plain kernel call
             st = plan.step(0)
             dq, dk, dv = block_backward(self.dout, self.q, self.k, self.v, self.out, self.lse, scale=plan.scale,
-                                        causal=st.causal, varlen=st.varlen, window=plan.window, softcap=plan.softcap)
+                                        causal=st.causal, varlen=st.varlen, window=plan.window, softcap=plan.softcap,
+                                        placeholders=plan.placeholders)
             return dq, plan.expand_kv(dk, self.k_full), plan.expand_kv(dv, self.v_full)
         kv_comm, self.dkv_comm = RingComm(self.group, rank, size), RingComm(self.group, rank, size)
         # dQ accumulates in fp32 (fp64) — except for CP2 where it is a sum of two kernel outputs that are already in
@@ -153,7 +154,8 @@ class _BackwardRing:
         """One piece of the diagonal block: returns the piece's dQ, keeps its dK/dV."""
         g = block_backward(p.take_q(self.dout), p.take_q(self.q), p.take_kv(self.k), p.take_kv(self.v),
                            p.take_q(self.out), p.take_lse(self.lse), scale=self.plan.scale, causal=self.plan.causal,
-                           varlen=p.varlen, softcap=self.plan.softcap)
+                           varlen=p.varlen, softcap=self.plan.softcap,
+                           placeholders=self.plan.placeholders)
         self.dks.append(g[1].to(self.k.dtype))
         self.dvs.append(g[2].to(self.v.dtype))
         return g[0]
@@ -164,7 +166,7 @@ class _BackwardRing:
         qq, kk, vv = plan.block_rows(st, self.q, kc, vc)
         g = block_backward(plan.q_rows(self.dout, st), qq, kk, vv, plan.q_rows(self.out, st),
                            plan.lse_rows(self.lse, st), scale=plan.scale, causal=st.causal, varlen=st.varlen,
-                           softcap=plan.softcap)
+                           softcap=plan.softcap, placeholders=plan.placeholders)
         del qq, kk, vv
         self._add_remote_dq(g[0], st)
         gk, gv, front = g[1].to(self.k.dtype), g[2].to(self.v.dtype), st.kv_front

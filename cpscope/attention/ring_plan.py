@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack, pack_for
-from .blocks import Varlen, Window
+from .kernels import Placeholders, Varlen, Window
 from .merge import rows_add_
 
 __all__ = ["DiagPart", "RingGeometry", "RingPlan", "RingStep", "plan_for_pack"]
@@ -111,7 +111,7 @@ class RingGeometry:
     """What the ring derives from one pack's offsets on one device, built once per pack and reused by every layer.
 
     Varlen (``thd``) only: the local / half-chunk offsets (device tensors with host copies), the front / back row
-    indices, the per-kind :class:`~cpscope.attention.blocks.Varlen` descriptions, the backward's document split, and
+    indices, the per-kind :class:`~cpscope.attention.kernels.block.Varlen` descriptions, the backward's document split, and
     — when the pack holds padding — the padding rows and, for attention without a causal mask, the real rows of
     every rank's K/V (which travel compacted: padding keys are never seen).
 
@@ -217,6 +217,7 @@ class RingPlan:
             raise RuntimeError(f"a ring of {size} ranks with window={window}: windowed calls run the halo exchange")
         self.varlen, self.causal, self.scale, self.rank, self.size = varlen, causal, scale, rank, size
         self.window, self.softcap = window, softcap
+        self.placeholders = Placeholders()  # what this call's dense forwards hand to its backward (kept on ctx)
         # Halves are slices along `dim` (dense: dim 1; varlen holding ONE sequence: dim 0, zero-copy) or, for
         # several packed documents, index gathers/scatters (`dim` None).
         self.dim: Optional[int] = 1

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .._pack import pack_for
 from ..scope import CPScope
 from ..sharding import zigzag_indices
-from .blocks import Window
+from .kernels import Window
 from .comm import GroupCollectives
 from .halo import halo_backward, halo_forward
 from .halo_plan import HaloPlan, halo_plan_for

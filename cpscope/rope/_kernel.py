@@ -27,9 +27,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..attention.policy import kernel_policy
+
 __all__ = ["usable", "rope"]
 
-_FORCE = False  # tests: run the kernel on CPU tensors under TRITON_INTERPRET=1
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -91,7 +92,7 @@ def _kernel() -> Optional[Any]:
 
 def usable(t: torch.Tensor) -> bool:
     """Whether the kernel can run on ``t`` (CUDA, a supported dtype, Triton importable)."""
-    return (t.is_cuda or _FORCE) and t.dtype in _DTYPES and _kernel() is not None
+    return (t.is_cuda or kernel_policy().triton_on_cpu) and t.dtype in _DTYPES and _kernel() is not None
 
 
 def _pow2(n: int) -> int:

@@ -1,12 +1,13 @@
 """Parity of cpscope's CUDA blocks with windows, softcapping and multi-latent head dims against float64 references
 computed on the GPU (``tests/attention/test_kernels_gpu.py``; ``benchmarks/bench_attention_features.py --check``).
 
-Each case runs one block through the kernel route it names (``cudnn``: the cuDNN frontend graphs; ``flash``:
-flash-attention-2 with a window; ``plain``: the block's plain routes, e.g. multi-latent head dims on aten's cuDNN),
+Each case runs one block through the router (:mod:`cpscope.attention.kernels.router`) under the policy its route
+names (``cudnn`` / ``plain``: the default, cuDNN where the table allows it; ``flash``: cuDNN off, so
+flash-attention-2),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
 ``out = 0, lse = -inf``, ``ok``, and what cuDNN refused to build (``cudnn_refused``: the block then ran on the next
-route, see :mod:`cpscope.attention._kernels`). ``split`` cases cut the keys of one windowed block in two blocks (each with
+route, see :mod:`cpscope.attention.kernels.router`). ``split`` cases cut the keys of one windowed block in two blocks (each with
 the window that the bottom-right alignment gives it), merge the two by their log-sum-exp and run both backwards
 with the merged statistics: external statistics, blocks with more queries than keys, and rows with no key.
 
@@ -116,15 +117,22 @@ def _inputs(layout, shape, dims, dev, gen):
 
 
 def _block_fns(route: str, vl: Any):
-    from cpscope.attention import _kernels, blocks
+    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention.policy import use_kernel_policy
 
-    if route == "plain":
-        return (lambda q, k, v, s, c, w, sc: blocks._cuda_forward(q, k, v, s, c, vl),
-                lambda do, q, k, v, o, l, s, c, w, sc: blocks._cuda_backward(do, q, k, v, o, l, s, c, vl))
-    on, ef, eb = route == "cudnn", blocks._cpu_forward, blocks._cpu_backward
-    return (lambda q, k, v, s, c, w, sc: _kernels.forward(q, k, v, s, c, vl, w, sc, cudnn=on, exact=ef),
-            lambda do, q, k, v, o, l, s, c, w, sc: _kernels.backward(do, q, k, v, o, l, s, c, vl, w, sc, cudnn=on,
-                                                                   exact=eb))
+    ph = Placeholders()  # one call's: the dense forwards' placeholders for their backwards
+    changes = {"dense_cudnn": False, "varlen": "flash"} if route == "flash" else {}
+
+    def fwd(q, k, v, s, c, w, sc):
+        with use_kernel_policy(**changes):
+            return block_forward(q, k, v, scale=s, causal=c, varlen=vl, window=w, softcap=sc, placeholders=ph)
+
+    def bwd(do, q, k, v, o, l, s, c, w, sc):
+        with use_kernel_policy(**changes):
+            return block_backward(do, q, k, v, o, l, scale=s, causal=c, varlen=vl, window=w, softcap=sc,
+                                  placeholders=ph)
+
+    return fwd, bwd
 
 
 def _errors(out, lse, grads, ref) -> dict:
@@ -154,7 +162,7 @@ def _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap):
 
 def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
     """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``)."""
-    from cpscope.attention.blocks import Varlen
+    from cpscope.attention.kernels import Varlen
 
     route, layout, shape, dims, causal, window, softcap = CASES[name]
     gen = torch.Generator(device=dev).manual_seed(1000 + seed)
@@ -166,10 +174,10 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         lens = [[b - a for a, b in zip(c[:-1], c[1:])] for c in cu]
         t = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
         vl = Varlen(t(cu[0]), t(cu[1]), max(lens[0]), max(lens[1]), tuple(cu[0]), tuple(cu[1]))
-    from cpscope.attention import _kernels
+    from cpscope.attention.kernels import fallbacks
 
     fwd, bwd = _block_fns(route, vl)
-    before = set(_kernels.fallbacks())
+    before = set(fallbacks())
     if layout == "split":
         res = _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap)
     else:
@@ -177,5 +185,5 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         ref = reference(q, k, v, do, scale, causal, window, softcap, cu)
         grads = bwd(do, q, k, v, ref[0].to(q.dtype), ref[1].float(), scale, causal, window, softcap)
         res = _errors(out, lse, grads, ref)
-    refused = {str(k[0]): why for k, why in _kernels.fallbacks().items() if k not in before}
+    refused = {str(k[0]): why for k, why in fallbacks().items() if k not in before}
     return {"route": route, "layout": layout, **res, "cudnn_refused": refused}

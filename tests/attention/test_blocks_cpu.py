@@ -1,8 +1,9 @@
-"""The CUDA glue of ``cpscope.attention.blocks`` on CPU, against fake aten kernels: which placeholders a dense
-block's backward receives when blocks run on several devices.
+"""The block kernels on CPU: aten's dense kernels against fakes (which placeholders a dense block's backward
+receives), and the exact tiled math against a float64 reference.
 
-The dense kernels' backward takes placeholder outputs of their forward (cum_seq_q/k, philox seed/offset). Each
-device must get those of a forward on that same device, whatever order the devices run in, and the kept
+The dense kernels' backward takes placeholder outputs of their forward (cum_seq_q/k, philox seed/offset), carried by
+the call's :class:`~cpscope.attention.kernels.block.Placeholders`. Each device must get those of a forward on that
+same device in that call, whatever order the devices run in; another call's placeholders are never used; the kept
 placeholders must never be a tensor returned to the caller. Two devices are stood in by ``cpu`` and ``meta``
 tensors; the real kernels are checked on GPU (tests/attention/test_gpu.py).
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpscope.attention import blocks
+from cpscope.attention.kernels import Placeholders, Varlen, aten, block_backward, block_forward, exact
+from cpscope.attention.kernels import aten as aten_mod
 
 
 class _FakeKernel:
@@ -53,27 +55,31 @@ class _FakeAten:
 
 @pytest.fixture
 def fake_aten(monkeypatch):
-    aten = _FakeAten()
-    monkeypatch.setattr(blocks, "_aten", aten)
-    monkeypatch.setattr(blocks, "_AUX", {})
-    return aten
+    fake = _FakeAten()
+    monkeypatch.setattr(aten_mod, "_aten", fake)
+    return fake
 
 
 @pytest.mark.parametrize("use_cudnn", [True, False])
-def test_dense_placeholders_per_device(fake_aten, monkeypatch, use_cudnn):
-    monkeypatch.setattr(blocks, "_USE_CUDNN", use_cudnn)
+def test_dense_placeholders_per_device(fake_aten, use_cudnn):
     kernel = "cudnn" if use_cudnn else "flash"
+    kern = aten.SDPA_CUDNN if use_cudnn else aten.SDPA_FLASH
     bwd = getattr(fake_aten, f"_scaled_dot_product_{kernel}_attention_backward")
     seed_at = 6 if use_cudnn else 12  # where the seed sits among the backward's arguments
     qs = {dev: torch.zeros(1, 4, 2, 8, device=dev) for dev in ("cpu", "meta")}
-    outs = {dev: blocks._cuda_forward(q, q, q, 0.5, True, None) for dev, q in qs.items()}  # cpu first, then meta
-    assert set(blocks._AUX) == {(kernel, torch.device("cpu")), (kernel, torch.device("meta"))}
+    ph, other = Placeholders(), Placeholders()
+    outs = {dev: kern.forward(q, q, q, 0.5, True, None, None, None, ph) for dev, q in qs.items()}  # cpu, then meta
+    kern.forward(qs["cpu"], qs["cpu"], qs["cpu"], 0.5, True, None, None, None, other)  # another call's forward
+    assert set(ph.kept()) == {(kernel, torch.device("cpu")), (kernel, torch.device("meta"))}
     for dev in ("meta", "cpu"):  # backward in the other order
         q, (out, lse) = qs[dev], outs[dev]
-        blocks._cuda_backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, True, None)
-        assert bwd.calls[-1][seed_at] is fake_aten.seeds[(kernel, dev)], dev  # that device's own forward's
+        kern.backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, True, None, None, None, ph)
+        assert bwd.calls[-1][seed_at] is fake_aten.seeds[(kernel, dev)] or dev == "cpu", dev
+    # the cpu backward got this call's forward's seed, not the later call's
+    assert bwd.calls[-1][seed_at] is not other.kept()[(kernel, torch.device("cpu"))][2]
+    assert bwd.calls[-1][seed_at] is ph.kept()[(kernel, torch.device("cpu"))][2]
     # what is kept never shares memory with what a block returned (cpu: meta tensors have no memory)
-    kept = {t.untyped_storage().data_ptr() for (_, dev), aux in blocks._AUX.items() if dev.type == "cpu"
+    kept = {t.untyped_storage().data_ptr() for (_, dev), aux in ph.kept().items() if dev.type == "cpu"
             for t in aux if t is not None}
     out, lse = outs["cpu"]
     assert kept and kept.isdisjoint({out.untyped_storage().data_ptr(), lse.untyped_storage().data_ptr()})
@@ -81,11 +87,14 @@ def test_dense_placeholders_per_device(fake_aten, monkeypatch, use_cudnn):
 
 def test_dense_backward_without_forward_on_that_device_raises(fake_aten):
     q = torch.zeros(1, 4, 2, 8)
-    out, lse = blocks._cuda_forward(q, q, q, 0.5, False, None)
+    ph = Placeholders()
+    out, lse = aten.SDPA_CUDNN.forward(q, q, q, 0.5, False, None, None, None, ph)
     m = q.to("meta")
     with pytest.raises(RuntimeError, match="meta"):
-        blocks._cuda_backward(m, m, m, m, m, lse.to("meta"), 0.5, False, None)
-    blocks._cuda_backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, False, None)  # its own device: fine
+        aten.SDPA_CUDNN.backward(m, m, m, m, m, lse.to("meta"), 0.5, False, None, None, None, ph)
+    with pytest.raises(RuntimeError, match="without a forward"):  # no placeholders of this call at all
+        aten.SDPA_CUDNN.backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, False, None, None, None, None)
+    aten.SDPA_CUDNN.backward(torch.zeros_like(out), q, q, q, out, lse, 0.5, False, None, None, None, ph)  # fine
 
 
 # ------------------------------------------------------------------------------------------------ CPU exact math
@@ -129,7 +138,7 @@ def test_cpu_block_window_softcap_mla(window, softcap, monkeypatch):
     float64 reference, forward (out, lse) and backward, causal or not; tiles (a tiny budget) change nothing."""
     for causal, budget in ((True, None), (False, None), (True, 64), (False, 64)):
         if budget is not None:
-            monkeypatch.setattr(blocks, "_TILE_BUDGET", budget)
+            monkeypatch.setattr(exact, "TILE_BUDGET", budget)
         _check_block(causal, window, softcap)
 
 
@@ -142,7 +151,7 @@ def _check_block(causal, window, softcap) -> None:
     for a, b in zip(lq, lk):
         cu_q.append(cu_q[-1] + a)
         cu_k.append(cu_k[-1] + b)
-    vl = blocks.Varlen(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max(lq), max(lk))
+    vl = Varlen(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max(lq), max(lk))
     cases = [(None, [((0, 6), (0, 10))], 6, 10), (vl, list(zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:]))),
                                                   cu_q[-1], cu_k[-1])]
     for varlen, seqs, t_q, t_k in cases:
@@ -153,8 +162,8 @@ def _check_block(causal, window, softcap) -> None:
         ref = _block_reference(q, k, v, dout, seqs, causal, window, softcap, scale)
         wrap = (lambda x: x) if varlen is not None else (lambda x: x.unsqueeze(0))
         kw = dict(scale=scale, causal=causal, varlen=varlen, window=window, softcap=softcap)
-        out, lse = blocks.block_forward(wrap(q), wrap(k), wrap(v), **kw)
-        grads = blocks.block_backward(wrap(dout), wrap(q), wrap(k), wrap(v), out, lse, **kw)
+        out, lse = block_forward(wrap(q), wrap(k), wrap(v), **kw)
+        grads = block_backward(wrap(dout), wrap(q), wrap(k), wrap(v), out, lse, **kw)
         unwrap = (lambda x: x) if varlen is not None else (lambda x: x[0])
         assert unwrap(out).shape == (t_q, h, e) and lse.dtype == torch.float64
         for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (unwrap(out), unwrap(lse), *map(unwrap, grads)),
@@ -166,28 +175,9 @@ def _check_block(causal, window, softcap) -> None:
 
 def test_cpu_block_window_is_banded():
     """A window far narrower than the block computes only the band: its tiles cover O(rows x window) pairs."""
-    lo, hi = blocks._key_bounds(4096, 4096, True, None, (31, 0), torch.device("cpu"))
-    tiles = blocks._tiles(lo, hi, 8)
+    lo, hi = exact._key_bounds(4096, 4096, True, None, (31, 0), torch.device("cpu"))
+    tiles = exact._tiles(lo, hi, 8)
     area = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in tiles)
     assert area <= 4096 * 128, area  # the band (32 keys per row) within a small factor
-    full = blocks._tiles(*blocks._key_bounds(4096, 4096, True, None, None, torch.device("cpu")), 8)
+    full = exact._tiles(*exact._key_bounds(4096, 4096, True, None, None, torch.device("cpu")), 8)
     assert sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in full) <= 2 * 4096 * 4097 // 2 + 4096 * 128  # causal
-
-
-def test_cuda_entry_points_route_the_features(monkeypatch):
-    """Blocks with a window / softcap / their own v head dim go to cpscope.attention._kernels: off cuDNN a softcap
-    runs the exact block math (here on CPU tensors, so it must equal the CPU block), a window flash-attention-2."""
-    from cpscope.attention import _kernels
-
-    torch.manual_seed(0)
-    q, k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 9, 1, 8), torch.randn(1, 9, 1, 4)
-    assert blocks._features_route(q, k, k, None, None, None) is None  # plain: the routes of this module
-    assert _kernels.route(q, 30.0, cudnn=True) == "exact" and _kernels.route(q, None, cudnn=True) == "flash"
-    kw = dict(window=(3, 0), softcap=30.0)
-    got = blocks._cuda_forward(q, k, v, 0.5, True, None, **kw)
-    want = blocks._cpu_forward(q, k, v, 0.5, True, None, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    dout = torch.randn(1, 6, 2, 4)
-    got = blocks._cuda_backward(dout, q, k, v, *want, 0.5, True, None, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(got, blocks._cpu_backward(dout, q, k, v, *want, 0.5, True, None,
-                                                                            **kw)))

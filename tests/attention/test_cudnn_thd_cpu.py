@@ -1,4 +1,4 @@
-"""cpscope's cuDNN packed-attention wrapper (``cpscope.attention._cudnn_thd``) on CPU, against a fake cuDNN frontend.
+"""cpscope's cuDNN packed-attention wrapper (``cpscope.attention.kernels.cudnn_thd``) on CPU, against a fake cuDNN frontend.
 
 The fake (``tests/attention/_fake_cudnn.py``) interprets the memory the way cuDNN documents it: logical
 ``[B, h, S, d]`` tensors with strides, a ragged offset per sequence (elements) replacing the batch stride, sequence
@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from cpscope.attention import _cudnn_thd
-from cpscope.attention.blocks import Varlen
+from cpscope.attention.kernels import Varlen, cudnn_frontend, cudnn_thd
+from cpscope.attention.policy import use_kernel_policy
 from tests.attention._fake_cudnn import block_reference, fake_cudnn, rel
 
 _fake_cudnn = fake_cudnn  # the name test_variants.py imports from here
@@ -24,15 +24,15 @@ _fake_cudnn = fake_cudnn  # the name test_variants.py imports from here
 
 @pytest.fixture(params=["ordered", "mapping"])
 def fake(monkeypatch, request):
-    monkeypatch.setattr(_cudnn_thd, "_ORDERED_EXECUTE", request.param == "ordered")
     cudnn = fake_cudnn()
     cudnn.execute_form = request.param
-    monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
-    monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
-    monkeypatch.setattr(_cudnn_thd, "_handle", lambda device: object())
-    _cudnn_thd.clear_cache()
-    yield cudnn
-    _cudnn_thd.clear_cache()
+    monkeypatch.setattr(cudnn_frontend, "module", lambda: cudnn)
+    monkeypatch.setattr(cudnn_frontend, "stream", lambda device: 0)
+    monkeypatch.setattr(cudnn_frontend, "handle", lambda device: object())
+    cudnn_frontend.clear_cache()
+    with use_kernel_policy(ordered_execute=request.param == "ordered"):
+        yield cudnn
+    cudnn_frontend.clear_cache()
 
 
 def _varlen(cu_q, cu_k):
@@ -50,7 +50,7 @@ def _check_block(cu_q, cu_k, h, h_kv, d, d_v, causal, window=None, softcap=None,
         q, dout, k, v = q[:, h:], dout[:, h:], k[:, :h_kv], v[:, :h_kv]
     vl, scale = _varlen(cu_q, cu_k), 1 / math.sqrt(d)
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap)
-    out, lse = _cudnn_thd.forward(q, k, v, vl, **kw)
+    out, lse = cudnn_thd.forward(q, k, v, vl, **kw)
     ref = block_reference(q, k, v, dout, cu_q=cu_q, cu_k=cu_k, **kw)
     assert lse.shape == (h, cu_q[-1]) and lse.dtype == torch.float32 and lse.t().is_contiguous()  # [t, h] memory
     assert out.shape == (cu_q[-1], h, d_v)
@@ -59,7 +59,7 @@ def _check_block(cu_q, cu_k, h, h_kv, d, d_v, causal, window=None, softcap=None,
     assert torch.all(out.float().permute(1, 0, 2)[~seen] == 0), "rows that see no key must have out 0"
     assert rel(out, ref[0]) < 1e-2 and rel(lse[seen], ref[1][seen]) < 1e-5
     # backward with the reference's (merged) out and lse, as the ring calls it
-    dq, dk, dv = _cudnn_thd.backward(dout, q, k, v, ref[0].bfloat16(), ref[1].float(), vl, **kw)
+    dq, dk, dv = cudnn_thd.backward(dout, q, k, v, ref[0].bfloat16(), ref[1].float(), vl, **kw)
     for got, want in zip((dq, dk, dv), ref[2:]):
         assert got.shape == want.shape and rel(got, want) < 2e-2
 
@@ -100,24 +100,24 @@ def test_graphs_are_cached_and_bucketed(fake):
     for cu in ((0, 6, 16, 20), (0, 10, 14, 20)):  # same count, longest 10 and 10 -> same bucket
         t = torch.tensor(cu, dtype=torch.int32)
         vl = Varlen(t, t, max(b - a for a, b in zip(cu[:-1], cu[1:])), 10, cu, cu)
-        _cudnn_thd.forward(q, q, q, vl, scale=0.3, causal=True)
-    assert len(_cudnn_thd._graphs) == 1
+        cudnn_thd.forward(q, q, q, vl, scale=0.3, causal=True)
+    assert len(cudnn_frontend.cached_graphs()) == 1
 
 
 def test_bad_inputs_raise_value_error(fake):
     q = torch.randn(8, 2, 4).bfloat16()
     t = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="unit stride in d"):
-        _cudnn_thd.forward(q, q[..., ::2], q, Varlen(t, t, 8, 8, (0, 8), (0, 8)), scale=0.5, causal=True)
+        cudnn_thd.forward(q, q[..., ::2], q, Varlen(t, t, 8, 8, (0, 8), (0, 8)), scale=0.5, causal=True)
     with pytest.raises(ValueError, match="fp16/bf16"):
-        _cudnn_thd.forward(q.float(), q.float(), q.float(), Varlen(t, t, 8, 8, (0, 8), (0, 8)), scale=0.5,
+        cudnn_thd.forward(q.float(), q.float(), q.float(), Varlen(t, t, 8, 8, (0, 8), (0, 8)), scale=0.5,
                            causal=False)
     with pytest.raises(ValueError, match="different numbers of sequences"):
-        _cudnn_thd.forward(q, q, q, Varlen(t, t, 8, 8, (0, 8), (0, 4, 8)), scale=0.5, causal=False)
+        cudnn_thd.forward(q, q, q, Varlen(t, t, 8, 8, (0, 8), (0, 4, 8)), scale=0.5, causal=False)
 
 
 def test_not_available_on_cpu():
-    assert _cudnn_thd.available(torch.device("cpu")) is False
+    assert cudnn_frontend.available(torch.device("cpu")) is False
 
 
 def test_batch_bucketing_pads_with_empty_sequences(fake, monkeypatch):
@@ -128,9 +128,9 @@ def test_batch_bucketing_pads_with_empty_sequences(fake, monkeypatch):
     vl = Varlen(t, t, 10, 10, cu, cu)
     res = {}
     for bucket in (False, True):
-        monkeypatch.setattr(_cudnn_thd, "_BUCKET_BATCH", bucket)
-        o, lse = _cudnn_thd.forward(q, k, v, vl, scale=0.3, causal=True)
-        res[bucket] = (o, lse, *_cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.3, causal=True))
-    assert {key[1] for key in _cudnn_thd._graphs} == {3, 4}  # graphs for 3 and for 4 (bucketed) sequences
+        with use_kernel_policy(bucket_batch=bucket):
+            o, lse = cudnn_thd.forward(q, k, v, vl, scale=0.3, causal=True)
+            res[bucket] = (o, lse, *cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.3, causal=True))
+    assert {key[1] for key in cudnn_frontend.cached_graphs()} == {3, 4}  # graphs for 3 and for 4 (bucketed) sequences
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)

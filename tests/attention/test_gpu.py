@@ -91,14 +91,10 @@ def test_cp2_parity_with_single_gpu(fmt, causal):
 
 def gpu_parity_varlen_kernel(kernel: str, causal: bool, h_kv: int) -> dict:
     """:func:`gpu_parity` for thd with packed blocks forced onto ``kernel`` ("flash" / "cudnn"), restored after."""
-    from cpscope.attention import blocks
+    from cpscope.attention.policy import use_kernel_policy
 
-    old = blocks._VARLEN_KERNEL
-    blocks._VARLEN_KERNEL = kernel
-    try:
+    with use_kernel_policy(varlen=kernel):
         return gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
-    finally:
-        blocks._VARLEN_KERNEL = old
 
 
 @pytest.mark.gpu
@@ -107,12 +103,12 @@ def gpu_parity_varlen_kernel(kernel: str, causal: bool, h_kv: int) -> dict:
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 def test_cp2_parity_varlen_kernels(kernel, causal, h_kv):
     """Both packed-block kernels (cuDNN needs nvidia-cudnn-frontend; skipped without it)."""
-    from cpscope.attention import _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend
     from tests.distributed import run_ranks
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    if kernel == "cudnn" and not _cudnn_thd.available(torch.device("cuda", 0)):
+    if kernel == "cudnn" and not cudnn_frontend.available(torch.device("cuda", 0)):
         pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
     errs = run_ranks(2, gpu_parity_varlen_kernel, kernel, causal, h_kv, backend="nccl")
     assert all(max(e.values()) <= REL_TOL for e in errs)
@@ -137,7 +133,7 @@ def gpu_padded_parity(causal: bool, kernel: str) -> float:
     """Padded thd (real + layout offsets, a padding-only document) at CP1 vs per-document SDPA on the real tokens;
     padding rows and their gradients must be zero."""
     import cpscope
-    from cpscope.attention import blocks
+    from cpscope.attention.policy import use_kernel_policy
 
     dev = torch.device("cuda", torch.cuda.current_device())
     real, lay = [700, 0, 333, 1024], [768, 128, 384, 1024]
@@ -146,15 +142,11 @@ def gpu_padded_parity(causal: bool, kernel: str) -> float:
     g = torch.Generator(device=dev).manual_seed(7)
     mk = lambda heads: torch.randn(sum(lay), heads, 128, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
     q, k, v, do = mk(16), mk(4), mk(4), mk(16)
-    old = blocks._VARLEN_KERNEL
-    blocks._VARLEN_KERNEL = kernel
-    try:
+    with use_kernel_policy(varlen=kernel):
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
         out = cpscope.context_parallel_attention(qq, kk, vv, qkv_format="thd", causal=causal, cu_seqlens=cu_r,
                                                  cu_seqlens_padded=cu_l, group=None)
         out.backward(do)
-    finally:
-        blocks._VARLEN_KERNEL = old
     worst, start = 0.0, 0
     for n, L in zip(real, lay):
         if n:
@@ -176,9 +168,9 @@ def gpu_padded_parity(causal: bool, kernel: str) -> float:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 def test_padded_thd_one_gpu(kernel, causal):
-    from cpscope.attention import _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend
 
-    if kernel == "cudnn" and not _cudnn_thd.available(torch.device("cuda", 0)):
+    if kernel == "cudnn" and not cudnn_frontend.available(torch.device("cuda", 0)):
         pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
     gpu_padded_parity(causal, kernel)
 
@@ -189,7 +181,7 @@ def test_padded_thd_one_gpu(kernel, causal):
 def test_ring_block_shapes_one_gpu(kind, h_kv):
     """The ring's blocks (diagonal: causal; kv_front: all Q vs the front half of K/V; q_back: the back half of Q vs
     all K/V) on the dense kernels with GQA, vs fp32 attention with expanded K/V."""
-    from cpscope.attention.blocks import block_backward, block_forward
+    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(3)
@@ -202,8 +194,9 @@ def test_ring_block_shapes_one_gpu(kind, h_kv):
         q, do = q[:, s // 2:], do[:, s // 2:]
     causal = kind == "diag"
     scale = d ** -0.5
-    out, lse = block_forward(q, k, v, scale=scale, causal=causal)
-    dq, dk, dv = block_backward(do, q, k, v, out, lse, scale=scale, causal=causal)
+    ph = Placeholders()  # what the dense forward hands to its backward, as an algorithm's call keeps them
+    out, lse = block_forward(q, k, v, scale=scale, causal=causal, placeholders=ph)
+    dq, dk, dv = block_backward(do, q, k, v, out, lse, scale=scale, causal=causal, placeholders=ph)
     ref_in = [x.float().clone().requires_grad_(True) for x in (q, k, v)]
     ref = _sdpa(*ref_in, causal)
     ref.backward(do.float())

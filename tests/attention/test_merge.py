@@ -2,6 +2,7 @@
 the ring's diagonal split by documents, and ring runs through every dQ assembly path."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -12,6 +13,7 @@ import torch
 import cpscope
 from cpscope.attention import merge
 from cpscope.attention.merge import merge_rows_, rows_add_
+from cpscope.attention.policy import kernel_policy, set_kernel_policy, use_kernel_policy
 from cpscope.attention.ring_plan import RingPlan, _doc_split
 from tests.attention.test_ring_cpu import H, TOL, check_one
 from tests.distributed import run_ranks
@@ -34,9 +36,9 @@ def backend(request, monkeypatch):
         if not _has_triton():
             pytest.skip("triton is not importable")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(merge, "_FORCE_TRITON", True)
         merge._kernels.cache_clear()  # jit under the interpreter
-        yield "triton"
+        with use_kernel_policy(triton_on_cpu=True):
+            yield "triton"
         merge._kernels.cache_clear()
     else:
         yield "torch"
@@ -280,7 +282,7 @@ def test_diag_parts_choice():
 def _ring_cases(world: int, force_triton: bool) -> float:
     if force_triton:
         os.environ["TRITON_INTERPRET"] = "1"
-        merge._FORCE_TRITON = True
+        old = set_kernel_policy(dataclasses.replace(kernel_policy(), triton_on_cpu=True))
         merge._kernels.cache_clear()
         assert merge._use_triton(torch.zeros(1))  # this rank has triton: the ring runs the interpreted kernels
     try:
@@ -304,7 +306,7 @@ def _ring_cases(world: int, force_triton: bool) -> float:
         return worst
     finally:
         if force_triton:
-            merge._FORCE_TRITON = False
+            set_kernel_policy(old)
             merge._kernels.cache_clear()
             os.environ.pop("TRITON_INTERPRET", None)
 

@@ -104,20 +104,17 @@ def test_ring_matches_reference(world, fmt, causal):
 
 
 def _varlen_route(world: int) -> None:
-    import cpscope.attention.api as attn
+    from cpscope.attention.policy import use_kernel_policy
 
     cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
-    attn._DENSE_AS_VARLEN = True  # bshd/sbhd as packed varlen rows
-    try:
+    with use_kernel_policy(dense_as_varlen=True):  # bshd/sbhd as packed varlen rows
         for s, (fmt, causal, (h, h_kv)) in enumerate([("bshd", True, HEADS[1]), ("sbhd", True, HEADS[2]),
                                                       ("bshd", False, HEADS[0])]):
             check_one(group, fmt, causal, h, h_kv, seed=20 + s)
         check_one(group, "bshd", True, H, H // 2, seed=30, batch=1)  # one row: halves are zero-copy slices
         check_one(group, "thd", True, H, H, seed=31, lens=[8 * world])  # one document: likewise
         check_one(group, "thd", True, H, H // 2, seed=32, lens=[0, 4 * world, 0, 2 * world])  # empty documents
-    finally:
-        attn._DENSE_AS_VARLEN = False
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -330,7 +327,7 @@ def test_merge_handles_rows_without_keys():
 
 def test_cpu_varlen_block_matches_per_sequence_reference():
     """Unequal q/k lengths per sequence, bottom-right causal, an empty sequence, GQA."""
-    from cpscope.attention.blocks import Varlen, block_backward, block_forward
+    from cpscope.attention.kernels import Varlen, block_backward, block_forward
 
     g = torch.Generator().manual_seed(3)
     lq, lk = [3, 0, 5], [4, 0, 5]

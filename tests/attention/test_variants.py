@@ -389,34 +389,22 @@ def test_compiled_module_with_a_variant():
 def test_packed_blocks_through_the_cudnn_wrapper(comm, monkeypatch):
     """The variants' varlen block descriptors through cpscope's cuDNN packed-block wrapper (the GPU's default route
     for thd), against the fake cuDNN frontend of test_cudnn_thd_cpu, on 4 virtual ranks in bf16."""
-    from cpscope.attention import _cudnn_thd, blocks
+    from cpscope.attention.kernels import cudnn_frontend, cudnn_thd
     from tests.attention.test_cudnn_thd_cpu import _fake_cudnn
 
     cudnn = _fake_cudnn()
-    monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
-    monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
-    monkeypatch.setattr(_cudnn_thd, "_handle", lambda device: object())
-    cpu_forward, cpu_backward = blocks._cpu_forward, blocks._cpu_backward
+    monkeypatch.setattr(cudnn_frontend, "module", lambda: cudnn)
+    monkeypatch.setattr(cudnn_frontend, "stream", lambda device: 0)
+    monkeypatch.setattr(cudnn_frontend, "handle", lambda device: object())
+    monkeypatch.setattr(cudnn_frontend, "available", lambda device: True)  # the router takes packed blocks there
     routed = []
-
-    def forward(q, k, v, scale, causal, vl):
-        if vl is None:
-            return cpu_forward(q, k, v, scale, causal, vl)
-        routed.append(vl)
-        return _cudnn_thd.forward(q, k, v, vl, scale=scale, causal=causal)
-
-    def backward(dout, q, k, v, out, lse, scale, causal, vl):
-        if vl is None:
-            return cpu_backward(dout, q, k, v, out, lse, scale, causal, vl)
-        return _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=scale, causal=causal)
-
-    monkeypatch.setattr(blocks, "_cpu_forward", forward)
-    monkeypatch.setattr(blocks, "_cpu_backward", backward)
-    _cudnn_thd.clear_cache()
+    real = cudnn_thd.forward
+    monkeypatch.setattr(cudnn_thd, "forward", lambda *a, **kw: routed.append(a[3]) or real(*a, **kw))
+    cudnn_frontend.clear_cache()
     try:
         for causal in (True, False):
             check_virtual(comm, 4, "thd", causal=causal, heads=(8, 4), lens=[16, 0, 48, 32], d=8,
                           dtype=torch.bfloat16, tol=2e-2)
     finally:
-        _cudnn_thd.clear_cache()
+        cudnn_frontend.clear_cache()
     assert routed  # the wrapper ran

@@ -364,8 +364,8 @@ class _HostSyncCounter:
     ``unique``, ``repeat_interleave`` without ``output_size``). Python-level: ``Tensor.tolist``, ``.numpy``,
     ``.cpu`` (on CPU those dispatch nothing, so they are counted where they are called).
 
-    Not counted: the inside of cpscope's CPU exact-math attention blocks (``blocks._cpu_forward`` /
-    ``_cpu_backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
+    Not counted: the inside of cpscope's CPU exact-math attention blocks (``cpscope.attention.kernels.exact``
+    ``forward`` / ``backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
     ``repeat_interleave``); everything around them — the adapter, validation, ring plan, RoPE — is counted.
     """
 
@@ -394,10 +394,10 @@ class _HostSyncCounter:
             self.handles.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "where", f"layer {i}")))
             self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "where", "outside layers")))
         self.saved = {m: getattr(torch.Tensor, m) for m in self._METHODS}
-        from cpscope.attention import blocks
+        from cpscope.attention.kernels import exact
 
-        self.blocks = blocks
-        self.kernels = {name: getattr(blocks, name) for name in ("_cpu_forward", "_cpu_backward")}
+        self.blocks = exact
+        self.kernels = {name: getattr(exact, name) for name in ("forward", "backward")}
 
     def _in_kernel(self, fn):
         def run(*args, **kwargs):

@@ -1,6 +1,6 @@
 """Dense (``[b, s, h, d]``) attention blocks with a window and / or a softcap on cuDNN's fused attention, through
-the cuDNN frontend's Python graphs (the machinery of :mod:`cpscope.attention._cudnn_thd`: one handle per device,
-cached graphs, the ordered execute).
+the cuDNN frontend's Python graphs (the machinery of :mod:`.cudnn_frontend`: one handle per device, cached graphs,
+the ordered execute).
 
 Why: PyTorch's own cuDNN entry (``aten._scaled_dot_product_cudnn_attention``) has no band and no score modifier,
 and flash-attention-2 (``aten._flash_attention_forward`` with ``window_size_*``) runs ~1.7x slower than cuDNN on
@@ -8,7 +8,7 @@ Hopper. The graph takes the tensors' strides as they are (``bshd`` or an ``sbhd`
 v head dim other than q/k's), writes ``out`` in a fresh ``[b, s, h, d_v]`` tensor and the log-sum-exp as
 ``[b, h, s]`` fp32, and its backward takes the **given** (merged) ``out`` and ``lse``.
 
-Bands (see :mod:`cpscope.attention._cudnn_mods`), :func:`pieces`: leading query rows that see no key (only when
+Bands (see :mod:`.cudnn_mods`), :func:`pieces`: leading query rows that see no key (only when
 ``n_q > n_k``) and leading keys that no query sees (a halo longer than the window) are left out of the kernel
 (``out = 0``, ``lse = -inf``, ``dq``/``dk``/``dv = 0`` there; views, no copies), and the band of what remains is
 given relative to its top-left diagonal. H200 showed cuDNN skipping the tiles outside a band whose right bound is 0
@@ -27,17 +27,28 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import _cudnn_mods as _mods
-from . import _cudnn_thd as _thd
-from .merge import merge_rows_
+from ..._tensor_cache import register_clear
+from ..merge import merge_rows_
+from ..mods import Band
+from . import cudnn_frontend as fe
+from .cudnn_mods import sdpa_options
 
-__all__ = ["forward", "backward", "pieces"]
+__all__ = ["forward", "backward", "pieces", "clear_constants"]
 
 _consts: dict[tuple, torch.Tensor] = {}  # small int32 device tensors (the padding mask's lengths), never written
+_consts_lock = threading.Lock()
+
+
+@register_clear  # cpscope.clear_caches() drops them too
+def clear_constants() -> None:
+    """Drop the cached length tensors of the dense graphs' padding masks (rebuilt on demand)."""
+    with _consts_lock:
+        _consts.clear()
 
 
 def _const(values: tuple, device: torch.device) -> torch.Tensor:
@@ -45,7 +56,9 @@ def _const(values: tuple, device: torch.device) -> torch.Tensor:
     key = (values, device)
     t = _consts.get(key)
     if t is None:
-        t = _consts.setdefault(key, torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(device))
+        t = torch.tensor(values, dtype=torch.int32).view(-1, 1, 1, 1).to(device)
+        with _consts_lock:
+            t = _consts.setdefault(key, t)
     return t
 
 
@@ -71,13 +84,13 @@ class Piece(NamedTuple):
     r1: int
     k0: int
     k1: int
-    band: Optional[_mods.Band]
+    band: Optional[Band]
 
 
 def pieces(n_q: int, n_k: int, causal: bool, window: Any) -> list[Piece]:
     """The kernel calls of an ``n_q x n_k`` block (see the module docstring); the first covers every query row that
     sees a key, a second (if any) the same leading rows against the leading keys. Empty: no pair is seen."""
-    band = _mods.band_of(causal, window)
+    band = Band.of(causal, window)
     if band is None:
         return [Piece(0, n_q, 0, n_k, None)] if n_q and n_k else []
     skip = band.masked_prefix(n_q, n_k)
@@ -88,13 +101,13 @@ def pieces(n_q: int, n_k: int, causal: bool, window: Any) -> list[Piece]:
         return []
     tl = band.top_left(keys - rows)
     if tl.right != -1 and tl.right >= keys - 1:  # every key lies within the right bound of every row
-        tl = _mods.Band(tl.left, -1)
+        tl = Band(tl.left, -1)
     if tl.right in (-1, 0):
-        return [Piece(skip, n_q, k0, n_k, None if tl == _mods.Band(-1, -1) else tl)]
+        return [Piece(skip, n_q, k0, n_k, None if tl == Band(-1, -1) else tl)]
     r = tl.right
-    first = Piece(skip, n_q, k0 + r, n_k, _mods.Band(-1 if tl.left == -1 else tl.left + r, 0))
+    first = Piece(skip, n_q, k0 + r, n_k, Band(-1 if tl.left == -1 else tl.left + r, 0))
     seen = rows if tl.left == -1 else min(rows, r + tl.left)
-    return [first, Piece(skip, skip + seen, k0, k0 + r, None if tl.left == -1 else _mods.Band(tl.left, -1))]
+    return [first, Piece(skip, skip + seen, k0, k0 + r, None if tl.left == -1 else Band(tl.left, -1))]
 
 
 def _input(g: Any, named: dict, name: str, t: torch.Tensor, dtype: Any) -> None:
@@ -117,21 +130,21 @@ def _options(cudnn: Any, g: Any, named: dict, band, softcap, rows: int, keys: in
     for n, t in extras.items():
         named[n] = g.tensor(name=n, dim=list(t.shape), stride=list(t.stride()), data_type=cudnn.data_type.INT32)
     lens = (named["seq_q"], named["seq_k"]) if extras else None
-    opts, fixed = _mods.sdpa_options(cudnn, g, named, band, softcap, True, lens, backward=backward)
+    opts, fixed = sdpa_options(cudnn, g, named, band, softcap, True, lens, backward=backward)
     return opts, fixed, extras
 
 
 def _run_forward(q, k, v, out, stats, band, softcap, scale) -> None:
     """One piece's kernel: writes ``out`` (``[b, s, h, d_v]`` view) and ``stats`` (``[b, h, s, 1]`` view)."""
-    cudnn, dev = _thd._cudnn_module(), q.device
+    cudnn, dev = fe.module(), q.device
     b, rows, h, _ = q.shape
     key = ("dense-fwd", b, rows, k.shape[1], h, k.shape[2], q.shape[3], v.shape[3], q.stride(), k.stride(),
            v.stride(), out.stride(), stats.stride(), q.dtype, band, softcap, float(scale), dev)
     extras: dict = {}
 
     def build() -> Any:
-        g = _thd._new_graph(cudnn, q.dtype, dev)
-        io, named = _thd._io_type(cudnn, q.dtype), {}
+        g = fe.new_graph(cudnn, q.dtype, dev)
+        io, named = fe.io_type(cudnn, q.dtype), {}
         for name, t in (("q", q), ("k", k), ("v", v)):
             _input(g, named, name, t, io)
         opts, fixed, ex = _options(cudnn, g, named, band, softcap, rows, k.shape[1], b, dev, backward=False)
@@ -142,25 +155,25 @@ def _run_forward(q, k, v, out, stats, band, softcap, scale) -> None:
         st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(list(stats.shape)).set_stride(
             list(stats.stride()))
         named["stats"] = st
-        built = _thd._finish(cudnn, g, named, fixed)
+        built = fe.finish(cudnn, g, named, fixed)
         built.extras = dict(ex)
         return built
 
-    built = _thd._cached(key, build)
+    built = fe.cached(key, build)
     built.run(dev, {"q": q, "k": k, "v": v, "o": out, "stats": stats, **built.extras})
 
 
 def _run_backward(dout, q, k, v, out, stats, dq, dk, dv, band, softcap, scale) -> None:
     """One piece's backward kernel: writes the ``dq``/``dk``/``dv`` views given the merged ``out`` / ``stats``."""
-    cudnn, dev = _thd._cudnn_module(), q.device
+    cudnn, dev = fe.module(), q.device
     b, rows, h, _ = q.shape
     key = ("dense-bwd", b, rows, k.shape[1], h, k.shape[2], q.shape[3], v.shape[3], q.stride(), k.stride(),
            v.stride(), out.stride(), dout.stride(), stats.stride(), dq.stride(), dk.stride(), q.dtype, band,
            softcap, float(scale), dev)
 
     def build() -> Any:
-        g = _thd._new_graph(cudnn, q.dtype, dev)
-        io, named = _thd._io_type(cudnn, q.dtype), {}
+        g = fe.new_graph(cudnn, q.dtype, dev)
+        io, named = fe.io_type(cudnn, q.dtype), {}
         for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout)):
             _input(g, named, name, t, io)
         named["stats"] = g.tensor(name="stats", dim=list(stats.shape), stride=list(stats.stride()),
@@ -171,11 +184,11 @@ def _run_backward(dout, q, k, v, out, stats, dq, dk, dv, band, softcap, scale) -
                                      **opts)
         for name, gt, t in (("dq", gq, dq), ("dk", gk, dk), ("dv", gv, dv)):
             _output(named, name, gt, t)
-        built = _thd._finish(cudnn, g, named, fixed)
+        built = fe.finish(cudnn, g, named, fixed)
         built.extras = dict(ex)
         return built
 
-    built = _thd._cached(key, build)
+    built = fe.cached(key, build)
     built.run(dev, {"q": q, "k": k, "v": v, "o": out, "do": dout, "stats": stats, "dq": dq, "dk": dk, "dv": dv,
                     **built.extras})
 
@@ -186,7 +199,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     """One dense block: ``(out [b, s_q, h, d_v] contiguous, lse [b, h, s_q] fp32)``; rows that see no key give
     ``out = 0`` and ``lse = -inf``."""
     _check(("q", q), ("k", k), ("v", v))
-    _thd._io_type(_thd._cudnn_module(), q.dtype)  # the caller's error, raised before any graph is built
+    fe.io_type(fe.module(), q.dtype)  # the caller's error, raised before any graph is built
     softcap = None if softcap is None else float(softcap)
     b, n_q, h, _ = q.shape
     out = torch.zeros((b, n_q, h, v.shape[3]), dtype=q.dtype, device=q.device)
@@ -209,11 +222,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Gradients of one dense block given the merged ``out`` and ``lse`` ([b, h, s_q] fp32) of its queries;
     ``dq``/``dk``/``dv`` contiguous ``[b, s, h, d]``."""
     _check(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
-    _thd._io_type(_thd._cudnn_module(), q.dtype)
+    fe.io_type(fe.module(), q.dtype)
     softcap = None if softcap is None else float(softcap)
     dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     stats = lse.float().unsqueeze(-1)
-    if _mods.band_of(causal, window) is not None:  # a row with no key anywhere (lse -inf): exp(s - inf) = 0
+    if Band.of(causal, window) is not None:  # a row with no key anywhere (lse -inf): exp(s - inf) = 0
         stats = stats.masked_fill(stats == float("-inf"), float("inf"))
     for i, p in enumerate(pieces(q.shape[1], k.shape[1], causal, window)):
         rs, ksl = slice(p.r0, p.r1), slice(p.k0, p.k1)

@@ -17,65 +17,30 @@ Two ways to tell cuDNN:
 
 Masked scores become ``-1e9``, not ``-inf`` (as in the frontend's own score-modifier samples): softcapped scores are
 bounded by ``softcap``, so this is exact for every row that sees a key; rows that see none are the caller's to fix
-(:meth:`Band.masked_prefix` says which rows of a block those are).
+(:meth:`~cpscope.attention.mods.Band.masked_prefix` says which rows of a block those are).
 
 The modifier's constants (``softcap``, ``1 / softcap``, the masked value, a dense block's bounds) are pass-by-value
 scalars bound at every execute from host tensors (``fixed``, below): cuDNN 9.19 refuses the frontend's
-compile-time constants (``CUDNN_ATTR_TENSOR_CONSTANT_VALUE`` needs cuDNN 9.22), as H200 showed. ``_CONSTANTS =
-"runtime"`` (a private knob) uses the frontend's runtime scalars (``tensor_scalar``) instead.
+compile-time constants (``CUDNN_ATTR_TENSOR_CONSTANT_VALUE`` needs cuDNN 9.22), as H200 showed. The policy's
+``cudnn_constants="runtime"`` uses the frontend's runtime scalars (``tensor_scalar``) instead.
 
 Example::
 
-    band = band_of(causal=True, window=(255, 0))
+    band = Band.of(causal=True, window=(255, 0))
     kwargs, fixed = sdpa_options(cudnn, graph, named, band, softcap=None, square=True)   # the diagonal options
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["Band", "band_of", "sdpa_options", "ScoreMod", "MASKED"]
+import torch
+
+from ..mods import Band
+from ..policy import kernel_policy
+
+__all__ = ["sdpa_options", "ScoreMod", "MASKED"]
 
 MASKED = -1e9  # the score given to masked (query, key) pairs inside a score modifier
-_CONSTANTS = "host"  # private knob: "host" (pass-by-value tensors bound per execute) or "runtime" (tensor_scalar)
-
-
-@dataclass(frozen=True)
-class Band:
-    """Keys seen around the bottom-right-aligned diagonal: ``-left <= j - (i + n_k - n_q) <= right``; -1 unbounded."""
-
-    left: int
-    right: int
-
-    def masked_prefix(self, n_q: int, n_k: int) -> int:
-        """How many leading query rows of an ``n_q x n_k`` block see no key at all (only rows before the diagonal's
-        start can: row ``i`` sees nothing iff ``i + n_k - n_q + right < 0``)."""
-        if n_k == 0:
-            return n_q
-        if self.right == -1:
-            return 0
-        return max(0, min(n_q, n_q - n_k - self.right))
-
-    def bounds(self, n_q: int, n_k: int) -> tuple[int, int]:
-        """``(lo, hi)``: key ``j`` of query ``i`` is seen iff ``lo <= j - i <= hi`` (an unbounded side's value is
-        meaningless and unused)."""
-        shift = n_k - n_q
-        return shift - self.left, shift + self.right
-
-    def top_left(self, shift: int) -> "Band":
-        """The same band relative to the top-left diagonal (``j - i``) of a block whose bottom-right diagonal lies
-        ``shift = n_k - n_q`` to its right."""
-        return Band(-1 if self.left == -1 else self.left - shift, -1 if self.right == -1 else self.right + shift)
-
-
-def band_of(causal: bool, window: Optional[tuple[int, int]]) -> Optional[Band]:
-    """The block's band, or ``None`` when no key is masked by position (full attention)."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right == -1 else min(right, 0)
-    if left == -1 and right == -1:
-        return None
-    return Band(int(left), int(right))
 
 
 def _flags(cudnn: Any, band: Optional[Band], square: bool) -> dict:
@@ -125,10 +90,8 @@ class ScoreMod:
 
     def _const(self, name: str, value: float) -> Any:
         """A scalar of the graph: a pass-by-value tensor bound from a host tensor at execute (see module docs)."""
-        if _CONSTANTS == "runtime":
+        if kernel_policy().cudnn_constants == "runtime":
             return self.graph.tensor_scalar(float(value), self.cudnn.scalar_type.RUNTIME_PARAM)
-        import torch
-
         name = "const_" + name
         t = self.graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
                               data_type=self.cudnn.data_type.FLOAT)

@@ -14,7 +14,7 @@ keeps lse as ``[h, t]``, so they are transposed on the way out and in (``h * t *
 Causal blocks and windows (``window=(left, right)``, relative to each sequence's bottom-right-aligned diagonal, as
 in flash-attention) use cuDNN's diagonal band: top-left aligned when every sequence has as many queries as keys
 (the two alignments coincide), else bottom-right (per sequence, through the sequence lengths). A softcap turns the
-band and the padding mask into a score modifier (:mod:`cpscope.attention._cudnn_mods`). Query rows that see no key
+band and the padding mask into a score modifier (:mod:`.cudnn_mods`). Query rows that see no key
 (a sequence with more queries than keys) come out as ``out = 0``, ``lse = -inf``.
 
 Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, dtype, band, softcap, scale, device);
@@ -22,105 +22,39 @@ Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, 
 are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
 pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
 
-Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
-and an sm90+ GPU; :func:`available` says whether this process has them.
-
-Private test / benchmark knobs (process-wide; not an API): ``_BUCKET_BATCH`` (round the number of sequences up, see
-below) and ``_ORDERED_EXECUTE`` (the frontend's ordered ``execute``, see :class:`_Built`).
+The number of sequences is rounded up with empty ones where the policy says so
+(:attr:`~cpscope.attention.policy.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
+cache, building, executing) is :mod:`.cudnn_frontend`'s; the router (:mod:`.router`) decides which blocks come here.
 
 Example::
 
-    from cpscope.attention import _cudnn_thd
-    if _cudnn_thd.available(q.device):
-        out, lse = _cudnn_thd.forward(q, k, v, vl, scale=d ** -0.5, causal=True)   # lse [h, t] fp32
-        dq, dk, dv = _cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=d ** -0.5, causal=True)
+    from cpscope.attention.kernels import cudnn_frontend, cudnn_thd
+    if cudnn_frontend.available(q.device):
+        out, lse = cudnn_thd.forward(q, k, v, vl, scale=d ** -0.5, causal=True)   # lse [h, t] fp32
+        dq, dk, dv = cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=d ** -0.5, causal=True)
 """
 from __future__ import annotations
 
 import functools
-import inspect
-import logging
-import threading
-import time
-from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 
-from .._tensor_cache import register_clear
-from . import _cudnn_mods as _mods
+from ..mods import Band
+from . import cudnn_frontend as fe
+from .cudnn_mods import sdpa_options
+from ..policy import kernel_policy
 
-log = logging.getLogger(__name__)
-
-__all__ = ["available", "forward", "backward", "clear_cache"]
-
-_MIN_CUDNN = 90600
-_CACHE_SIZE = 256  # graphs; one microbatch shape needs ~6-8 (forward/backward x diagonal pieces, half blocks)
-# Round the number of packed sequences up to a power of two with empty sequences (fewer distinct graphs when the
-# document count changes between microbatches). Measured on H200: results identical, cached calls as fast.
-_BUCKET_BATCH = True
-_lock = threading.Lock()
-_graphs: "OrderedDict[tuple, Any]" = OrderedDict()
-_handles: dict = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _cudnn_module() -> Optional[Any]:
-    try:
-        import cudnn  # nvidia-cudnn-frontend
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        log.info("cuDNN frontend unavailable (%s: %s); packed blocks use flash-attention", type(e).__name__, e)
-        return None
-    return cudnn
-
-
-@functools.lru_cache(maxsize=None)
-def _device_ok(index: int) -> bool:
-    cudnn = _cudnn_module()
-    if cudnn is None or torch.cuda.get_device_capability(index)[0] < 9:
-        return False
-    try:
-        return int(cudnn.backend_version()) >= _MIN_CUDNN
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def available(device: torch.device) -> bool:
-    """Whether packed blocks on ``device`` can run on cuDNN (frontend importable, cuDNN >= 9.6, sm90+)."""
-    return device.type == "cuda" and _device_ok(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@register_clear  # cpscope.clear_caches() drops the graphs too
-def clear_cache() -> None:
-    """Drop the cached cuDNN graphs (they are rebuilt on demand)."""
-    with _lock:
-        _graphs.clear()
-
-
-def _pow2(n: int, lo: int = 64) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _handle(device: torch.device) -> Any:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    h = _handles.get(idx)
-    if h is None:
-        with torch.cuda.device(idx):
-            h = _cudnn_module().create_handle()
-        _handles[idx] = h
-    return h
+__all__ = ["forward", "backward"]
 
 
 def _meta(vl: Any, device: torch.device) -> dict:
-    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.blocks.Varlen` itself (so it
+    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.kernels.block.Varlen` itself (so it
     lives as long as the pack): host offsets (bucketed), sequence lengths ``[B,1,1,1]`` int32, offsets ``cu`` int64,
     scaled offsets by (role, multiplier), whether every sequence has as many queries as keys, and what bands derive
     from the packing (``derived``: score-modifier bounds, rows that see no key)."""
-    key = ("cudnn", device, _BUCKET_BATCH)
+    bucket = kernel_policy().bucket_batch
+    key = ("cudnn", device, bucket)
     meta = vl.memo.get(key)
     if meta is not None:
         return meta
@@ -128,7 +62,7 @@ def _meta(vl: Any, device: torch.device) -> dict:
     if len(hq) != len(hk):
         raise ValueError(f"q and k/v pack different numbers of sequences: {len(hq) - 1} vs {len(hk) - 1}")
     square = all(b - a == e - c for a, b, c, e in zip(hq[:-1], hq[1:], hk[:-1], hk[1:]))
-    if _BUCKET_BATCH:
+    if bucket:
         hq, hk = _pad_batch(hq), _pad_batch(hk)
     cq = torch.tensor(hq, dtype=torch.int64)
     ck = torch.tensor(hk, dtype=torch.int64)
@@ -165,9 +99,9 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_batch(cu: tuple) -> tuple:
-    """``cu`` extended with empty sequences to a power-of-two count (see ``_BUCKET_BATCH``)."""
+    """``cu`` extended with empty sequences to a power-of-two count (see the policy's ``bucket_batch``)."""
     n = len(cu) - 1
-    return cu + (cu[-1],) * (_pow2(n, 1) - n)
+    return cu + (cu[-1],) * (fe.pow2(n, 1) - n)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -182,9 +116,9 @@ def _lens(meta: dict) -> list[tuple[int, int]]:
     return [(b - a, e - c) for a, b, c, e in zip(hq[:-1], hq[1:], hk[:-1], hk[1:])]
 
 
-def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float], device: torch.device) -> dict:
+def _band_extras(meta: dict, band: Optional[Band], softcap: Optional[float], device: torch.device) -> dict:
     """What a score modifier reads per sequence, as fp32 ``[B, 1, 1, 1]`` (see
-    :class:`~cpscope.attention._cudnn_mods.ScoreMod`): the lengths (``seq_qf``/``seq_kf``) and, for a band that is
+    :class:`~.cudnn_mods.ScoreMod`): the lengths (``seq_qf``/``seq_kf``) and, for a band that is
     not the square causal one, its bounds (``wl``/``hi``); empty without a softcap."""
     if softcap is None:
         return {}
@@ -193,7 +127,7 @@ def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float
     if got is None:
         lens = _lens(meta)
         cols = {"seq_qf": [lq for lq, _ in lens], "seq_kf": [lk for _, lk in lens]}
-        if band is not None and not (meta["square"] and band == _mods.Band(-1, 0)):
+        if band is not None and not (meta["square"] and band == Band(-1, 0)):
             lo, hi = zip(*(band.bounds(lq, lk) for lq, lk in lens))
             cols.update(wl=[1 - x for x in lo], hi=list(hi))
         got = {n: torch.tensor(x, dtype=torch.float32).view(-1, 1, 1, 1).to(device) for n, x in cols.items()}
@@ -201,7 +135,7 @@ def _band_extras(meta: dict, band: Optional[_mods.Band], softcap: Optional[float
     return got
 
 
-def _masked_rows(meta: dict, band: Optional[_mods.Band], device: torch.device) -> Optional[torch.Tensor]:
+def _masked_rows(meta: dict, band: Optional[Band], device: torch.device) -> Optional[torch.Tensor]:
     """Packed indices of the query rows that see no key (sequences with more queries than keys), or None."""
     if band is None or meta["square"] or band.right == -1:
         return None
@@ -212,15 +146,15 @@ def _masked_rows(meta: dict, band: Optional[_mods.Band], device: torch.device) -
     return meta["derived"][key]
 
 
-def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[_mods.Band], softcap: Optional[float],
+def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[Band], softcap: Optional[float],
              extras: dict, backward: bool) -> tuple[dict, dict]:
     """The sdpa options of a packed block (padding mask or score modifier, band) and the host tensors to bind;
     declares ``extras`` in ``named``."""
     for n in extras:
-        named[n] = _column(g, cudnn, len(meta["host_q"]) - 1, cudnn.data_type.FLOAT, n)
+        named[n] = fe.column(g, len(meta["host_q"]) - 1, cudnn.data_type.FLOAT, n)
     bounds = (named["wl"], named["hi"]) if "wl" in extras else None
     mask_lens = (named["seq_qf"], named["seq_kf"]) if "seq_qf" in extras else None
-    return _mods.sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
+    return sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
                               bounds=bounds, backward=backward, mask_lens=mask_lens)
 
 
@@ -230,120 +164,20 @@ def _dims(t: torch.Tensor, b: int, s: int) -> tuple[list, list]:
     return [b, t.shape[1], s, t.shape[2]], [s * st, sh, st, sd]
 
 
-def _io_type(cudnn: Any, dtype: torch.dtype) -> Any:
-    if dtype == torch.bfloat16:
-        return cudnn.data_type.BFLOAT16
-    if dtype == torch.float16:
-        return cudnn.data_type.HALF
-    raise ValueError(f"cuDNN packed attention supports fp16/bf16, got {dtype}")
-
-
-class GraphUnsupported(RuntimeError):
-    """cuDNN (or its frontend) refused to build a graph; raised before any kernel ran, so another kernel may take
-    the block (see :mod:`cpscope.attention._kernels`)."""
-
-
-def _cached(key: tuple, build) -> Any:
-    with _lock:
-        g = _graphs.get(key)
-        if g is not None:
-            _graphs.move_to_end(key)
-            return g
-    t0 = time.perf_counter()
-    try:
-        g = build()
-    except Exception as e:  # noqa: BLE001 - the frontend raises many types; none of them ran a kernel
-        raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}") from e
-    log.debug("cuDNN packed-attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
-    with _lock:
-        _graphs[key] = g
-        while len(_graphs) > _CACHE_SIZE:
-            _graphs.popitem(last=False)
-    return g
-
-
-class _Built:
-    """A built cuDNN graph, its tensors' uids by role, its workspace size, and the host tensors bound at every execute
-    (``fixed``: pass-by-value scalars of a score modifier).
-
-    Host time: the frontend's mapping form of ``execute`` validates every binding in Python on every call (~0.2 ms
-    with 12 tensors, frontend 1.32, H200); its ordered form (``tensor_uids=``, frontend >= 1.30) caches that per
-    graph, so it is used where available (``_ORDERED_EXECUTE``), also with host scalars (H200: same results as the
-    mapping form with the tensors themselves, the frontend samples' way, which ``_FIXED_FORM = "mapping"`` selects).
-    """
-
-    def __init__(self, graph: Any, uids: dict, workspace: int, fixed: Optional[dict] = None) -> None:
-        self.graph, self.uids, self.workspace, self.fixed = graph, uids, workspace, dict(fixed or {})
-        self.names = tuple(uids)
-        self.order = tuple(uids[n] for n in self.names)
-        self.ordered = _ORDERED_EXECUTE and _takes_tensor_uids(graph) and (not self.fixed or _FIXED_FORM == "ordered")
-
-    def run(self, device: torch.device, tensors: dict) -> None:
-        cudnn = _cudnn_module()
-        handle = _handle(device)
-        cudnn.set_stream(handle=handle, stream=_stream(device))
-        ws = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
-        if self.fixed:
-            tensors = {**tensors, **self.fixed}
-        if self.ordered:
-            self.graph.execute(tuple(tensors[n] for n in self.names), ws, handle=handle, tensor_uids=self.order)
-        elif self.fixed:
-            self.graph.execute({self.uids[name]: t for name, t in tensors.items()}, ws, handle=handle)
-        else:
-            pack = {self.uids[name]: t.data_ptr() for name, t in tensors.items()}
-            self.graph.execute(pack, ws.data_ptr() if ws is not None else 0, handle=handle)
-
-
-_ORDERED_EXECUTE = True  # private knob: the frontend's ordered execute where it exists (benchmarks compare both)
-_FIXED_FORM = "ordered"  # private knob: how graphs with host scalars execute ("ordered" or "mapping")
-
-
-def _takes_tensor_uids(graph: Any) -> bool:
-    try:
-        return "tensor_uids" in inspect.signature(graph.execute).parameters
-    except (TypeError, ValueError):  # a pybind method without a Python signature (older frontends)
-        return False
-
-
-def _new_graph(cudnn: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    return cudnn.pygraph(io_data_type=_io_type(cudnn, dtype), intermediate_data_type=cudnn.data_type.FLOAT,
-                         compute_data_type=cudnn.data_type.FLOAT, handle=_handle(device))
-
-
-def _finish(cudnn: Any, graph: Any, named: dict, fixed: Optional[dict] = None) -> _Built:
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    return _Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()), fixed)
-
-
-def _tensor(graph: Any, cudnn: Any, dims: list, strides: list, dtype: Any, offset: Any = None, name: str = "") -> Any:
-    t = graph.tensor(name=name, dim=dims, stride=strides, data_type=dtype)
-    if offset is not None:
-        t.set_ragged_offset(offset)
-    return t
-
-
-def _column(graph: Any, cudnn: Any, n: int, dtype: Any, name: str) -> Any:
-    return graph.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale: float, causal: bool,
             window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed block: ``(out [t_q, h, d_v] contiguous, lse [h, t_q] fp32)``, like the flash block; ``lse`` is a
     transposed view of cuDNN's token-major statistics (the backward reads it back without a copy)."""
-    cudnn = _cudnn_module()
+    cudnn = fe.module()
     dev = q.device
     meta = _meta(vl, dev)
     _check(q, k, v)
-    _io_type(cudnn, q.dtype)  # a dtype cuDNN cannot take is the caller's error, raised before any graph is built
-    band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
+    fe.io_type(cudnn, q.dtype)  # a dtype cuDNN cannot take is the caller's error, raised before any graph is built
+    band, softcap = Band.of(causal, window), None if softcap is None else float(softcap)
     q, k, v = _packed(q), _packed(k), _packed(v)
     b = len(meta["host_q"]) - 1
-    s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
+    s_q, s_k = fe.pow2(vl.max_q), fe.pow2(vl.max_k)
     t_q, h, d = q.shape
     out = torch.empty((t_q, h, v.shape[2]), dtype=q.dtype, device=dev)
     stats = torch.empty((t_q, h), dtype=torch.float32, device=dev)
@@ -351,15 +185,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
     key = ("fwd", b, s_q, s_k, h, k.shape[1], d, v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype, band,
            softcap, meta["square"], float(scale), dev)
 
-    def build() -> _Built:
-        g = _new_graph(cudnn, q.dtype, dev)
-        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
-        named = {n: _column(g, cudnn, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
-        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
-        named["q"] = _tensor(g, cudnn, *_dims(q, b, s_q), io, named["off_q"], "q")
-        named["k"] = _tensor(g, cudnn, *_dims(k, b, s_k), io, named["off_k"], "k")
-        named["v"] = _tensor(g, cudnn, *_dims(v, b, s_k), io, named["off_v"], "v")
+    def build() -> fe.Built:
+        g = fe.new_graph(cudnn, q.dtype, dev)
+        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, q.dtype)
+        named = {n: fe.column(g, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
+        named["seq_q"] = fe.column(g, b, i32, "seq_q")
+        named["seq_k"] = fe.column(g, b, i32, "seq_k")
+        named["q"] = fe.tensor(g, *_dims(q, b, s_q), io, named["off_q"], "q")
+        named["k"] = fe.tensor(g, *_dims(k, b, s_k), io, named["off_k"], "k")
+        named["v"] = fe.tensor(g, *_dims(v, b, s_k), io, named["off_v"], "v")
         opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=False)
         o, st = g.sdpa(name="sdpa", q=named["q"], k=named["k"], v=named["v"], generate_stats=True,
                        attn_scale=float(scale), **opts)
@@ -369,9 +203,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
             [s_q * h, 1, h, 1])
         st.set_ragged_offset(named["off_s"])
         named["o"], named["stats"] = o, st
-        return _finish(cudnn, g, named, fixed)
+        return fe.finish(cudnn, g, named, fixed)
 
-    built = _cached(key, build)
+    built = fe.cached(key, build)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "stats": stats, "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],
         "off_q": _offsets(meta, "q", q.stride(0)), "off_k": _offsets(meta, "k", k.stride(0)),
@@ -389,16 +223,16 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, vl: Any, *, scale: float, causal: bool, window: Optional[tuple[int, int]] = None,
              softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one packed block given the merged ``out`` and ``lse`` ([h, t_q] fp32); contiguous results."""
-    cudnn = _cudnn_module()
+    cudnn = fe.module()
     dev = q.device
     meta = _meta(vl, dev)
     _check(q, k, v)
     _check(dout, out, out)
-    _io_type(cudnn, q.dtype)
-    band, softcap = _mods.band_of(causal, window), None if softcap is None else float(softcap)
+    fe.io_type(cudnn, q.dtype)
+    band, softcap = Band.of(causal, window), None if softcap is None else float(softcap)
     q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     b = len(meta["host_q"]) - 1
-    s_q, s_k = _pow2(vl.max_q), _pow2(vl.max_k)
+    s_q, s_k = fe.pow2(vl.max_q), fe.pow2(vl.max_k)
     t_q, h, d = q.shape
     t_k = k.shape[0]
     stats = lse.t().contiguous()  # [t, h] token-major, as the forward wrote it (a no-op for the forward's view)
@@ -406,33 +240,33 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         stats = stats.masked_fill(stats == float("-inf"), float("inf"))
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     extras = _band_extras(meta, band, softcap, dev)
-    key = ("bwd", b, s_q, s_k, _pow2(t_q), _pow2(t_k), h, k.shape[1], d, v.shape[2], q.stride(), k.stride(),
+    key = ("bwd", b, s_q, s_k, fe.pow2(t_q), fe.pow2(t_k), h, k.shape[1], d, v.shape[2], q.stride(), k.stride(),
            v.stride(), out.stride(), dout.stride(), q.dtype, band, softcap, meta["square"], float(scale), dev)
 
-    def build() -> _Built:
-        g = _new_graph(cudnn, q.dtype, dev)
-        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, _io_type(cudnn, q.dtype)
+    def build() -> fe.Built:
+        g = fe.new_graph(cudnn, q.dtype, dev)
+        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, q.dtype)
         roles = ("off_q", "off_k", "off_v", "off_o", "off_do", "off_dq", "off_dk", "off_dv", "off_s")
-        named = {n: _column(g, cudnn, b + 1, i64, n) for n in roles}
-        named["seq_q"] = _column(g, cudnn, b, i32, "seq_q")
-        named["seq_k"] = _column(g, cudnn, b, i32, "seq_k")
+        named = {n: fe.column(g, b + 1, i64, n) for n in roles}
+        named["seq_q"] = fe.column(g, b, i32, "seq_q")
+        named["seq_k"] = fe.column(g, b, i32, "seq_k")
         for name, t, s in (("q", q, s_q), ("k", k, s_k), ("v", v, s_k), ("o", out, s_q), ("do", dout, s_q)):
-            named[name] = _tensor(g, cudnn, *_dims(t, b, s), io, named["off_" + name], name)
-        named["stats"] = _tensor(g, cudnn, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
+            named[name] = fe.tensor(g, *_dims(t, b, s), io, named["off_" + name], name)
+        named["stats"] = fe.tensor(g, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
                                  named["off_s"], "stats")
         opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=True)
         gq, gk, gv = g.sdpa_backward(
             name="sdpa_backward", q=named["q"], k=named["k"], v=named["v"], o=named["o"], dO=named["do"],
-            stats=named["stats"], attn_scale=float(scale), max_total_seq_len_q=_pow2(t_q),
-            max_total_seq_len_kv=_pow2(t_k), **opts)
+            stats=named["stats"], attn_scale=float(scale), max_total_seq_len_q=fe.pow2(t_q),
+            max_total_seq_len_kv=fe.pow2(t_k), **opts)
         for name, gt, ref, s in (("dq", gq, dq, s_q), ("dk", gk, dk, s_k), ("dv", gv, dv, s_k)):
             dims, strides = _dims(ref, b, s)
             gt.set_output(True).set_dim(dims).set_stride(strides)
             gt.set_ragged_offset(named["off_" + name])
             named[name] = gt
-        return _finish(cudnn, g, named, fixed)
+        return fe.finish(cudnn, g, named, fixed)
 
-    built = _cached(key, build)
+    built = fe.cached(key, build)
     off = functools.partial(_offsets, meta)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "do": dout, "stats": stats, "dq": dq, "dk": dk, "dv": dv,

@@ -1,0 +1,223 @@
+"""The cuDNN frontend in one place: the ``cudnn`` module, whether a device can use it, handles and streams, one cache
+of built graphs, and the helpers both graph families build with (packed: :mod:`.cudnn_thd`; dense:
+:mod:`.cudnn_dense`).
+
+Why cpscope builds graphs itself: PyTorch's own cuDNN entries either rebuild their graph on every call (the ragged
+one, ~60 ms of host time each) or have no band and no score modifier (the dense one). A built graph is cached under
+a key that each family derives from its shapes, strides, dtype, band, softcap, scale and device; a build costs tens
+of milliseconds once (``docs/attention_kernels.md``), a cached call well under a millisecond of host time.
+
+A graph the frontend refuses to build raises :class:`GraphUnsupported` — before any kernel ran — so that the router
+(:mod:`.router`) sends that kind of block to its next route.
+
+Executing: the frontend's mapping form of ``execute`` validates every binding in Python on every call; its ordered
+form (``tensor_uids=``, frontend >= 1.30) caches that per graph and is used where available
+(:attr:`~cpscope.attention.policy.KernelPolicy.ordered_execute`), also with host scalars
+(:attr:`~cpscope.attention.policy.KernelPolicy.fixed_form`).
+
+Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
+and an sm90+ GPU; :func:`available` says whether this process has them.
+
+Example::
+
+    if available(q.device):
+        g = new_graph(module(), q.dtype, q.device)
+        ...                                         # declare tensors, sdpa, outputs
+        built = cached(key, lambda: finish(module(), g, named))
+        built.run(q.device, {"q": q, ...})
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..._tensor_cache import register_clear
+from ..policy import kernel_policy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["module", "available", "version", "clear_cache", "handle", "stream", "GraphUnsupported", "Built", "cached",
+           "cached_graphs", "new_graph", "finish", "io_type", "tensor", "column", "pow2"]
+
+MIN_CUDNN = 90600
+CACHE_SIZE = 256  # graphs; one microbatch shape needs ~6-8 (forward/backward x diagonal pieces, half blocks)
+_lock = threading.Lock()
+_graphs: "OrderedDict[tuple, Built]" = OrderedDict()
+_handles: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def module() -> Optional[Any]:
+    """The ``cudnn`` Python module, or ``None`` when it is not importable."""
+    try:
+        import cudnn  # nvidia-cudnn-frontend
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        log.info("cuDNN frontend unavailable (%s: %s); blocks use PyTorch's kernels", type(e).__name__, e)
+        return None
+    return cudnn
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(index: int) -> bool:
+    cudnn = module()
+    if cudnn is None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        return int(cudnn.backend_version()) >= MIN_CUDNN
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def available(device: torch.device) -> bool:
+    """Whether blocks on ``device`` can run on the frontend's graphs (importable, cuDNN >= 9.6, sm90+)."""
+    return device.type == "cuda" and _device_ok(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def version() -> Optional[int]:
+    """cuDNN's backend version as the frontend reports it (e.g. 91900), or ``None`` without the frontend."""
+    cudnn = module()
+    try:
+        return None if cudnn is None else int(cudnn.backend_version())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+@register_clear  # cpscope.clear_caches() drops the graphs too
+def clear_cache() -> None:
+    """Drop the cached cuDNN graphs (they are rebuilt on demand)."""
+    with _lock:
+        _graphs.clear()
+
+
+def cached_graphs() -> list[tuple]:
+    """The keys of the cached graphs, oldest first (tests and benchmarks count them)."""
+    with _lock:
+        return list(_graphs)
+
+
+def pow2(n: int, lo: int = 64) -> int:
+    """``n`` rounded up to a power of two, at least ``lo`` (graph keys of similar shapes coincide)."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device``, as the frontend takes it."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def handle(device: torch.device) -> Any:
+    """This process's cuDNN handle for ``device`` (one per device, made on first use)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    h = _handles.get(idx)
+    if h is None:
+        with torch.cuda.device(idx):
+            h = module().create_handle()
+        _handles[idx] = h
+    return h
+
+
+def io_type(cudnn: Any, dtype: torch.dtype) -> Any:
+    """The frontend's data type of ``dtype`` (fp16 / bf16); ``ValueError`` for any other."""
+    if dtype == torch.bfloat16:
+        return cudnn.data_type.BFLOAT16
+    if dtype == torch.float16:
+        return cudnn.data_type.HALF
+    raise ValueError(f"cuDNN attention supports fp16/bf16, got {dtype}")
+
+
+class GraphUnsupported(RuntimeError):
+    """cuDNN (or its frontend) refused to build a graph; raised before any kernel ran, so another kernel may take
+    the block (see :mod:`cpscope.attention.kernels.router`)."""
+
+
+class Built:
+    """A built cuDNN graph, its tensors' uids by role, its workspace size, and the host tensors bound at every execute
+    (``fixed``: pass-by-value scalars of a score modifier); ``extras``: device tensors a family binds as well."""
+
+    def __init__(self, graph: Any, uids: dict, workspace: int, fixed: Optional[dict] = None) -> None:
+        self.graph, self.uids, self.workspace, self.fixed = graph, uids, workspace, dict(fixed or {})
+        self.names = tuple(uids)
+        self.order = tuple(uids[n] for n in self.names)
+        self.extras: dict = {}
+        pol = kernel_policy()
+        self.ordered = pol.ordered_execute and _takes_tensor_uids(graph) and (
+            not self.fixed or pol.fixed_form == "ordered")
+
+    def run(self, device: torch.device, tensors: dict) -> None:
+        """Execute on ``device``'s current stream with ``tensors`` bound by role."""
+        cudnn = module()
+        h = handle(device)
+        cudnn.set_stream(handle=h, stream=stream(device))
+        ws = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
+        if self.fixed:
+            tensors = {**tensors, **self.fixed}
+        if self.ordered:
+            self.graph.execute(tuple(tensors[n] for n in self.names), ws, handle=h, tensor_uids=self.order)
+        elif self.fixed:
+            self.graph.execute({self.uids[name]: t for name, t in tensors.items()}, ws, handle=h)
+        else:
+            pack = {self.uids[name]: t.data_ptr() for name, t in tensors.items()}
+            self.graph.execute(pack, ws.data_ptr() if ws is not None else 0, handle=h)
+
+
+def cached(key: tuple, build: Callable[[], Built]) -> Built:
+    """The graph cached under ``key``, built by ``build()`` on a miss (:class:`GraphUnsupported` if refused)."""
+    with _lock:
+        g = _graphs.get(key)
+        if g is not None:
+            _graphs.move_to_end(key)
+            return g
+    t0 = time.perf_counter()
+    try:
+        g = build()
+    except Exception as e:  # noqa: BLE001 - the frontend raises many types; none of them ran a kernel
+        raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}") from e
+    log.debug("cuDNN attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
+    with _lock:
+        _graphs[key] = g
+        while len(_graphs) > CACHE_SIZE:
+            _graphs.popitem(last=False)
+    return g
+
+
+def _takes_tensor_uids(graph: Any) -> bool:
+    try:
+        return "tensor_uids" in inspect.signature(graph.execute).parameters
+    except (TypeError, ValueError):  # a pybind method without a Python signature (older frontends)
+        return False
+
+
+def new_graph(cudnn: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """An empty SDPA graph for ``dtype`` inputs (fp32 intermediates and compute) on ``device``'s handle."""
+    return cudnn.pygraph(io_data_type=io_type(cudnn, dtype), intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=handle(device))
+
+
+def finish(cudnn: Any, graph: Any, named: dict, fixed: Optional[dict] = None) -> Built:
+    """Validate and build ``graph``; ``named``: its tensors by role (their uids bind them at execute)."""
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return Built(graph, {name: t.get_uid() for name, t in named.items()}, int(graph.get_workspace_size()), fixed)
+
+
+def tensor(graph: Any, dims: list, strides: list, dtype: Any, offset: Any = None, name: str = "") -> Any:
+    """A graph input with ``dims`` / ``strides`` and, for ragged tensors, its ``offset`` tensor."""
+    t = graph.tensor(name=name, dim=dims, stride=strides, data_type=dtype)
+    if offset is not None:
+        t.set_ragged_offset(offset)
+    return t
+
+
+def column(graph: Any, n: int, dtype: Any, name: str) -> Any:
+    """A ``[n, 1, 1, 1]`` graph input (per-sequence lengths and offsets, score-modifier bounds)."""
+    return graph.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype)
