@@ -43,9 +43,8 @@ NOT_CACHES = {
     "cpscope._sentinel.switch._EMPTY": "a constant (slots all None)",
     "cpscope._sentinel.handshake._ROUNDS": "a handshake counter that every rank must keep in step (state)",
     "cpscope._sentinel.attention_numeric._SKIPPED": "a constant (figures of a skipped check)",
-    "cpscope.attention._kernels._REFUSED": "memory of refused kernel routes (clearing repeats a failing build)",
-    "cpscope.attention._cudnn_thd._handles": "one cuDNN handle per device (a resource, like the CP stream)",
-    "cpscope.attention.blocks._AUX": "backward placeholders of the kernels (state; issue 30 moves it onto the call)",
+    "cpscope.attention.kernels.router._REFUSED": "memory of refused kernel routes (clearing repeats a failing build)",
+    "cpscope.attention.kernels.cudnn_frontend._handles": "one cuDNN handle per device (a resource, like the stream)",
     "cpscope.integrations.megatron._moe._CHECKED": "which routers were checked per group (a check's state, weak)",
     "cpscope.integrations.megatron._moe._TP_CHECKED": "the same, per TP group",
 }
@@ -57,9 +56,8 @@ PENDING = {
     "cpscope.attention.allgather._block_varlen": "attention wing: lru_cache of device offsets (Varlen)",
     "cpscope.attention.ulysses._permutation": "attention wing: lru_cache of device permutations",
     "cpscope.attention.hierarchical._GROUPS": "attention wing: verified (inner, outer) group pairs",
-    "cpscope.attention._cudnn_graphs._consts": "attention wing: device constants of the cuDNN graphs",
-    "cpscope.attention._cudnn_thd._cudnn_module": "attention wing: the cuDNN frontend module (import probe)",
-    "cpscope.attention._cudnn_thd._device_ok": "attention wing: whether a device runs cuDNN (probe)",
+    "cpscope.attention.kernels.cudnn_frontend.module": "attention wing: the cuDNN frontend module (import probe)",
+    "cpscope.attention.kernels.cudnn_frontend._device_ok": "attention wing: whether a device runs cuDNN (probe)",
     "cpscope.attention._sink_kernels._jitted": "attention wing: Triton kernels (compile memo)",
     "cpscope.attention.merge._kernels": "attention wing: Triton kernels (compile memo)",
     "cpscope.rope._kernel._kernel": "rope: Triton kernel (compile memo)",
@@ -70,7 +68,8 @@ PENDING = {
 
 # Containers emptied by a function registered with register_clear: container -> that function.
 CLEARED_BY = {
-    "cpscope.attention._cudnn_thd._graphs": "cpscope.attention._cudnn_thd.clear_cache",
+    "cpscope.attention.kernels.cudnn_frontend._graphs": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
+    "cpscope.attention.kernels.cudnn_dense._consts": "cpscope.attention.kernels.cudnn_dense.clear_constants",
 }
 
 _MEMO_DECORATORS = {"lru_cache", "cache"}
