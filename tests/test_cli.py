@@ -14,10 +14,10 @@ import pytest
 
 from cpscope.cli import main, parser
 from cpscope.cli import env as env_cmd
-from cpscope.cli import lengths as lengths_mod
+from cpscope.cli import _lengths as lengths_mod
 from cpscope.cli.plan import build
-from cpscope.cli.predict import predict
-from cpscope.cli.shape import PRESETS, memory_per_rank
+from cpscope.cli._predict import predict
+from cpscope.cli._shape import PRESETS, memory_per_rank
 from cpscope.hybrid import CostModel, plan_hybrid, plan_static
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +130,7 @@ def test_predict_equals_the_planners_and_flags_what_does_not_fit():
 
 
 def test_memory_grows_with_tokens_and_recompute_lowers_it():
-    from cpscope.cli.shape import Assumptions
+    from cpscope.cli._shape import Assumptions
 
     shape = PRESETS["llama3-8b"]
     small, big = memory_per_rank(shape, 4096), memory_per_rank(shape, 16384)

@@ -63,6 +63,7 @@ from ..attention.agreement import verify_agreement
 from ..groups import group_ranks
 from ..scope import runtime_cp
 from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
+# The microbatches this loop runs on; their one home is cpscope.train.prepare (still importable here, not exported).
 from .prepare import (
     IGNORE_INDEX,
     LocalMicrobatch,
@@ -82,18 +83,6 @@ __all__ = [
     "run_microbatches",
     "run_step",
     "StepResult",
-    # re-exported: the microbatches (cpscope.train.prepare) and reductions (cpscope.train.collectives) it runs on
-    "IGNORE_INDEX",
-    "LocalMicrobatch",
-    "next_token_labels",
-    "pack_documents",
-    "prepare_microbatch",
-    "prepare_microbatches",
-    "planned_group",
-    "pad_and_shard",
-    "empty_microbatch",
-    "allreduce_gradients",
-    "allreduce_sum",
 ]
 
 logger = logging.getLogger(__name__)
