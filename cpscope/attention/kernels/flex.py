@@ -208,7 +208,7 @@ def _run(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, bm: Any, scale: f
     if q4.device.type != "cuda":
         return _eager(q4, k4, v4, bm, scale, mod, gqa)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4))
-    key = (q4.device, q4.dtype, q4.shape[1], k4.shape[1], q4.shape[-1], v4.shape[-1], softcap, grad)
+    key = (q4.device, q4.dtype, q4.shape[1], k4.shape[1], q4.shape[-1], v4.shape[-1], scale, softcap, grad)
     fn = _compiled_for(key)
     try:
         api = _api()
