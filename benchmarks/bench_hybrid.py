@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpscope.hybrid import CostModel, long_tail_lengths, plan_greedy, plan_hybrid, plan_static  # noqa: E402
 from cpscope.hybrid.comm_cost import CommCostModel  # noqa: E402
-from cpscope.hybrid.data import sft_like_lengths  # noqa: E402
+from cpscope.hybrid.data import sft_like_lengths, uniform_lengths  # noqa: E402
 from cpscope.hybrid.step_cost import StepCost  # noqa: E402
 
 MIXES: dict[str, tuple[str, Callable[..., Any]]] = {
@@ -53,6 +53,8 @@ MIXES: dict[str, tuple[str, Callable[..., Any]]] = {
                   lambda n, seed: long_tail_lengths(n, seed=seed)),
     "sft": ("sft_like_lengths(n, seed): lognormal median 1024, sigma 1.0, [128, 16384], and max(1, n/128) "
             "documents of 120k-128k", lambda n, seed: sft_like_lengths(n, seed=seed)),
+    "uniform_long": ("uniform_lengths(n, seed): uniform in 32k-128k, multiples of 128 (every document long)",
+                     lambda n, seed: uniform_lengths(n, seed=seed)),
     "sft_heavy": ("sft_like_lengths(n, seed, long_fraction=0.01, median=512, sigma=1.2): stress mix",
                   lambda n, seed: sft_like_lengths(n, seed=seed, long_fraction=0.01, median=512, sigma=1.2)),
 }

@@ -10,6 +10,8 @@ them:
   (its own reference runs, taps around the inputs) without the slot being re-entered.
 * ``rope(scope, cu_seqlens, qkv_format, t)`` — after RoPE resolved its scope and per-pack positions.
 * ``hf_positions(module, query, scope, kwargs)`` — in the transformers attention function, before attention.
+* ``shard(scope, out)`` — ``zigzag_shard`` cut ``out`` for ``scope`` (CP > 1 only): the observer may remember which
+  scope each shard belongs to (weakly) and compare it with the scope RoPE and attention later run under.
 * ``microbatches(microbatches, num_targets) -> iterable`` — the training loop's microbatches of one step
   (the observer may wrap the iterable to mark each microbatch).
 
@@ -26,14 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-__all__ = ["attention", "rope", "hf_positions", "microbatches", "install", "restore", "SLOTS"]
+__all__ = ["attention", "rope", "hf_positions", "shard", "microbatches", "install", "restore", "SLOTS"]
 
 attention: Optional[Callable[..., Any]] = None
 rope: Optional[Callable[..., None]] = None
 hf_positions: Optional[Callable[..., None]] = None
+shard: Optional[Callable[..., None]] = None
 microbatches: Optional[Callable[..., Any]] = None
 
-SLOTS = ("attention", "rope", "hf_positions", "microbatches")
+SLOTS = ("attention", "rope", "hf_positions", "shard", "microbatches")
 
 
 def install(**slots: Optional[Callable[..., Any]]) -> dict[str, Optional[Callable[..., Any]]]:

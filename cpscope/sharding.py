@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import _hooks
 from ._checks import (
     check_divisible_seq,
     check_int,
@@ -178,7 +179,10 @@ def zigzag_shard(
         check_divisible_seq(n, cp)
         c = n // (2 * cp)
         # [.., 2cp*c, ..] -> chunks r and 2cp-1-r
-        return torch.cat([x.narrow(seq_dim, rank * c, c), x.narrow(seq_dim, (2 * cp - 1 - rank) * c, c)], seq_dim)
+        out = torch.cat([x.narrow(seq_dim, rank * c, c), x.narrow(seq_dim, (2 * cp - 1 - rank) * c, c)], seq_dim)
+        if _hooks.shard is not None:
+            _hooks.shard(scope, out)
+        return out
     pack = pack_for(cu_seqlens, cp, rank, cu_seqlens_padded=cu_seqlens_padded)
     if pack.total != n:
         raise ValueError(
@@ -187,7 +191,10 @@ def zigzag_shard(
         )
     if cp == 1:  # CP1 moves nothing (the offsets were still checked)
         return x
-    return x.index_select(seq_dim, pack.indices(x.device))
+    out = x.index_select(seq_dim, pack.indices(x.device))
+    if _hooks.shard is not None:
+        _hooks.shard(scope, out)
+    return out
 
 
 class _ZigzagUnshard(torch.autograd.Function):

@@ -312,6 +312,10 @@ def summarize(cfg: TrainConfig, results: list[TrainResult], backend: str) -> str
     secs = max(r.seconds for r in results)
     lines.append(f"tokens: {r0.tokens}  time: {secs:.2f} s  throughput: {r0.tokens / secs:,.0f} tokens/s  "
                  f"final loss: {r0.losses[-1]:.6f}")
+    if not torch.cuda.is_available():
+        lines.append(f"(CPU processes on {os.cpu_count()} shared cores: this run shows that the plan runs and that the "
+                     "losses equal --mode single's; its tokens/s measure nothing about CP speed — GPU figures: "
+                     "docs/benchmarks.md)")
     return "\n".join(lines)
 
 

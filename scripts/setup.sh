@@ -4,7 +4,7 @@
 # Two paths:
 #   * CPU (the default; CI): a fresh venv with the CPU build of torch 2.13.0 (pinned: an unpinned torch pulls a
 #     multi-GB CUDA build), cpscope in editable mode with the test / HF / example extras, the hf-train extra when
-#     setup.cfg defines it, and, as an optional test dependency, megatron-core 0.19.2
+#     pyproject.toml defines it, and, as an optional test dependency, megatron-core 0.19.2
 #     (tests/integrations/test_megatron_core.py; skipped when it is not importable). CPSCOPE_NO_MEGATRON=1 skips it.
 #   * System torch: when the Python that runs this ($PYTHON, default python3) already has a CUDA build of torch
 #     (`torch.version.cuda` is not None), or CPSCOPE_SYSTEM_TORCH=1, the venv sees that Python's packages
@@ -13,7 +13,10 @@
 #     that this torch asks for, each from the wheel folder CPSCOPE_WHEELS and/or the package index when it is
 #     reachable. What cannot be installed is skipped with a log line. Then `bash scripts/test.sh` runs the GPU
 #     tests too. CPSCOPE_SYSTEM_TORCH=0 forces the CPU path.
-# A finished set-up leaves $VENV/.cpscope-setup; it runs again when setup.cfg is newer (delete the file to force).
+# When the index is unreachable, cpscope is installed without build isolation (the machine's setuptools >= 77 builds
+# it; without one the checkout goes on the path through a .pth file), so pip never tries to fetch a build backend.
+# A finished set-up leaves $VENV/.cpscope-setup; it runs again when pyproject.toml is newer (delete the file to
+# force).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -46,7 +49,7 @@ fi
 stamp=$VENV/.cpscope-setup
 # pip warns about every local index folder a package is missing from; keep real errors, drop that noise.
 quiet_pip() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
-has_extra() { sed -n '/^\[options.extras_require\]/,/^\[/p' setup.cfg | grep -qE "^$1 *="; }
+has_extra() { sed -n '/^\[project.optional-dependencies\]/,/^\[/p' pyproject.toml | grep -qE "^$1 *="; }
 
 setup_cpu() {
   if [[ ! -x $VENV/bin/python ]]; then
@@ -132,16 +135,31 @@ setup_system() {
     pip_src+=(--no-index)
     log "package index unreachable: local wheels only"
   fi
-  # cpscope itself; torch>=2.4 is satisfied by the system torch, so pip leaves it alone.
-  if ! try_pip "cpscope (editable) with its test, HF and example extras" -e ".[test,hf,examples]"; then
-    try_pip "cpscope (editable), without its extras" --no-build-isolation --no-deps -e . ||
-      { add_path cpscope-checkout "$PWD"; log "cpscope from this checkout through a .pth file"; }
+  # Offline, pip cannot fetch the build backend for an isolated build: build with this machine's setuptools, or,
+  # without a recent one, put the checkout on the path (no build at all).
+  local build=() editable=1
+  if [[ -n $offline ]]; then
+    if "$VENV/bin/python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+        >/dev/null 2>&1; then
+      build=(--no-build-isolation)
+    else
+      editable=
+      log "no setuptools >= 77 here and the index unreachable: cpscope is not built"
+    fi
+  fi
+  # cpscope itself; torch>=2.11 is satisfied by the system torch, so pip leaves it alone.
+  if [[ -z $editable ]] ||
+      ! try_pip "cpscope (editable) with its test, HF and example extras" ${build[@]+"${build[@]}"} -e ".[test,hf,examples]"; then
+    if [[ -z $editable ]] ||
+        ! try_pip "cpscope (editable), without its extras" ${build[@]+"${build[@]}"} --no-deps -e .; then
+      add_path cpscope-checkout "$PWD"; log "cpscope from this checkout through a .pth file"
+    fi
     for m in pytest hypothesis numpy tqdm transformers; do
       importable "$m" || try_pip "$m" "$m" || true
     done
   fi
-  if has_extra hf-train; then
-    try_pip "the hf-train extra" -e ".[hf-train]" || true
+  if [[ -n $editable ]] && has_extra hf-train; then
+    try_pip "the hf-train extra" ${build[@]+"${build[@]}"} -e ".[hf-train]" || true
   fi
   # --no-deps: cpscope uses its graph API only; its CUTLASS DSL dependency (for other kernels) is often not there.
   importable cudnn || try_pip "nvidia-cudnn-frontend" --no-deps "nvidia-cudnn-frontend>=1.14" || true
@@ -159,7 +177,7 @@ print(next((re.split(';', r)[0].replace(' ', '') for r in (m.requires('torch') o
   importable pytest || log "pytest is not importable: scripts/test.sh cannot run (put its wheel in CPSCOPE_WHEELS)"
 }
 
-if [[ ! -f $stamp || setup.cfg -nt $stamp ]]; then
+if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   set -o pipefail
   if [[ -n $system_torch ]]; then setup_system; else setup_cpu; fi
   touch "$stamp"

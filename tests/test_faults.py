@@ -31,7 +31,8 @@ def _fresh_group() -> dist.ProcessGroup:
 
 
 def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
+    # each rank its own rows: identical rows on every rank are reported by the sentinel as unsharded inputs
+    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     return tuple(torch.randn(1, 8, 2, 4, dtype=torch.float64, generator=gen).requires_grad_() for _ in range(3))
 
 
@@ -217,6 +218,9 @@ def test_a_calibration_missing_or_different_on_one_rank_raises_on_every_rank():
 
 
 def _hierarchical() -> tuple:
+    # the registry shares sub-groups by member ranks: a pair an earlier test made for these ranks would be found, so
+    # start from an empty registry (on every rank of the pool, as clear_cp_group_cache requires)
+    cpscope.clear_cp_group_cache()
     g = _fresh_group()
     gen = torch.Generator().manual_seed(dist.get_rank())
     q, k, v = (torch.randn(1, 4, 4, 4, dtype=torch.float64, generator=gen) for _ in range(3))
@@ -234,6 +238,18 @@ def test_a2a_p2p_without_its_groups_made_up_front_is_a_clear_error_and_creates_n
     for (err, msg, _), after in run_ranks(4, _hierarchical, timeout=60):
         assert err == "ValueError" and "cpscope.hierarchical_cp_groups(group, 2)" in msg, msg
         assert after[0] == "ok", after
+
+
+def _hierarchical_pair_made_before() -> bool:
+    """What an earlier test in the same pool may leave behind: the (inner, outer) pair of the whole pool."""
+    cpscope.hierarchical_cp_groups(cpscope.new_cp_groups([dist.get_world_size()])[dist.get_world_size()], 2)
+    return True
+
+
+def test_a2a_p2p_check_does_not_depend_on_the_tests_before_it():
+    """The suite passes in any order: the check above starts from an empty registry, whatever ran before."""
+    assert run_ranks(4, _hierarchical_pair_made_before, timeout=60) == [True] * 4
+    test_a2a_p2p_without_its_groups_made_up_front_is_a_clear_error_and_creates_nothing()
 
 
 # ---------------------------------------------------------------------------------------------------------------

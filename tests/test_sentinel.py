@@ -574,7 +574,8 @@ def _member_order():
         groups = cpscope.new_cp_groups([2], ranks=[1, 0])
     except ValueError as e:  # the registry refuses a non-ascending block: nothing left to detect
         return "refused", str(e)
-    q = torch.randn(2, 8, 2, 4)
+    # each rank its own shard (the same rows on every rank would be reported as not sharded)
+    q = torch.randn(2, 8, 2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     with cpscope.sentinel(every=1), cpscope.runtime_cp(groups[2]):
         try:
             cpscope.context_parallel_attention(q, q, q, qkv_format="bshd")
@@ -622,7 +623,8 @@ def test_a_windowed_call_is_agreed_on_and_checked_numerically():
 
 def _zero_cost():
     groups = cpscope.new_cp_groups([1, 2])
-    q = torch.randn(1, 8, 2, 4, requires_grad=True)
+    # each rank its own shard (the same rows on every rank would be reported as not sharded)
+    q = torch.randn(1, 8, 2, 4, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
     names = []
     with cpscope.runtime_cp(groups[2]):
         names.append(type(cpscope.context_parallel_attention(q, q, q).grad_fn).__name__)  # off

@@ -28,6 +28,7 @@ from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
+from .cuts import cut_mismatch
 from .comm import collective_device, exchange, exchange_objects
 from .report import Mismatch
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
@@ -80,6 +81,9 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     vscope = expected or scope  # the group that runs this microbatch: where the verdict is agreed
     scope_ok = expected is None or same_scope(expected, scope)
     local = _local_checks(call, mb, expected, vscope, cu, index)
+    foreign = t.cuts.foreign({"q": call.q, "k": call.k, "v": call.v}, scope)
+    if foreign is not None:
+        local.append(cut_mismatch("attention", foreign, scope, dict(mb.where(index), group=group_of(vscope))))
     mb.rope_layouts = []
     mb.unverified = 0  # the agreement below carries every pending mismatch of this rank
     t.verdicts.emit(local, consistent=vscope.size == 1)
@@ -168,8 +172,41 @@ def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list]
         "step": -1 if mb.step is None else mb.step, "microbatch": mb.index, "call": index,
         "qkv_format": FORMATS.get(call.qkv_format, 0), "causal": int(bool(call.causal)), "comm": comm_code(comm),
         "dtype": DTYPES.get(getattr(q, "dtype", None), 0), **shapes, "offsets": offsets, "docs": docs,
-        "scale": float_bits(call.scale) if call.scale is not None else -1, **_features(call),
+        "scale": float_bits(call.scale) if call.scale is not None else -1, **_features(call), **_data_fields(call),
     }
+
+
+def _data_fields(call: AttentionCall) -> dict[str, int]:
+    """What the rank holds: a fingerprint of its q, k and v (equal only for equal data) and whether its q rows
+    differ from each other. Ranks of a CP group that hold the same, non-constant rows did not zigzag-shard: every
+    rank of a correct CP2 group holds other chunks of the sequence."""
+    if call.error is not None:
+        return {"data": 0, "distinct": 0}
+    seq = 1 if call.qkv_format == "bshd" else 0
+    parts = []
+    with torch.no_grad():
+        for t in (call.q, call.k, call.v):
+            x = t.detach().double().flatten()
+            w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+            parts.append(torch.stack([x.sum(), (x * x).sum(), (x * w).sum()]))
+        q = call.q.detach()
+        distinct = (q != q.narrow(seq, 0, 1)).any() if q.shape[seq] > 1 else torch.zeros((), dtype=torch.bool)
+        host = torch.cat(parts + [distinct.double().reshape(1).to(parts[0].device)]).tolist()
+    return {"data": hash64(tuple(host[:-1])), "distinct": int(host[-1])}
+
+
+def _unsharded(rows: list[dict[str, int]], members: list, where: dict) -> list[Mismatch]:
+    """Every rank holds the same non-constant q / k / v: the inputs were not zigzag-sharded (e.g. the full rows)."""
+    if len(rows) < 2 or not all(r["valid"] and r["distinct"] for r in rows):
+        return []
+    if len({r["data"] for r in rows}) != 1:
+        return []
+    return [Mismatch(
+        "sharding", "not sharded", -1,
+        f"every rank of the group {list(members)} holds the same q, k and v rows: the inputs are not zigzag-sharded "
+        "(each rank must hold its own chunks of the sequence: cut them with cpscope.zigzag_shard inside the "
+        "runtime_cp scope); attention would treat them as one sequence of cp times their length",
+        {"ranks": list(members)}, **where)]
 
 
 def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list], mb: Microbatch, index: int) -> bool:
@@ -180,6 +217,11 @@ def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list],
                     collective_device(vscope.group, call.q.device), timeout=t.opts.timeout)
     problems = disagreements(rows, members=members, fields=_SHARED)
     invalid = [members[i] for i, r in enumerate(rows) if not r["valid"]]
+    if not problems and not invalid:
+        unsharded = _unsharded(rows, members, dict(mb.where(index), group=tuple(members)))
+        if unsharded:  # the same verdict on every rank (it reads the gathered rows only)
+            t.verdicts.emit(unsharded, consistent=True)
+            return False
     if problems or invalid:
         _report_disagreement(t, vscope, call, cu, problems, invalid, dict(mb.where(index), group=tuple(members)))
         return False

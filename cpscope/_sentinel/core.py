@@ -234,7 +234,7 @@ class sentinel:
     def slots(self) -> dict[str, Callable[..., Any]]:
         """This sentinel's hook for each observer slot of :mod:`cpscope._hooks`."""
         return {"attention": self.on_attention, "rope": self.on_rope, "hf_positions": self.on_hf_positions,
-                "microbatches": self.watch_loop}
+                "shard": self.on_shard, "microbatches": self.watch_loop}
 
     def on_attention(self, call: AttentionCall, run: Callable[[AttentionCall], torch.Tensor]) -> torch.Tensor:
         """The attention slot: runs the prepared call (``run(call)``), checked when sampled."""
@@ -244,6 +244,10 @@ class sentinel:
         """The RoPE slot: the scope and the offsets RoPE rotates with."""
         if self._t.opts.positions:
             _outside_graph(on_rope)(self._t, scope, cu, qkv_format, t)
+
+    def on_shard(self, scope: CPScope, out: torch.Tensor) -> None:
+        """The sharding slot: ``zigzag_shard`` cut ``out`` for ``scope`` (remembered weakly, :mod:`.cuts`)."""
+        self._t.cuts.record(scope, out)
 
     def on_hf_positions(self, module: Any, query: torch.Tensor, scope: CPScope, kwargs: dict) -> None:
         """The transformers slot (``query`` ``[b, h, s_local, d]``, the attention function's ``**kwargs``)."""

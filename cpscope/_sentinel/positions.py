@@ -16,6 +16,7 @@ from ..scope import CPScope
 from ..sharding import zigzag_positions
 from . import recompute
 from .agree import hash64
+from .cuts import cut_mismatch
 from .report import Mismatch
 from .state import Microbatch, describe, group_of, in_backward, me, offsets_list, same_scope
 from .tracker import Tracker
@@ -72,6 +73,9 @@ def on_rope(t: Tracker, scope: CPScope, cu: tuple, qkv_format: str, x: torch.Ten
     if not mb.sampled:
         return
     t.verdicts.count("rope")
+    foreign = t.cuts.foreign({"the rotated tensor": x}, scope)
+    if foreign is not None:  # found alike by every rank that cut alike: at once under CP1, else at the next verdict
+        t.verdicts.emit([cut_mismatch("RoPE", foreign, scope, mb.where(mb.calls))], consistent=scope.size == 1)
     mb.unverified += 1
     recompute.remember(t, _rope_signature(cu, qkv_format, x), x, scope, mb.where(mb.calls))
     expected = t.expected_scope(mb)

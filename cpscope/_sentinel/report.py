@@ -50,7 +50,8 @@ class Mismatch:
 
     Attributes:
         check: ``"agreement"``, ``"attention"``, ``"attention-grad"``, ``"rope"``, ``"positions"``, ``"recompute"``,
-            ``"layout"`` (labels vs. the zigzag order) or ``"loss-normalisation"``.
+            ``"layout"`` (labels vs. the zigzag order), ``"sharding"`` (a shard used under another scope) or
+            ``"loss-normalisation"``.
         field: what differs, e.g. ``"offsets (cu_seqlens)"``, ``"out"``, ``"dk"``, ``"positions"``.
         rank: the global rank the mismatch is about (``-1``: the whole group).
         message: the figures in words.

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..scope import CPScope, runtime_scope_or
+from .cuts import Cuts
 from .handshake import handshake, options_code
 from .options import Options
 from .sampling import Sampler
@@ -35,6 +36,7 @@ class Tracker:
         self.sampler = Sampler(opts.every)
         self.verdicts = Verdicts(opts.on_mismatch, opts.timeout)
         self.records = Records()
+        self.cuts = Cuts()  # the scope each live zigzag_shard output was cut for (:mod:`.cuts`)
         self.mb: Optional[Microbatch] = None  # the marked microbatch being run
         self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.handshake`)
         self.armed = 0  # recomputes of sampled calls due: checked meanwhile (:mod:`.recompute`)

@@ -34,7 +34,6 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .._variants import A2A, ALL_GATHER, AUTO, HIERARCHICAL, P2P, VARIANTS, check_comm, split_comm
-from ..hybrid.comm_cost import halo_rows
 from ..scope import CPScope
 from .allgather import all_gather_attention
 from .hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
@@ -91,6 +90,9 @@ def default_rule(query: VariantQuery) -> str:
     else:
         return P2P
     if query.window is not None and query.seq_lens and sum(query.seq_lens):
+        # imported here: the cost model uses numpy, which attention itself (and `import cpscope`) does not need
+        from ..hybrid.comm_cost import halo_rows
+
         cp, h, g, total = query.cp, query.heads, query.kv_heads, sum(query.seq_lens)
         lens = [n for n in query.seq_lens if n > 0]
         halo = 2 * g * halo_rows(lens, cp, query.window, query.causal)  # head-rows one rank receives

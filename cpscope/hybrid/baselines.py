@@ -37,6 +37,13 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
 
     Raises:
         ValueError: as :func:`plan_hybrid`, or a ``cp`` that is not allowed or too small for the longest sequence.
+
+    Example::
+
+        from cpscope.hybrid import plan_hybrid, plan_static
+        lengths = [8192, 2048, 1024, 1024, 512, 512]
+        static = plan_static(lengths, n_ranks=4, capacity=4096, cp=2)   # every sequence at CP2
+        gain = static.makespan / plan_hybrid(lengths, n_ranks=4, capacity=4096).makespan
     """
     p = _Problem(lengths, n_ranks, capacity, cost, None, cp_sizes)
     if cp is None:
@@ -67,7 +74,15 @@ def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     """Baseline: plain greedy — each sequence at its memory-minimum CP size, taken in the given order and put
     on the aligned block whose most-loaded rank is least loaded; each block's sequences are packed by first fit
     in the given order (its blocks of non-nested sizes may wait for their busiest member: the plan says when each
-    rank finishes)."""
+    rank finishes).
+
+    Example::
+
+        from cpscope.hybrid import plan_greedy, plan_hybrid
+        lengths = [8192, 2048, 1024, 1024, 512, 512]
+        greedy = plan_greedy(lengths, n_ranks=4, capacity=4096)   # cp_sizes (2, 1, 1, 1, 1, 1)
+        print(greedy.makespan / plan_hybrid(lengths, n_ranks=4, capacity=4096).makespan)
+    """
     p = _Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
     loads = np.zeros(p.n_ranks)
     block = np.empty(p.n, dtype=np.int64)

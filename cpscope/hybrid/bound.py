@@ -113,5 +113,12 @@ def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     It holds for any set of CP sizes, nested or not: it only counts rank-seconds and the time of each sequence
     alone, and a plan whose blocks wait for each other only spends more. A smaller set of sizes (``cp_sizes``)
     can only raise it; the bound over all divisors bounds the plans over powers of two as well.
+
+    Example::
+
+        from cpscope.hybrid import lower_bound, plan_hybrid
+        lengths = [8192, 2048, 1024, 1024, 512, 512]
+        plan = plan_hybrid(lengths, n_ranks=4, capacity=4096)
+        gap = plan.makespan / lower_bound(lengths, n_ranks=4, capacity=4096) - 1   # how far from optimal, at most
     """
     return _lower_bound(_Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes))

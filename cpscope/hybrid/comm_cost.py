@@ -246,6 +246,12 @@ class CommCostModel:
             ``cp = 1`` fit.
         meta: what the calibration ran on (device, world size, CP sizes, versions, ``inner``, ...).
         samples: the measurements it was fitted to.
+
+    Example::
+
+        from cpscope.hybrid import CommCostModel
+        model = CommCostModel.load("comm_cost.json")     # written by benchmarks/calibrate_comm.py on your machine
+        model.time("a2a", [65536], cp=4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")   # seconds, fwd + bwd
     """
 
     coefficients: Mapping[str, Mapping[str, tuple[float, ...]]]

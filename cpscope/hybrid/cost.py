@@ -92,6 +92,14 @@ class CostModel:
         linear: seconds per token of per-token work.
         comm: exposed seconds per token of K/V received around the ring.
         latency: fixed seconds per ring step of a microbatch (``cp − 1`` steps).
+
+    Example::
+
+        from cpscope.hybrid import CostModel, plan_hybrid
+        cost = CostModel()                                  # the default coefficients; or fitted to measurements:
+        cost = CostModel.fit([4096, 16384, 16384, 65536], [1, 1, 2, 4], [0.011, 0.12, 0.065, 0.3])
+        cost.seq_cost(16384, 2)                             # predicted seconds of a 16k sequence at CP2
+        plan = plan_hybrid([16384, 2048, 2048], n_ranks=2, capacity=16384, cost=cost)
     """
 
     attn: float = 2.5e-9

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["long_tail_lengths", "sft_like_lengths"]
+__all__ = ["long_tail_lengths", "sft_like_lengths", "uniform_lengths"]
 
 
 def long_tail_lengths(
@@ -32,6 +32,12 @@ def long_tail_lengths(
 
     Returns:
         int64 array of shape ``[n]``.
+
+    Example:
+
+        >>> from cpscope.hybrid import long_tail_lengths
+        >>> long_tail_lengths(4, seed=0).tolist()
+        [2560, 1792, 5376, 2432]
     """
     if n < 0 or granularity < 1 or not 1 <= min_len <= max_len or median <= 0 or sigma < 0:
         raise ValueError(
@@ -91,3 +97,23 @@ def sft_like_lengths(
     lo, hi = -(-long_min // granularity), long_max // granularity
     lengths[where] = rng.integers(lo, max(lo, hi), n_long, endpoint=True) * granularity
     return lengths
+
+
+def uniform_lengths(n: int, *, seed: int = 0, min_len: int = 32768, max_len: int = 131072,
+                    granularity: int = 128) -> np.ndarray:
+    """``n`` document lengths uniform in ``[min_len, max_len]`` (multiples of ``granularity``): a long-context mix
+    in which every document is long (the defaults: 32k-128k tokens), from ``numpy.random.default_rng(seed)``.
+
+    Example::
+
+        >>> lengths = uniform_lengths(256, seed=0)
+        >>> int(lengths.min()) >= 32768 and int(lengths.max()) <= 131072 and bool(np.all(lengths % 128 == 0))
+        True
+    """
+    if n < 0 or granularity < 1 or not 1 <= min_len <= max_len:
+        raise ValueError(f"uniform_lengths: need n ≥ 0, granularity ≥ 1, 1 ≤ min_len ≤ max_len; got n={n}, "
+                         f"granularity={granularity}, min_len={min_len}, max_len={max_len}")
+    lo, hi = -(-min_len // granularity), max_len // granularity
+    if lo > hi:
+        raise ValueError(f"uniform_lengths: no multiple of {granularity} in [{min_len}, {max_len}]")
+    return np.random.default_rng(seed).integers(lo, hi, n, endpoint=True).astype(np.int64) * granularity

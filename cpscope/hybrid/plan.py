@@ -27,6 +27,12 @@ class Microbatch(NamedTuple):
     ``"a2a+p2p"``): bind it with the group, ``runtime_cp(group, comm=mb.comm)``. Under a plain
     :class:`~cpscope.hybrid.cost.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
     and the value does not matter.
+
+    Example::
+
+        plan = cpscope.hybrid.plan_hybrid([8192, 2048, 1024, 1024, 512, 512], n_ranks=4, capacity=4096)
+        mb = plan.microbatches_for_rank(0)[0]   # Microbatch(cp=4, block=0, seqs=(0,), tokens_per_rank=2048, ...)
+        group = groups[mb.cp]                    # the size-mb.cp group that holds this rank (block mb.block)
     """
 
     cp: int
@@ -52,6 +58,15 @@ class Plan:
     last finish; ``lower_bound`` the value of :func:`lower_bound` for the same inputs; ``padding_tokens`` the
     zigzag padding added over the batch; ``cp_candidates`` the CP sizes the planner could choose from and
     :attr:`sizes_used` those it picked.
+
+    Example::
+
+        from cpscope.hybrid import plan_hybrid
+        plan = plan_hybrid([8192, 2048, 1024, 1024, 512, 512], n_ranks=4, capacity=4096)
+        plan.cp_sizes                    # (4, 2, 1, 1, 2, 2): one CP size per sequence
+        plan.makespan, plan.lower_bound  # predicted seconds of the slowest rank, and a bound no plan beats
+        for mb in plan.microbatches_for_rank(rank):
+            ...                          # run mb.seqs under runtime_cp(groups[mb.cp])
     """
 
     method: str

@@ -208,6 +208,11 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     Raises:
         ValueError: a non-positive or non-integer length, bad ``n_ranks`` / ``capacity`` / ``max_cp`` /
             ``cp_sizes``, or a sequence that fits no allowed CP size.
+
+    Example::
+
+        plan = plan_hybrid([8192, 2048, 1024, 1024, 512, 512], n_ranks=4, capacity=4096)  # .cp_sizes (4, 2, 1, 1, 2, 2)
+        mbs = plan.microbatches_for_rank(rank)    # run each under runtime_cp(groups[mb.cp]): cpscope.train.loop
     """
     p = _Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
     lb = _lower_bound(p)

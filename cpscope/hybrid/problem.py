@@ -165,6 +165,14 @@ def cp_candidates(n_ranks: int, max_cp: Optional[int] = None, cp_sizes: CpSizes 
     Raises:
         ValueError: ``n_ranks`` or ``max_cp`` not an int ≥ 1; an explicit size that does not divide ``n_ranks``,
             exceeds ``max_cp`` or is not an int ≥ 1; an empty set; an unknown name.
+
+    Example:
+
+        >>> from cpscope.hybrid import cp_candidates
+        >>> cp_candidates(8).tolist()
+        [1, 2, 4, 8]
+        >>> cp_candidates(12, max_cp=6).tolist()
+        [1, 2, 3, 4, 6]
     """
     n_ranks = _check_int(n_ranks, "n_ranks")
     limit = n_ranks if max_cp is None else _check_int(max_cp, "max_cp")

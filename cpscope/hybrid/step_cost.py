@@ -46,6 +46,13 @@ class StepCost:
         linear: seconds per token of everything else (projections, MLP, norms; forward + backward), per rank.
         inner: the ``a2a+p2p`` sub-group size (default ``comm.inner``).
         variants: the variants the planner may use (default all fitted ones).
+
+    Example::
+
+        from cpscope.hybrid import CommCostModel, StepCost, plan_hybrid
+        cost = StepCost(CommCostModel.load("comm_cost.json"), heads=32, kv_heads=8, head_dim=128, layers=32)
+        cost.microbatch_cost([65536], cp=4)          # per-rank seconds, with the cheapest allowed variant
+        plan = plan_hybrid(lengths, n_ranks=8, capacity=32768, cost=cost)   # each microbatch gets .cp and .comm
     """
 
     comm: CommCostModel

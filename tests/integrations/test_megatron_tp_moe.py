@@ -219,6 +219,42 @@ def _unregistered_cp_group_refused(ps: Any) -> str:
     return str(e.value)
 
 
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+                "_reduce_scatter_base", "all_to_all", "all_to_all_single", "broadcast", "batch_isend_irecv", "send",
+                "recv", "isend", "irecv", "barrier")
+
+
+def _refused_before_any_collective() -> tuple[str, int]:
+    """TP2, a CP2 microbatch whose [tp, cp] group was not made up front: the error, and how many collectives ran
+    before it (Megatron's TP all-reduces / gathers, the ring's exchanges)."""
+    from cpscope.integrations.megatron import documents_from_batch, enable_runtime_cp
+    from cpscope.integrations.megatron.data import prepare_megatron_microbatch
+
+    with _tensor_parallel(TP) as ps:
+        cpscope.clear_cp_group_cache()  # on every rank: the next groups are new ones
+        cp2 = cpscope.new_cp_groups([2], ranks=[0, 2, 1, 3])[2]  # one rank per TP pair, no [tp, cp] group made
+        model = _build(torch.float32, "allgather", ps.get_tensor_model_parallel_rank())
+        enable_runtime_cp(model)
+        mb = prepare_megatron_microbatch(documents_from_batch(_megatron_batch([8], seed=1)), cp=2, group=cp2)
+        calls = []
+        saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+        for name, fn in saved.items():
+            setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+        try:
+            with _moe_cpu_shims(), pytest.raises(ValueError, match=r"no \[tp, cp\] group .*new_tp_cp_groups") as e:
+                model(mb.input_ids[None], mb.position_ids[None], None, packed_seq_params=mb.packed_seq_params())
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+        cpscope.clear_cp_group_cache()
+        return str(e.value), len(calls)
+
+
+def test_moe_tp2_without_tp_cp_groups_is_refused_before_any_collective():
+    for msg, collectives in run_ranks(4, _refused_before_any_collective, timeout=120):
+        assert "TP2" in msg and collectives == 0, (msg, collectives)
+
+
 def _moe_tp_runtime_cp(dispatchers: tuple) -> dict:
     with _tensor_parallel(TP) as ps:
         groups = cpscope.groups.new_tp_cp_groups([1, 2], tp_size=TP)

@@ -26,6 +26,11 @@ The per-layer attention options of today's decoders run under CP as in the model
 (Gemma 2), ``s_aux`` (gpt-oss sinks, differentiable) and a v head dim other than q/k's (DeepSeek-V3's multi-latent
 attention); see :mod:`cpscope.integrations.hf.options`.
 
+Hybrid models (linear-attention, state-space or short-convolution layers: Qwen3.5, Qwen3-Next, Kimi Linear,
+Nemotron-H, Bamba, Granite 4 hybrids, Falcon-H1, LFM2) need their token mixers bound to the scope: run under CP > 1
+with only ``attn_implementation="cpscope"`` set, their first attention layer raises ``ValueError`` on every rank
+(:mod:`cpscope.integrations.hf.mixers`).
+
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
 (query and key lengths differ), a sliding window without a causal mask, attention dropout.
 
@@ -55,18 +60,31 @@ Example::
 from __future__ import annotations
 
 import logging
-import weakref
+import re
 from typing import Any, Optional
 
 import torch
-from transformers import AttentionInterface
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+except ImportError as e:  # transformers absent, or too old to have the attention registry
+    raise ImportError(
+        f"cpscope.integrations.hf needs transformers >= 5.4 ({e}); install it with: pip install 'cpscope[hf]'"
+    ) from e
+if tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) < (5, 4):
+    # older releases call the mask function with other arguments: refuse at import rather than at the first forward
+    raise ImportError(f"cpscope.integrations.hf needs transformers >= 5.4, found {transformers.__version__}; "
+                      "install it with: pip install 'cpscope[hf]'")
 
 from ... import _hooks
 from ..._checks import check_cu_seqlens, check_divisible_seq
-from ..._pack import cu_seqlens_list
 from ...attention import context_parallel_attention
 from ...scope import UNSET as _UNSET, CPScope, resolve_scope
 from ...sharding import zigzag_positions, zigzag_shard
+from . import batch_scope
+from .inputs import _PerTensor, _check_mask, _packed_offsets, _unsupported
+from .mixers import refuse_unbound_mixers
 from .options import attention_options, longest_sequence
 from .recompute import (
     ATTN_IMPLEMENTATION,
@@ -88,6 +106,8 @@ __all__ = [
     "ScopedCheckpointFunction",
     "cpscope_attention_forward",
     "cpscope_attention_mask",
+    "disable_runtime_cp",
+    "enable_runtime_cp",
     "enable_scoped_recompute",
     "shard_batch",
 ]
@@ -98,73 +118,8 @@ logger = logging.getLogger(__name__)
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "position_ids", "token_type_ids")
 
 
-def _unsupported(what: str) -> ValueError:
-    return ValueError(f'attn_implementation="cpscope" cannot honour {what}')
-
-
-class _PerTensor:
-    """Host-side check results remembered per tensor object, its in-place version and a key (one sync per tensor).
-
-    Keyed by ``id`` with an identity check through a weak reference, whose callback drops the entry when the
-    tensor dies (a ``WeakKeyDictionary`` would compare tensors with ``==``). Inference-mode tensors have no version
-    counter and are never remembered.
-    """
-
-    __slots__ = ("_hits",)
-    MISS: Any = object()
-
-    def __init__(self) -> None:
-        self._hits: dict[int, tuple[weakref.ref, int, Any, Any]] = {}
-
-    def get(self, t: torch.Tensor, key: Any) -> Any:
-        hit = self._hits.get(id(t))
-        if hit is None or hit[0]() is not t or hit[2] != key:
-            return self.MISS
-        try:
-            return hit[3] if hit[1] == t._version else self.MISS
-        except RuntimeError:  # inference tensor
-            return self.MISS
-
-    def put(self, t: torch.Tensor, key: Any, value: Any) -> None:
-        try:
-            version = t._version
-            ident = id(t)
-            ref = weakref.ref(t, lambda r, ident=ident: self._forget(ident, r))
-        except (RuntimeError, TypeError):  # inference tensor / no weak references: not remembered
-            return
-        self._hits[ident] = (ref, version, key, value)
-
-    def _forget(self, ident: int, ref: weakref.ref) -> None:
-        hit = self._hits.get(ident)
-        if hit is not None and hit[0] is ref:
-            self._hits.pop(ident, None)
-
-
-_CHECKED_MASKS = _PerTensor()  # 2-D masks found free of zeros
 _CHECKED_POSITIONS = _PerTensor()  # position_ids found in the zigzag layout of (cp size, rank, local length)
 _HOST_INTS = _PerTensor()  # 0-D tensors (max_length_q/k given as tensors) as Python ints
-
-
-def _check_mask(attention_mask: Any) -> None:
-    if attention_mask is None:
-        return
-    if not isinstance(attention_mask, torch.Tensor):
-        raise _unsupported(f"an attention_mask of type {type(attention_mask).__name__}")
-    if attention_mask.dim() != 2:
-        raise _unsupported(
-            f"a {attention_mask.dim()}-D attention_mask of shape {tuple(attention_mask.shape)} (only causal / "
-            "document masking is supported: pass no mask, or pack documents via position_ids)"
-        )
-    if _CHECKED_MASKS.get(attention_mask, None) is not _PerTensor.MISS:
-        return  # this very mask (same version) was checked before: no host sync per layer / per call
-    zeros = int((attention_mask == 0).sum())
-    if zeros:
-        raise _unsupported(
-            f"a 2-D attention_mask with {zeros} zeros (padding) of shape {tuple(attention_mask.shape)}: remove the "
-            "padding or pack the sequences into one row with position_ids restarting at 0 (shard_batch computes "
-            "the document offsets)"
-        )
-    _CHECKED_MASKS.put(attention_mask, None, True)
 
 
 def cpscope_attention_mask(
@@ -240,27 +195,16 @@ def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: 
     if dropout:
         raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
     if query.shape[2] != key.shape[2]:
+        if resolve_scope().size > 1:
+            raise ValueError(
+                "generation does not run under context parallelism: attention got a KV cache (query length "
+                f"{query.shape[2]} != key length {key.shape[2]}) under CP > 1; generate outside every "
+                "cpscope.runtime_cp scope, with another attn_implementation"
+            )
         raise _unsupported(
             f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
             "attn_implementation for generation"
         )
-
-
-def _packed_offsets(kwargs: dict[str, Any]) -> tuple[Any, Optional[list[int]]]:
-    """The packed batch's global ``cu_seq_lens`` (as given) and their validated host copy; ``(None, None)`` if dense.
-
-    Host copies are remembered per tensor: one sync per forward, none per layer.
-    """
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    cu = cu_q if cu_q is not None else cu_k
-    if cu is None:
-        return None, None
-    cu_list = cu_seqlens_list(cu, "cu_seq_lens_q" if cu is cu_q else "cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and cu_q is not cu_k:
-        cu_k_list = cu_seqlens_list(cu_k, "cu_seq_lens_k")
-        if cu_k_list != cu_list:
-            raise _unsupported(f"different cu_seq_lens_q {cu_list} and cu_seq_lens_k {cu_k_list}")
-    return cu, cu_list
 
 
 def cpscope_attention_forward(
@@ -295,6 +239,8 @@ def cpscope_attention_forward(
         return _attention_forward_island(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                          **kwargs)
     scope = resolve_scope()  # read once, here in forward
+    batch_scope.check(kwargs, scope)  # a batch sharded for another scope: ValueError on every rank
+    refuse_unbound_mixers(module, scope.size)  # a hybrid model's unbound recurrences: raise on every rank
     if _hooks.hf_positions is not None:
         _hooks.hf_positions(module, query, scope, kwargs)
     _refuse_unsupported(query, key, attention_mask, dropout)
@@ -411,6 +357,7 @@ def shard_batch(
         cu_t = torch.tensor(cu, dtype=torch.int32, device=tokens.device)
         max_len = max(e - s for s, e in zip(cu[:-1], cu[1:]))
         out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max_len, max_length_k=max_len)
+    batch_scope.mark(out, scope)  # the model must run under this scope (checked by the attention function)
     return out
 
 
@@ -450,5 +397,8 @@ def _shifted_labels(labels: torch.Tensor, cu: Optional[list[int]], ignore_index:
 
 
 install_checkpoint_wrapper()
+batch_scope.install_generate_guard()
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)
+
+from .runtime import disable_runtime_cp, enable_runtime_cp  # noqa: E402  (needs this module's helpers)

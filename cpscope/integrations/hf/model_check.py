@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 
 from ...scope import runtime_cp
-from . import ATTN_IMPLEMENTATION
+from .recompute import ATTN_IMPLEMENTATION
 
 __all__ = ["use_cpscope_attention", "check_model_for_cp", "base_model", "call_model"]
 

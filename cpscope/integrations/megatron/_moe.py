@@ -57,7 +57,7 @@ from ...scope import CPScope
 from ...sharding import zigzag_indices
 from ._carrier import consumer_scope
 
-__all__ = ["MoELayerMixin", "check_cp_beside_tp", "is_moe_layer", "moe_refusals"]
+__all__ = ["MoELayerMixin", "check_cp_beside_tp", "check_routers", "is_moe_layer", "moe_refusals"]
 
 _PAD_ATTR = "_cpscope_moe_padding"
 _TP_CP_METRICS = ("load_balancing_loss", "seq_load_balancing_loss")
@@ -120,6 +120,14 @@ class MoELayerMixin:
         finally:
             router.tp_cp_group, router.cp_group, router.config = static
             _restore_metric_groups(static[0])
+
+
+def check_routers(routers: list, scope: CPScope) -> None:
+    """At the entry forward, before any collective: the ``[tp, cp]`` group every MoE router of the model will bind
+    for ``scope`` exists (made up front) and lies inside its ``tp_dp_cp`` group — else the ``ValueError`` that the
+    first MoE layer would raise after the layers before it ran their collectives. Lookups only (no collective)."""
+    for router in routers[:1]:  # every router of one model has the same tp and tp_dp_cp groups
+        _tp_cp_group(router, scope)
 
 
 def _tp_cp_group(router: Any, scope: CPScope) -> Any:

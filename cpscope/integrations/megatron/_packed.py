@@ -156,7 +156,19 @@ def _find_argument(sig: inspect.Signature, name: str, fn: Callable[..., Any]) ->
 
 
 class _PackedSeqScope:
-    """Implementation of :func:`packed_seq_scope` (decorator with or without arguments, plus ``.bind``)."""
+    """Implementation of :func:`packed_seq_scope` (decorator with or without arguments, plus ``.bind``).
+
+    Example::
+
+        from cpscope.integrations.megatron import packed_seq_scope
+
+        @packed_seq_scope                  # each call binds the group its packed_seq_params carries
+        def forward(self, hidden_states, attention_mask, packed_seq_params=None):
+            ...
+
+        with packed_seq_scope.bind(psp):   # or around a block: psp.cp_group / psp.local_cp_size bound
+            out = core_attention(q, k, v, None, packed_seq_params=psp)
+    """
 
     @overload
     def __call__(self, fn: F) -> F: ...

@@ -49,7 +49,7 @@ from ...groups import group_ranks
 from ...scope import CPScope, build_time_cp_group, scope_for
 from ._carrier import consumer_scope, with_scope
 from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
-from ._moe import MoELayerMixin, check_cp_beside_tp, is_moe_layer, moe_refusals
+from ._moe import MoELayerMixin, check_cp_beside_tp, check_routers, is_moe_layer, moe_refusals
 from ._mtp import MTPModelMixin, is_mtp_model, mtp_refusals
 from ._packed import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
@@ -72,6 +72,7 @@ class EntryMixin(ForwardSignature):
     _cpscope_recompute: bool
     _cpscope_rotary: list  # the RotaryTableMixin modules below this entry
     _cpscope_tp: Optional[tuple[int, ...]]  # the global ranks of the model's TP group (None: TP1)
+    _cpscope_routers: list  # the MoE routers below this entry
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = self._cpscope_signature.bind(*args, **kwargs)
@@ -84,6 +85,7 @@ class EntryMixin(ForwardSignature):
         scope = consumer_scope(psp)  # named by packed_seq_params, else the enclosing scope — read once, here
         if self._cpscope_tp is not None and scope.size > 1:
             check_cp_beside_tp(scope.group, self._cpscope_tp)
+            check_routers(self._cpscope_routers, scope)  # the [tp, cp] groups: refused here, before any collective
         if psp is None:
             if self._cpscope_recompute and self.training:  # type: ignore[attr-defined]
                 raise ValueError(
@@ -281,6 +283,7 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
     names = [name for name, _ in entries] + _convert_consumers(modules, config, classes)
     for _, entry in entries:
         entry.__dict__["_cpscope_rotary"] = [m for m in entry.modules() if isinstance(m, RotaryTableMixin)]
+        entry.__dict__["_cpscope_routers"] = [m.mlp.router for m in entry.modules() if is_moe_layer(m)]
     logger.debug("enable_runtime_cp: converted %d modules", len(names))
     return sorted(set(names))
 

@@ -25,6 +25,12 @@ def megatron_core_version() -> str:
 
     Raises:
         ImportError: megatron-core is not importable.
+
+    Example:
+
+        >>> from cpscope.integrations.megatron import megatron_core_version
+        >>> megatron_core_version()   # doctest: +SKIP
+        '0.19.2'
     """
     from megatron.core import package_info
 

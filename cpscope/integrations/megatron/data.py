@@ -150,6 +150,13 @@ class MegatronMicrobatch(LocalMicrobatch):
     Attributes (besides the base class's — ``cu_seqlens`` are the padded, layout offsets):
         cu_seqlens_real: ``[docs + 1]`` int32 global offsets of the real (unpadded) documents.
         position_ids: ``[T / cp]`` int64 global positions (restarting per document) of the local tokens.
+
+    Example::
+
+        from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
+        mbs = prepare_megatron_microbatches(plan.microbatches_for_rank(rank), docs, groups)
+        mb = mbs[0]                                  # a MegatronMicrobatch
+        logits = megatron_forward(gpt_model, mb)     # [T / mb.cp, vocab], run under mb.group
     """
 
     cu_seqlens_real: torch.Tensor = None  # type: ignore[assignment]
@@ -260,6 +267,14 @@ def megatron_forward(model: Any, mb: MegatronMicrobatch) -> torch.Tensor:
 
     The model should have :func:`~cpscope.integrations.megatron.enable_runtime_cp` applied; it runs with this
     microbatch's group (carried by ``packed_seq_params``).
+
+    Example::
+
+        from cpscope.integrations.megatron import enable_runtime_cp, megatron_forward, prepare_megatron_microbatches
+        from cpscope.train.loop import run_microbatches
+        enable_runtime_cp(gpt_model)
+        mbs = prepare_megatron_microbatches(plan.microbatches_for_rank(rank), docs, groups)
+        loss = run_microbatches(gpt_model, mbs, num_targets=n_targets, dp_group=dp_group, forward=megatron_forward)
     """
     batch = mb.megatron_batch()
     logits = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
