@@ -13,6 +13,7 @@ math through the same block masks and score modifier as its compiled CUDA kernel
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -169,22 +170,57 @@ def test_refusal_sends_the_block_to_the_next_route(monkeypatch, caplog):
     assert "head dim" in next(iter(router.fallbacks().values()))
 
 
-def test_caches_clear_and_hold_no_cycles():
-    """``clear_caches`` empties the dense block masks (packed ones live with their pack); a call's block mask and
-    tensors are freed by reference counting alone (no cycle through the mask function's closure)."""
+def _cyclic_garbage() -> list[str]:
+    """Tensors and frames that only the cyclic collector would free (FakeTensors — storage-less values of torch's
+    own tracing of the score modifier on the CPU's eager path — aside)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = [o for o in gc.garbage if isinstance(o, (torch.Tensor, types.FrameType))
+                 and not isinstance(o, FakeTensor)]
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+    return [f"frame {o.f_code.co_name}" if isinstance(o, types.FrameType) else f"tensor {tuple(o.shape)}"
+            for o in found]
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd", "blocks"])
+def test_no_cycles_and_caches_clear(fmt):
+    """A flex call (CP1 through its autograd; a block forward + backward from merged statistics) leaves nothing
+    for the cyclic collector: its outputs, gradients, block mask and interval tensors die by reference counting once
+    the caches are cleared (the dense masks' LRU; packed masks live with their pack)."""
     cpscope.clear_caches()
-    q, k, v = (torch.randn(1, 96, 2, 8, requires_grad=True) for _ in range(3))
     gc.collect()
     gc.disable()
     try:
         with use_kernel_policy(flex="first"):
-            out = cpscope.context_parallel_attention(q, k, v, window=(9, 0), softcap=3.0, group=None)
-            out.sum().backward()
-        assert len(flex._dense_masks) == 1
-        bm = weakref.ref(next(iter(flex._dense_masks.values())))
-        lo = weakref.ref(bm().mask_mod.__closure__[1].cell_contents)
-        del out
+            if fmt == "blocks":
+                q, k, v = torch.randn(1, 96, 4, 8), torch.randn(1, 96, 2, 8), torch.randn(1, 96, 2, 8)
+                out, lse = router.block_forward(q, k, v, scale=0.3, causal=True, window=(9, 0), softcap=3.0)
+                made = [out, lse, *router.block_backward(torch.ones_like(out), q, k, v, out, lse + 0.1, scale=0.3,
+                                                         causal=True, window=(9, 0), softcap=3.0)]
+            else:
+                shape, extra = ((1, 96), {}) if fmt == "bshd" else ((96,), {
+                    "cu_seqlens": torch.tensor([0, 40, 96], dtype=torch.int32)})
+                q, k, v = (torch.randn(*shape, h, 8, requires_grad=True) for h in (4, 2, 2))
+                out = cpscope.context_parallel_attention(q, k, v, qkv_format=fmt, window=(9, 0), softcap=3.0,
+                                                         group=None, **extra)
+                made = [out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))]
+        refs = [weakref.ref(t) for t in made]
+        masks = [weakref.ref(m) for m in flex._dense_masks.values()]
+        assert len(masks) == (0 if fmt == "thd" else 1)
+        lo = [weakref.ref(m().mask_mod.__closure__[1].cell_contents) for m in masks]
+        del made, out, q, k, v
+        if fmt == "blocks":
+            del lse
         cpscope.clear_caches()
-        assert not flex._dense_masks and bm() is None and lo() is None
+        assert not flex._dense_masks and not flex._compiled
+        alive = [r for r in refs + masks + lo if r() is not None]
+        garbage = _cyclic_garbage()
     finally:
         gc.enable()
+    assert not alive, f"{len(alive)} objects of the call kept alive by a reference cycle"
+    assert not garbage, f"the call left cyclic garbage holding {garbage[:10]}"
