@@ -5,7 +5,7 @@ math through the same block masks and score modifier as its compiled CUDA kernel
   ignores it, the compiled kernels skip every tile it leaves out;
 * blocks (dense, packed, bands off the diagonal, merged statistics) against the exact math in float64;
 * whole calls with the router forced onto flex (``KernelPolicy(flex="first")``): bshd / sbhd / thd x window,
-  softcap, window + softcap, at CP1 (one block through flex's own autograd) and CP2 (ring and halo blocks, the
+  softcap, window + softcap (and with sinks, merged through the blocks' log-sum-exp), at CP1 (one block through flex's own autograd) and CP2 (ring and halo blocks, the
   backward through the merged statistics), forward and gradients against the float64 full-sequence reference;
 * a kernel that cannot compile a block is a refusal: the block runs on the next route; ``clear_caches`` empties
   the kernel's caches.
@@ -126,6 +126,8 @@ def _flex_matrix(group) -> dict[str, int]:
             if fmt == "sbhd" and i % 2:
                 continue
             check(group, "p2p", fmt, causal, 4, 2 if i % 3 else 1, FEATS[name], seed=i, lens=LENS)
+        check(group, "p2p", "thd", True, 4, 2, {**FEATS["window+softcap"], "sinks": True}, seed=40, lens=LENS)
+        check(group, "p2p", "bshd", True, 4, 1, {**FEATS["softcap"], "sinks": True}, seed=41, lens=LENS)
     return calls
 
 
@@ -137,6 +139,10 @@ def test_cp1_through_flex_matches_reference(monkeypatch):
             for causal in (True, False):
                 check(None, "p2p", fmt, causal, 4, 2 if i % 2 else 4, FEATS[name], seed=i, lens=LENS)
     assert calls["attend"] == 18 and calls["forward"] == calls["backward"] == 0
+    with use_kernel_policy(flex="first"):  # sinks: the ring's function, blocks from the merged statistics
+        for i, fmt in enumerate(("bshd", "thd")):
+            check(None, "p2p", fmt, True, 4, 2, {**FEATS["window+softcap"], "sinks": True}, seed=30 + i, lens=LENS)
+    assert calls["attend"] == 18 and calls["forward"] == calls["backward"] == 2
 
 
 def _cp2(world: int) -> dict[str, int]:
