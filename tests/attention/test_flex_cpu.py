@@ -102,6 +102,16 @@ def test_blocks_match_exact(case):
         assert a.shape == b.shape and (a - b).abs().max() < 1e-11
 
 
+@pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0)])
+def test_empty_blocks(n_q, n_k):
+    """A block without queries or keys: out 0 and lse -inf, zero gradients, as the exact math gives them."""
+    q, k, v = torch.randn(1, n_q, 4, 8), torch.randn(1, n_k, 2, 8), torch.randn(1, n_k, 2, 8)
+    out, lse = flex.forward(q, k, v, 0.3, True, None, (3, 0), 2.0)
+    assert out.shape == q.shape and lse.shape == (1, 4, n_q) and not out.abs().sum() and (lse == -float("inf")).all()
+    grads = flex.backward(torch.ones_like(out), q, k, v, out, lse, 0.3, True, None, (3, 0), 2.0)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and not any(g.abs().sum() for g in grads)
+
+
 def _spied(monkeypatch=None):
     """Count the flex kernel's entries (the rank tasks patch the module themselves)."""
     calls = {"forward": 0, "backward": 0, "attend": 0}

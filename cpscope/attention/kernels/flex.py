@@ -44,6 +44,7 @@ import torch
 
 from ..._tensor_cache import register_clear
 from .block import Varlen, Window
+from . import exact
 from .exact import key_bounds
 
 __all__ = ["available", "FlexUnsupported", "forward", "backward", "attend", "block_mask", "clear_cache", "TILE"]
@@ -234,10 +235,16 @@ def _mask_for(q: torch.Tensor, k: torch.Tensor, causal: bool, vl: Optional[Varle
     return block_mask(t_q, t_k, causal, vl, window, q.device)
 
 
+def _empty(q: torch.Tensor, k: torch.Tensor, vl: Optional[Varlen]) -> bool:
+    return q.shape[0 if vl is not None else 1] == 0 or k.shape[0 if vl is not None else 1] == 0
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, vl: Optional[Varlen],
             window: Window = None, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block through FlexAttention; ``lse`` fp32 (fp64 for fp64 inputs), ``-inf`` (and
     ``out`` 0) on rows that see no key. Layouts and masks as :func:`cpscope.attention.kernels.block_forward`."""
+    if _empty(q, k, vl):  # no query or no key: nothing for a kernel to do
+        return exact.forward(q, k, v, scale, causal, vl, window, softcap)
     bm = _mask_for(q, k, causal, vl, window)
     with torch.no_grad():
         out, lse = _run(_bhsd(q.detach(), vl), _bhsd(k.detach(), vl), _bhsd(v.detach(), vl), bm, scale, softcap)
@@ -248,6 +255,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, scale: float, causal: bool, vl: Optional[Varlen], window: Window = None,
              softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the merged ``out`` / ``lse`` of its queries (see the module docstring)."""
+    if _empty(q, k, vl):
+        return exact.backward(dout, q, k, v, out, lse, scale, causal, vl, window, softcap)
     bm = _mask_for(q, k, causal, vl, window)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
