@@ -149,10 +149,10 @@ def test_cp1_through_flex_matches_reference(monkeypatch):
             for causal in (True, False):
                 check(None, "p2p", fmt, causal, 4, 2 if i % 2 else 4, FEATS[name], seed=i, lens=LENS)
     assert calls["attend"] == 18 and calls["forward"] == calls["backward"] == 0
-    with use_kernel_policy(flex="first"):  # sinks: the ring's function, blocks from the merged statistics
+    with use_kernel_policy(flex="first"):  # sinks through the log-sum-exp of the same autograd call
         for i, fmt in enumerate(("bshd", "thd")):
             check(None, "p2p", fmt, True, 4, 2, {**FEATS["window+softcap"], "sinks": True}, seed=30 + i, lens=LENS)
-    assert calls["attend"] == 18 and calls["forward"] == calls["backward"] == 2
+    assert calls["attend"] == 20 and calls["forward"] == calls["backward"] == 0
 
 
 def _cp2(world: int) -> dict[str, int]:

@@ -87,8 +87,8 @@ def test_router_takes_flex_when_cudnn_refuses(layout, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-def test_cp1_call_through_flex_autograd(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,with_sinks", [("bshd", False), ("thd", False), ("thd", True)])
+def test_cp1_call_through_flex_autograd(fmt, with_sinks, monkeypatch):
     import cpscope
     from cpscope.attention.policy import use_kernel_policy
     from tests.attention._reference import reference_attention
@@ -99,14 +99,22 @@ def test_cp1_call_through_flex_autograd(fmt, monkeypatch):
     cu = [0, 1000, 1024, 3072] if fmt == "thd" else None
     n = 3072
     q, k, v, do = (torch.randn(n, h, 64, device=dev, dtype=torch.float64, generator=g) for h in (8, 2, 2, 8))
-    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    want = reference_attention(*ref, causal=True, cu=cu, window=(511, 0), softcap=30.0)
+    sinks = torch.randn(8, device=dev, dtype=torch.float64, generator=g) if with_sinks else None
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)] + ([sinks.clone().requires_grad_(True)] if with_sinks
+                                                                  else [])
+    want = reference_attention(*ref[:3], causal=True, cu=cu, window=(511, 0), softcap=30.0,
+                               sinks=ref[3] if with_sinks else None)
     want.backward(do)
     loc = [(x if fmt == "thd" else x[None]).bfloat16().requires_grad_(True) for x in (q, k, v)]
+    if with_sinks:
+        loc.append(sinks.float().requires_grad_(True))
+        extra_sinks = {"sinks": loc[3]}
+    else:
+        extra_sinks = {}
     extra = {"cu_seqlens": torch.tensor(cu, dtype=torch.int32, device=dev)} if fmt == "thd" else {}
     with use_kernel_policy(flex="first"):
-        out = cpscope.context_parallel_attention(*loc, qkv_format=fmt, window=(511, 0), softcap=30.0, group=None,
-                                                 **extra)
+        out = cpscope.context_parallel_attention(*loc[:3], qkv_format=fmt, window=(511, 0), softcap=30.0,
+                                                 group=None, **extra, **extra_sinks)
     out.backward((do if fmt == "thd" else do[None]).bfloat16())
     assert calls["attend"] == 1 and calls["backward"] == 0
     for got, exp in zip([out, *(x.grad for x in loc)], [want, *(x.grad for x in ref)]):

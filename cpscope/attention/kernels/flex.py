@@ -20,8 +20,9 @@ recompile limit of another.
   the block's own ``(out_b, lse_b)`` are recomputed through FlexAttention's autograd and its backward is seeded with
   ``c * dout`` for ``out_b`` and ``c * (dout . out_b - dout . out)`` for ``lse_b``, ``c = exp(lse_b - lse)``, which
   gives exactly ``p = exp(s - lse)`` and ``ds = p * (dp - dout . out)`` of the merged softmax;
-* :func:`attend` — a whole call's attention (one block, nothing to merge) through FlexAttention's own autograd: its
-  forward and backward kernels and nothing else (what a CP1 call without sinks runs when the router picks flex).
+* :func:`attend` — a whole call's attention (one block, nothing to merge; sinks through its log-sum-exp) through
+  FlexAttention's own autograd: its forward and backward kernels and nothing else (what a CP1 call runs when the
+  router picks flex).
 
 On CUDA the compiled kernels run; on the CPU (tests) FlexAttention's eager math runs the same masks and score
 modifier, including the backward (the public CPU entry refuses gradients; the operator underneath it does not).
@@ -274,14 +275,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-           varlen: Optional[Varlen] = None, window: Window = None, softcap: Optional[float] = None) -> torch.Tensor:
+           varlen: Optional[Varlen] = None, window: Window = None, softcap: Optional[float] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention of one whole block as a differentiable output, through FlexAttention's own autograd (its
-    forward and backward kernels, nothing recomputed); masks and layouts as :func:`forward`.
+    forward and backward kernels, nothing recomputed); masks and layouts as :func:`forward`. ``sinks`` (``[h]``)
+    join each row's denominator through the log-sum-exp: ``out * exp(lse - logaddexp(lse, sink))``, differentiable
+    in ``sinks`` too (FlexAttention's backward takes the log-sum-exp's gradient).
 
     Example::
 
         out = attend(q, k, v, scale=0.125, causal=True, window=(4095, 0), softcap=50.0)    # out.backward(...) works
     """
     bm = _mask_for(q, k, causal, varlen, window)
-    out, _ = _run(_bhsd(q, varlen), _bhsd(k, varlen), _bhsd(v, varlen), bm, scale, softcap)
+    out, lse = _run(_bhsd(q, varlen), _bhsd(k, varlen), _bhsd(v, varlen), bm, scale, softcap)  # [b, h, s, dv]
+    if sinks is not None:
+        keep = torch.exp(lse - torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None]))
+        out = (out * keep.unsqueeze(-1)).to(q.dtype)
     return _back(out, varlen)

@@ -267,11 +267,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def run_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-              varlen: Optional[Varlen] = None, window: Window = None,
-              softcap: Optional[float] = None) -> Optional[torch.Tensor]:
-    """A call that is one block (CP1: nothing to merge, no sinks) through its kernel's own autograd: the
-    differentiable output when the router picks a kernel that has one (``flex``) for both directions, else ``None``
-    (the caller runs :func:`block_forward` / :func:`block_backward` in its own autograd function).
+              varlen: Optional[Varlen] = None, window: Window = None, softcap: Optional[float] = None,
+              sinks: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """A call that is one block (CP1: nothing to merge; ``sinks`` ``[h]`` optional) through its kernel's own
+    autograd: the differentiable output when the router picks a kernel that has one (``flex``) for both directions,
+    else ``None`` (the caller runs :func:`block_forward` / :func:`block_backward` in its own autograd function).
 
     Example::
 
@@ -284,7 +284,8 @@ def run_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     if any(_choose(kind, d, q, k, v, caps) != "flex" for d in ("forward", "backward")):
         return None
     try:
-        return flex.attend(q, k, v, scale=scale, causal=causal, varlen=varlen, window=window, softcap=softcap)
+        return flex.attend(q, k, v, scale=scale, causal=causal, varlen=varlen, window=window, softcap=softcap,
+                           sinks=sinks)
     except flex.FlexUnsupported as e:
         for d in ("forward", "backward"):
             _refuse(_refusal_key("flex", kind, d, q, k, v), e)
