@@ -104,7 +104,7 @@ def test_flex_policy_and_capabilities():
     assert available_routes("packed-softcap", CPU) == ["exact"]
     assert available_routes("packed-softcap", CPU, KernelPolicy(flex="first")) == ["flex", "exact"]
     assert available_routes("dense-window", GPU, KernelPolicy(flex="first")) == ["flex", "cudnn", "flash", "exact"]
-    assert available_routes("dense", GPU, KernelPolicy(flex="first")) == ["cudnn", "flash", "exact"]
+    assert available_routes("dense", GPU, KernelPolicy(flex="first")) == ["cudnn", "flash", "efficient", "exact"]
     assert available_routes("dense-softcap", GPU, KernelPolicy(flex="off")) == ["cudnn", "exact"]
     assert available_routes("dense-softcap", GPU._replace(flex=False)) == ["cudnn", "exact"]
     with pytest.raises(ValueError, match="flex"):
