@@ -23,7 +23,7 @@ when a measurement would exceed ``--budget-s``), every method of a row in the sa
 (SDPA memory-efficient kernel, k/v heads repeated; per document for thd) — float64 on CPU — relative error
 ‖a−b‖/‖b‖ of out, dq, dk, dv, limit 1e-2 (bf16). ``--kernels``: the attention kernels of one call of each method,
 from the profiler (``cudnn`` / ``flash`` / …). ``--blocks``: the ring's CP2 block shapes (diagonal, ``kv_front``,
-``q_back``) through ``cpscope.attention.blocks.block_forward/backward`` on one GPU, their kernels and times beside
+``q_back``) through ``cpscope.attention.kernels.block_forward/backward`` on one GPU, their kernels and times beside
 SDPA (or varlen) on the same shapes and beside the kernels of cpscope's CP1 call.
 
 Baselines that cannot do GQA get k/v expanded to H heads before timing (not timed) and say so in the row's
@@ -343,7 +343,7 @@ def _block_tensors(s: Shape, kind: str, dev, dtype, seed: int = 3):
 
     Dense: local length ``n = S/2``, halves ``n/2``. Varlen: per document the local tokens are the front chunk then
     the back chunk; ``kv_front`` takes the K/V fronts, ``q_back`` the Q backs (gathered, as the ring does)."""
-    from cpscope.attention import blocks
+    from cpscope.attention.kernels import Varlen
 
     q, k, v, dout = (t.detach() for t in s.tensors(dev, dtype, cp=2, seed=seed, grad=False))
     if s.fmt != "thd":
@@ -360,19 +360,19 @@ def _block_tensors(s: Shape, kind: str, dev, dtype, seed: int = 3):
     m_loc, m_half = s.max_len // 2, s.max_len // 4
     t_loc, t_half = torch.tensor(loc, dtype=torch.int32, device=dev), torch.tensor(half, dtype=torch.int32, device=dev)
     if kind == "diag":
-        vl = blocks.Varlen(t_loc, t_loc, m_loc, m_loc, tuple(loc), tuple(loc))
+        vl = Varlen(t_loc, t_loc, m_loc, m_loc, tuple(loc), tuple(loc))
     elif kind == "kv_front":
         k, v = k.index_select(0, front), v.index_select(0, front)
-        vl = blocks.Varlen(t_loc, t_half, m_loc, m_half, tuple(loc), tuple(half))
+        vl = Varlen(t_loc, t_half, m_loc, m_half, tuple(loc), tuple(half))
     else:
         q, dout = q.index_select(0, back), dout.index_select(0, back)
-        vl = blocks.Varlen(t_half, t_loc, m_half, m_loc, tuple(half), tuple(loc))
+        vl = Varlen(t_half, t_loc, m_half, m_loc, tuple(half), tuple(loc))
     return q, k, v, dout, vl, kind == "diag"
 
 
 def run_blocks(s: Shape, args, ctx: dict, cp1_kernels: Optional[dict]) -> list[dict]:
     """The ring's CP2 block shapes on one device: kernels and fwd / bwd times beside the same shape's baseline."""
-    from cpscope.attention.blocks import block_backward, block_forward
+    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
 
     dev, dtype, timer = ctx["dev"], ctx["dtype"], ctx["timer"]
     scale = 1.0 / math.sqrt(s.d)
@@ -384,9 +384,10 @@ def run_blocks(s: Shape, args, ctx: dict, cp1_kernels: Optional[dict]) -> list[d
         def go():
             q, k, v, dout, vl, causal = _block_tensors(s, kind, dev, dtype)
             row["q_tokens"], row["kv_tokens"] = int(q.shape[-3]), int(k.shape[-3])
-            o, lse = block_forward(q, k, v, scale=scale, causal=causal, varlen=vl)
-            fwd = lambda: block_forward(q, k, v, scale=scale, causal=causal, varlen=vl)  # noqa: E731
-            bwd = lambda: block_backward(dout, q, k, v, o, lse, scale=scale, causal=causal, varlen=vl)  # noqa: E731
+            kw = dict(scale=scale, causal=causal, varlen=vl, placeholders=Placeholders())  # one call's placeholders
+            o, lse = block_forward(q, k, v, **kw)
+            fwd = lambda: block_forward(q, k, v, **kw)  # noqa: E731
+            bwd = lambda: block_backward(dout, q, k, v, o, lse, **kw)  # noqa: E731
             row["fwd_ms"] = round(timer.median_ms(fwd), 3)
             row["bwd_ms"] = round(timer.median_ms(bwd), 3)
             row["fwd_bwd_ms"] = round(row["fwd_ms"] + row["bwd_ms"], 3)
@@ -582,9 +583,9 @@ def main() -> None:
     out: dict = {"gpus": world, "env": env_info(dev), "args": vars(args), "te_status": te_status, "rows": [],
                  "blocks": []}
     try:
-        from cpscope.attention import _cudnn_thd
+        from cpscope.attention.kernels import cudnn_frontend
 
-        out["env"]["cudnn_frontend_thd"] = bool(_cudnn_thd.available(dev)) if dev.type == "cuda" else False
+        out["env"]["cudnn_frontend_thd"] = bool(cudnn_frontend.available(dev)) if dev.type == "cuda" else False
     except Exception as e:  # noqa: BLE001 - informative only
         out["env"]["cudnn_frontend_thd"] = f"error: {e}"
     try:  # which varlen_attn this torch has (its GQA / causal arguments changed between 2.9 and 2.12)

@@ -119,16 +119,25 @@ class _SinkBlock(torch.autograd.Function):
 
 
 def block_fns(route: str, scale: float, causal: bool, window=None, softcap=None, vl=None):
-    """``(fwd(q, k, v), bwd(dout, q, k, v, out, lse))`` of a cpscope block on ``route``."""
-    from cpscope.attention import _kernels, blocks
+    """``(fwd(q, k, v), bwd(dout, q, k, v, out, lse))`` of a cpscope block on ``route``: ``"plain"`` / ``"cudnn"``
+    as the kernels router chooses by default (cuDNN where the block's kind allows it), ``"flash"`` with the kernel
+    policy keeping cuDNN off (flash-attention-2, or the exact math with a softcap)."""
+    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention.policy import use_kernel_policy
 
-    if route == "plain":
-        return (lambda q, k, v: blocks._cuda_forward(q, k, v, scale, causal, vl),
-                lambda do, q, k, v, o, lse: blocks._cuda_backward(do, q, k, v, o, lse, scale, causal, vl))
-    on, ef, eb = route == "cudnn", blocks._cpu_forward, blocks._cpu_backward
-    return (lambda q, k, v: _kernels.forward(q, k, v, scale, causal, vl, window, softcap, cudnn=on, exact=ef),
-            lambda do, q, k, v, o, lse: _kernels.backward(do, q, k, v, o, lse, scale, causal, vl, window, softcap,
-                                                          cudnn=on, exact=eb))
+    ph = Placeholders()  # the dense forwards' placeholders for their backwards, kept for this row
+    changes = {"dense_cudnn": False, "varlen": "flash"} if route == "flash" else {}
+    kw = dict(scale=scale, causal=causal, varlen=vl, window=window, softcap=softcap, placeholders=ph)
+
+    def fwd(q, k, v):
+        with use_kernel_policy(**changes):
+            return block_forward(q, k, v, **kw)
+
+    def bwd(do, q, k, v, o, lse):
+        with use_kernel_policy(**changes):
+            return block_backward(do, q, k, v, o, lse, **kw)
+
+    return fwd, bwd
 
 
 def _leaves(dev, *shapes) -> list[torch.Tensor]:
@@ -286,7 +295,7 @@ def _halo_step(dev, s, w, window):
 
 
 def _thd_step(dev, window):
-    from cpscope.attention.blocks import Varlen
+    from cpscope.attention.kernels import Varlen
 
     cu = [0]
     for n in THD_LENS:
@@ -424,10 +433,10 @@ def _load_baseline(path: Optional[str]) -> Optional[Any]:
 
 
 def _versions() -> dict:
-    from cpscope.attention import _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend
 
-    info: dict = {"cudnn_frontend_available": _cudnn_thd.available(torch.device("cuda", 0))}
-    mod = _cudnn_thd._cudnn_module()
+    info: dict = {"cudnn_frontend_available": cudnn_frontend.available(torch.device("cuda", 0))}
+    mod = cudnn_frontend.module()
     if mod is not None:
         info["cudnn_frontend"] = getattr(mod, "__version__", "?")
         info["cudnn_backend"] = int(mod.backend_version())
@@ -436,7 +445,8 @@ def _versions() -> dict:
 
 
 def run_checks(dev: torch.device) -> dict:
-    from cpscope.attention import _cudnn_mods, _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend, cudnn_mods
+    from cpscope.attention.policy import use_kernel_policy
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
     from tests.attention._kernel_cases import CASES, run_case
@@ -448,19 +458,21 @@ def run_checks(dev: torch.device) -> dict:
         res[name] = got if got is not None else {"ok": False, **row}
     # probes of the score modifier's alternatives: its masked value -inf, the frontend's runtime scalars, and the
     # ordered execute with host scalars
-    for mod, attr, value in ((_cudnn_mods, "MASKED", float("-inf")), (_cudnn_mods, "_CONSTANTS", "runtime"),
-                             (_cudnn_thd, "_FIXED_FORM", "ordered")):
-        old = getattr(mod, attr)
+    old_masked = cudnn_mods.MASKED
+    for attr, value in (("MASKED", float("-inf")), ("cudnn_constants", "runtime"), ("fixed_form", "ordered")):
+        policy = {} if attr == "MASKED" else {attr: value}
         try:
-            setattr(mod, attr, value)
-            _cudnn_thd.clear_cache()
-            for name in ("dense_softcap_causal", "thd_softcap_window"):
-                row = {}
-                got = attempt(row, name, lambda: run_case(name, dev, seed=99))
-                res[f"{name}[{attr}={value}]"] = got if got is not None else {"ok": False, **row}
+            if attr == "MASKED":
+                cudnn_mods.MASKED = value
+            cudnn_frontend.clear_cache()
+            with use_kernel_policy(**policy):
+                for name in ("dense_softcap_causal", "thd_softcap_window"):
+                    row = {}
+                    got = attempt(row, name, lambda: run_case(name, dev, seed=99))
+                    res[f"{name}[{attr}={value}]"] = got if got is not None else {"ok": False, **row}
         finally:
-            setattr(mod, attr, old)
-            _cudnn_thd.clear_cache()
+            cudnn_mods.MASKED = old_masked
+            cudnn_frontend.clear_cache()
     return res
 
 
@@ -499,10 +511,10 @@ def main() -> None:
     if not args.no_rows:
         for i, s in enumerate(args.seqlens):
             run_rows(bench, s, i == 0, baseline)
-    from cpscope.attention import _kernels
+    from cpscope.attention.kernels import fallbacks
 
     result["rows"], result["targets"] = bench.rows, targets(bench, args.seqlens)
-    result["cudnn_refused"] = {str(k): why for k, why in _kernels.fallbacks().items()}  # rows that ran elsewhere
+    result["cudnn_refused"] = {str(k): why for k, why in fallbacks().items()}  # rows that ran elsewhere
     path = write_json(result, args.out, args.json)
     print_tables(result)
     print(f"\nwrote {path}")

@@ -209,11 +209,9 @@ def stream(name: str, run: Callable, x: Inputs, packs: list, dev: torch.device, 
 
 
 def _graph_keys() -> Optional[int]:
-    try:
-        from cpscope.attention import _cudnn_thd
-    except ImportError:
-        return None
-    return len(getattr(_cudnn_thd, "_graphs", {}))
+    from cpscope.attention.kernels import cudnn_frontend
+
+    return len(cudnn_frontend.cached_graphs())  # both graph families (dense and packed) share this cache
 
 
 def run_tokens(args, dev: torch.device, dtype: torch.dtype, tokens: int, out: dict) -> None:

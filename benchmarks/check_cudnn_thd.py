@@ -1,4 +1,4 @@
-"""One GPU: cuDNN packed blocks (cpscope.attention._cudnn_thd) vs the flash varlen blocks, numerics and speed.
+"""One GPU: cuDNN packed blocks (cpscope.attention.kernels.cudnn_thd) vs the flash varlen blocks, numerics and speed.
 
     python benchmarks/check_cudnn_thd.py        # needs nvidia-cudnn-frontend importable as `cudnn`
 
@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpscope.attention import _cudnn_thd, blocks  # noqa: E402
-from cpscope.attention.blocks import Varlen  # noqa: E402
+from cpscope.attention.kernels import Varlen, block_backward, block_forward, cudnn_frontend, cudnn_thd  # noqa: E402
+from cpscope.attention.policy import use_kernel_policy  # noqa: E402
 
 
 def rel(a, b):
@@ -45,9 +45,9 @@ def ref(q, k, v, cu_q, cu_k, causal, scale):
 
 
 def run_block(kernel, q, k, v, dout, vl, causal, scale):
-    blocks._VARLEN_KERNEL = kernel
-    o, lse = blocks.block_forward(q, k, v, scale=scale, causal=causal, varlen=vl)
-    g = blocks.block_backward(dout, q, k, v, o, lse, scale=scale, causal=causal, varlen=vl)
+    with use_kernel_policy(varlen=kernel):
+        o, lse = block_forward(q, k, v, scale=scale, causal=causal, varlen=vl)
+        g = block_backward(dout, q, k, v, o, lse, scale=scale, causal=causal, varlen=vl)
     return o, lse, g
 
 
@@ -123,10 +123,10 @@ def speed():
     from _te_baseline import _median_ms as med  # CUDA events, median of 10 after 3 warm-ups
 
     for kernel in ("flash", "cudnn"):
-        blocks._VARLEN_KERNEL = kernel
-        o, lse = blocks.block_forward(q, k, v, scale=scale, causal=True, varlen=vl)
-        f = med(lambda: blocks.block_forward(q, k, v, scale=scale, causal=True, varlen=vl))
-        b = med(lambda: blocks.block_backward(dout, q, k, v, o, lse, scale=scale, causal=True, varlen=vl))
+        with use_kernel_policy(varlen=kernel):
+            o, lse = block_forward(q, k, v, scale=scale, causal=True, varlen=vl)
+            f = med(lambda: block_forward(q, k, v, scale=scale, causal=True, varlen=vl))
+            b = med(lambda: block_backward(dout, q, k, v, o, lse, scale=scale, causal=True, varlen=vl))
         print(f"speed {kernel}: diagonal block of a CP2 rank (64k tokens, 16 docs, causal): forward {f:.2f} ms, "
               f"backward {b:.2f} ms", flush=True)
 
@@ -144,30 +144,29 @@ def build_and_bucket():
     q, k, v, dout = (torch.randn(cu[-1], 32, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
     res = {}
     for bucket in (False, True):
-        _cudnn_thd._BUCKET_BATCH = bucket
-        _cudnn_thd.clear_cache()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        o, lse = _cudnn_thd.forward(q, k, v, vl, scale=0.088, causal=True)
-        g = _cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.088, causal=True)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        o, lse = _cudnn_thd.forward(q, k, v, vl, scale=0.088, causal=True)
-        g = _cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.088, causal=True)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        cudnn_frontend.clear_cache()
+        with use_kernel_policy(bucket_batch=bucket):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o, lse = cudnn_thd.forward(q, k, v, vl, scale=0.088, causal=True)
+            g = cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.088, causal=True)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            o, lse = cudnn_thd.forward(q, k, v, vl, scale=0.088, causal=True)
+            g = cudnn_thd.backward(dout, q, k, v, o, lse, vl, scale=0.088, causal=True)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
         res[bucket] = (o, lse, *g)
         print(f"bucket_batch={bucket}: first fwd+bwd (graph builds) {1e3 * (t1 - t0):.1f} ms, cached "
               f"{1e3 * (t2 - t1):.2f} ms", flush=True)
     errs = [rel(a, b) for a, b in zip(res[True], res[False])]
     print("batch bucketing vs exact, relative differences (out, lse, dq, dk, dv):", [f"{e:.1e}" for e in errs],
           flush=True)
-    _cudnn_thd._BUCKET_BATCH = False
-    _cudnn_thd.clear_cache()
+    cudnn_frontend.clear_cache()
 
 
 if __name__ == "__main__":
-    print("cuDNN frontend available:", _cudnn_thd.available(torch.device("cuda")), flush=True)
+    print("cuDNN frontend available:", cudnn_frontend.available(torch.device("cuda")), flush=True)
     worst = numerics()
     if worst < 2e-2:
         build_and_bucket()

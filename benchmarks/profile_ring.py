@@ -133,10 +133,11 @@ def main() -> None:
     import torch.distributed as dist
 
     from bench_attention import THD_LENS, init_cp_world
-    from cpscope.attention import blocks, context_parallel_attention
+    from cpscope.attention import context_parallel_attention
+    from cpscope.attention.policy import KernelPolicy, set_kernel_policy
 
     dev, rank, world, group = init_cp_world()
-    blocks._VARLEN_KERNEL = args.varlen_kernel
+    set_kernel_policy(KernelPolicy(varlen=args.varlen_kernel))
     os.makedirs(args.out, exist_ok=True)
     summary = {}
     for case in args.cases:

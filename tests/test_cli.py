@@ -60,15 +60,17 @@ def test_env_missing_package_reads_not_installed():
 def test_routes_follow_the_router(monkeypatch, available):
     import torch
 
-    from cpscope.attention import _cudnn_thd
+    from cpscope.attention.kernels import cudnn_frontend, routing_table
 
-    monkeypatch.setattr(_cudnn_thd, "available", lambda device: available)
-    rows = {r["kind"]: r["kernel"] for r in env_cmd._routes(torch.device("cuda", 0))}
-    assert rows["dense, plain (no window / softcap)"] == "cudnn"
-    assert rows["dense, two-sided window (two kernels)"] == "flash"  # never on cuDNN (parity check)
-    assert rows["packed thd, softcap (other)"] == "exact"
-    assert rows["packed thd, plain"] == ("cudnn" if available else "flash")
-    assert rows["dense, softcap"] == ("cudnn" if available else "exact")
+    monkeypatch.setattr(cudnn_frontend, "available", lambda device: available)
+    dev = torch.device("cuda", 0)
+    rows = {r["kind"]: r["kernel"] for r in env_cmd._routes(dev)}
+    assert {k: r for k, (r, _) in routing_table(dev).items()}.items() <= rows.items()  # the router's own table
+    assert rows["dense"] == "cudnn"
+    assert rows["dense-window-split"] == "flash"  # never on cuDNN (parity check)
+    assert rows["packed-softcap"] == "exact"
+    assert rows["packed"] == ("cudnn" if available else "flash")
+    assert rows["dense-softcap"] == ("cudnn" if available else "exact")
     assert env_cmd._routes(None)[0]["kernel"] == "exact"
 
 

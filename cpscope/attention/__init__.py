@@ -9,8 +9,8 @@ Modules, top down: :mod:`.api` (validate once, prepare the call, run it), :mod:`
 :mod:`.variants` (``comm=`` and the ``"auto"`` chooser), one algorithm each — :mod:`.ring` (the zigzag ring; its
 plan of blocks and rows per step in :mod:`.ring_plan`), :mod:`.allgather`, :mod:`.ulysses`, :mod:`.hierarchical` —
 the windowed form of ``p2p`` / ``all_gather`` — :mod:`.halo` over :mod:`.halo_plan` (which blocks a window leaves,
-which K/V rows each rank needs from whom) — and their pieces: :mod:`.blocks` (one block and its kernels;
-:mod:`._cudnn_thd` for packed blocks on cuDNN),
+which K/V rows each rank needs from whom) — and their pieces: :mod:`.kernels` (one block and its kernels, chosen by
+one router; steered by :mod:`.policy`),
 :mod:`.merge` (log-sum-exp merging), :mod:`.comm` (the exchange between ranks), :mod:`.layout` (the packed form of
 the collective variants), :mod:`._inputs` (validation).
 

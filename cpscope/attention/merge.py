@@ -6,7 +6,7 @@
 * :func:`rows_add_` adds ``val[r]`` into ``acc[idx[r]]`` for unique ``idx`` (fp32 math, stored in ``acc``'s dtype):
   a plain gather-add-store per row, no atomics (``index_add_`` on CUDA uses atomics and a generic kernel).
 
-Layouts (as :mod:`cpscope.attention.blocks`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
+Layouts (as :mod:`cpscope.attention.kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
 ``[t, h, d]`` with ``lse`` ``[h, t]``. Any strides are accepted (views of larger tensors, transposed lse).
 
 Triton is imported lazily, on the first CUDA tensor (the module imports without it); without Triton, for fp64, or on

@@ -111,7 +111,7 @@ class RingGeometry:
     """What the ring derives from one pack's offsets on one device, built once per pack and reused by every layer.
 
     Varlen (``thd``) only: the local / half-chunk offsets (device tensors with host copies), the front / back row
-    indices, the per-kind :class:`~cpscope.attention.blocks.Varlen` descriptions, the backward's document split, and
+    indices, the per-kind :class:`~cpscope.attention.kernels.block.Varlen` descriptions, the backward's document split, and
     — when the pack holds padding — the padding rows and, for attention without a causal mask, the real rows of
     every rank's K/V (which travel compacted: padding keys are never seen).
 

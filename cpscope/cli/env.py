@@ -17,7 +17,6 @@ import importlib.metadata as metadata
 import json
 import platform
 import sys
-from types import SimpleNamespace
 from typing import Any, Optional
 
 __all__ = ["NAME", "HELP", "DESCRIPTION", "add_arguments", "run", "collect"]
@@ -99,53 +98,23 @@ def _frontend_backend() -> Any:
 
 
 def _routes(device: Any) -> list[dict[str, str]]:
-    """Per kind of attention block, the kernel it runs on ``device`` and why — from today's routing code
-    (:mod:`cpscope.attention.blocks` and its ``_kernels`` module: ``route`` / ``on_cudnn`` / ``fallbacks``).
-
-    The one place to switch to the single router's ``routing_table(device)`` when it lands: it returns the same
-    rows (kind, kernel, why).
+    """Per kind of attention block, the kernel it runs on ``device`` and why — the kernels router's own
+    :func:`~cpscope.attention.kernels.routing_table` (one row per kind of its decision table), the attention sinks'
+    merge, and the graphs cuDNN refused in this process (none in a fresh one).
     """
     import torch
 
-    from ..attention import _kernels
-    from ..attention.blocks import Varlen
+    from ..attention.kernels import fallbacks, routing_table
 
-    if device is None or device.type != "cuda":
-        return [{"kind": "every block", "kernel": "exact", "why": "no CUDA device: the CPU path (exact math, tiled)"}]
-    q = SimpleNamespace(device=device)  # the router reads only the block's device
-    cudnn = _kernels.route(q, None, True) == "cudnn"
-    why_cudnn = ("cuDNN frontend importable, cuDNN >= 9.6, sm90+" if cudnn else
-                 "no cuDNN route here (needs the cuDNN frontend, cuDNN >= 9.6 and sm90+)")
-    cu = torch.zeros(2, dtype=torch.int32)
-    same = Varlen(cu, cu, 1, 1, (0, 1), (0, 1))
-    other = Varlen(cu, torch.zeros(2, dtype=torch.int32), 1, 1, (0, 1), (0, 2))
-
-    def pick(softcap: Optional[float], ok: bool) -> tuple[str, str]:
-        if cudnn and ok:
-            return "cudnn", why_cudnn
-        how = _kernels.route(q, softcap, False)
-        reason = why_cudnn if not cudnn else "this kind failed cuDNN's float64 parity check on H200: kept off cuDNN"
-        return how, reason + (" -> flash-attention-2 (aten)" if how == "flash" else " -> exact math (softcap)")
-
-    rows = [
-        ("dense, plain (no window / softcap)", "cudnn", "aten's cuDNN attention (cpscope's default for dense blocks)"),
-        ("packed thd, plain", *(("cudnn", why_cudnn + " (cuDNN ragged attention)") if cudnn else
-                                ("flash", why_cudnn + " -> flash-attention-2 varlen (aten)"))),
-        ("dense, window in one kernel", *pick(None, _kernels.on_cudnn(8, 8, True, None, (4, 0), None))),
-        ("dense, two-sided window (two kernels)", *pick(None, _kernels.on_cudnn(8, 8, False, None, (2, 2), None))),
-        ("packed thd, window", *pick(None, _kernels.on_cudnn(8, 8, True, same, (4, 0), None))),
-        ("dense, softcap", *pick(30.0, _kernels.on_cudnn(8, 8, True, None, None, 30.0))),
-        ("packed thd, softcap + left window", *pick(30.0, _kernels.on_cudnn(8, 8, True, same, (4, 0), 30.0))),
-        ("packed thd, softcap (other)", *pick(30.0, _kernels.on_cudnn(8, 8, True, other, None, 30.0))),
-        ("dense, v head dim != q/k (MLA)", "cudnn", "aten's cuDNN attention takes any head dims"),
-        ("packed thd, v head dim != q/k (MLA)", *(("cudnn", why_cudnn) if cudnn else
-                                                  ("flash", why_cudnn + " -> flash-attention-2, v zero-padded"))),
-        ("attention sinks (after the merge)", "triton" if _has_triton() else "torch",
-         "Triton merge kernel on CUDA" if _has_triton() else "Triton not importable: torch ops"),
-    ]
-    out = [{"kind": k, "kernel": how, "why": why} for k, how, why in rows]
-    for kind, reason in _kernels.fallbacks().items():  # refusals seen in this process (none in a fresh one)
-        out.append({"kind": f"refused: {kind[0]} {kind[1:]}", "kernel": "next route", "why": reason})
+    dev = device if device is not None else torch.device("cpu")
+    out = [{"kind": kind, "kernel": route, "why": why} for kind, (route, why) in routing_table(dev).items()]
+    triton = dev.type == "cuda" and _has_triton()
+    out.append({"kind": "attention sinks (after the merge)", "kernel": "triton" if triton else "torch",
+                "why": "Triton merge kernel on CUDA" if triton else
+                "torch ops (" + ("Triton not importable" if dev.type == "cuda" else "no CUDA device") + ")"})
+    for key, reason in fallbacks().items():  # (direction, route, kind, dtype, head dims, heads, device) -> why
+        out.append({"kind": f"refused: {key[2]} {key[0]} on {key[1]} {key[3:]}", "kernel": "next route",
+                    "why": reason})
     return out
 
 

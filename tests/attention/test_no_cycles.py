@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention import _cudnn_thd, _kernels, blocks
+from cpscope.attention.kernels import Varlen, cudnn_frontend, router
 from tests.attention._fake_cudnn import fake_cudnn
 
 
@@ -110,13 +110,13 @@ def test_rope_leaves_no_cycle():
 @pytest.fixture
 def fake(monkeypatch):
     cudnn = fake_cudnn()
-    monkeypatch.setattr(_cudnn_thd, "_cudnn_module", lambda: cudnn)
-    monkeypatch.setattr(_cudnn_thd, "_stream", lambda device: 0)
-    monkeypatch.setattr(_cudnn_thd, "_handle", lambda device: object())
-    monkeypatch.setattr(_cudnn_thd, "available", lambda device: True)
-    _cudnn_thd.clear_cache()
+    monkeypatch.setattr(cudnn_frontend, "module", lambda: cudnn)
+    monkeypatch.setattr(cudnn_frontend, "stream", lambda device: 0)
+    monkeypatch.setattr(cudnn_frontend, "handle", lambda device: object())
+    monkeypatch.setattr(cudnn_frontend, "available", lambda device: True)
+    cudnn_frontend.clear_cache()
     yield cudnn
-    _cudnn_thd.clear_cache()
+    cudnn_frontend.clear_cache()
 
 
 def _block_call(dense: bool, window=None, softcap=None):
@@ -128,11 +128,11 @@ def _block_call(dense: bool, window=None, softcap=None):
         else:
             q, k, v = (torch.randn(48, h, 16).bfloat16() for h in (4, 2, 2))
             cu = torch.tensor([0, 16, 48], dtype=torch.int32)
-            vl = blocks.Varlen(cu, cu, 32, 32, (0, 16, 48), (0, 16, 48))
-        out, lse = _kernels.forward(q, k, v, scale, causal, vl, window, softcap, cudnn=True,
-                                    exact=blocks._cpu_forward)
-        grads = _kernels.backward(torch.ones_like(out), q, k, v, out, lse, scale, causal, vl, window, softcap,
-                                  cudnn=True, exact=blocks._cpu_backward)
+            vl = Varlen(cu, cu, 32, 32, (0, 16, 48), (0, 16, 48))
+        kw = dict(scale=scale, causal=causal, varlen=vl, window=window, softcap=softcap)
+        assert router.choose(q, k, v, causal=causal, varlen=vl, window=window, softcap=softcap) == "cudnn"
+        out, lse = router.block_forward(q, k, v, **kw)
+        grads = router.block_backward(torch.ones_like(out), q, k, v, out, lse, **kw)
         return [out, lse, *grads]
     return call
 
@@ -153,9 +153,9 @@ def test_refused_graph_fallback_leaves_no_cycle(fake, monkeypatch):
 
     monkeypatch.setattr(type(fake.pygraph(io_data_type=None, intermediate_data_type=None, compute_data_type=None,
                                           handle=None)), "build_plans", refuse)
-    monkeypatch.setattr(_kernels, "_REFUSED", {})
+    monkeypatch.setattr(router, "_REFUSED", {})
     _check(_block_call(False, window=(7, 0), softcap=20.0))
-    assert _kernels.fallbacks(), "the refusal must be remembered"
+    assert router.fallbacks(), "the refusal must be remembered"
 
 
 @pytest.mark.gpu
@@ -163,7 +163,7 @@ def test_refused_graph_fallback_leaves_no_cycle(fake, monkeypatch):
 @pytest.mark.parametrize("feat", ["plain", "window", "softcap"])
 def test_first_thd_call_on_gpu_leaves_no_cycle(feat):
     """The first call on a pack shape builds graphs (cuDNN) — nothing it allocates may outlive it in a cycle."""
-    _cudnn_thd.clear_cache()
+    cudnn_frontend.clear_cache()
     _check(_api("thd", _FEATURES[feat], dev="cuda", dtype=torch.bfloat16))
     before = torch.cuda.memory_allocated()
     _check(_api("thd", _FEATURES[feat], dev="cuda", dtype=torch.bfloat16))

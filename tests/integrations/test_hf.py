@@ -364,8 +364,8 @@ class _HostSyncCounter:
     ``unique``, ``repeat_interleave`` without ``output_size``). Python-level: ``Tensor.tolist``, ``.numpy``,
     ``.cpu`` (on CPU those dispatch nothing, so they are counted where they are called).
 
-    Not counted: the inside of cpscope's CPU exact-math attention blocks (``blocks._cpu_forward`` /
-    ``_cpu_backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
+    Not counted: the inside of cpscope's CPU exact-math attention blocks (``cpscope.attention.kernels.exact``
+    ``forward`` / ``backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
     ``repeat_interleave``); everything around them — the adapter, validation, ring plan, RoPE — is counted.
     """
 

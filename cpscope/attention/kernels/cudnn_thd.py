@@ -49,7 +49,7 @@ __all__ = ["forward", "backward"]
 
 
 def _meta(vl: Any, device: torch.device) -> dict:
-    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.blocks.Varlen` itself (so it
+    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.kernels.block.Varlen` itself (so it
     lives as long as the pack): host offsets (bucketed), sequence lengths ``[B,1,1,1]`` int32, offsets ``cu`` int64,
     scaled offsets by (role, multiplier), whether every sequence has as many queries as keys, and what bands derive
     from the packing (``derived``: score-modifier bounds, rows that see no key)."""
