@@ -68,9 +68,9 @@ def test_routes_follow_the_router(monkeypatch, available):
     assert {k: r for k, (r, _) in routing_table(dev).items()}.items() <= rows.items()  # the router's own table
     assert rows["dense"] == "cudnn"
     assert rows["dense-window-split"] == "flash"  # never on cuDNN (parity check)
-    assert rows["packed-softcap"] == "exact"
+    assert rows["packed-softcap"] == "flex"  # FlexAttention's compiled kernels on CUDA
     assert rows["packed"] == ("cudnn" if available else "flash")
-    assert rows["dense-softcap"] == ("cudnn" if available else "exact")
+    assert rows["dense-softcap"] == ("cudnn" if available else "flex")
     assert env_cmd._routes(None)[0]["kernel"] == "exact"
 
 

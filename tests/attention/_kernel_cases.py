@@ -3,7 +3,7 @@ computed on the GPU (``tests/attention/test_kernels_gpu.py``; ``benchmarks/bench
 
 Each case runs one block through the router (:mod:`cpscope.attention.kernels.router`) under the policy its route
 names (``cudnn`` / ``plain``: the default, cuDNN where the table allows it; ``flash``: cuDNN off, so
-flash-attention-2),
+flash-attention-2; ``flex``, given to :func:`run_case`: FlexAttention first),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
 ``out = 0, lse = -inf``, ``ok``, what cuDNN refused to build in this case (``cudnn_refused``: the block then ran on
@@ -137,7 +137,7 @@ def _block_fns(route: str, vl: Any, routes: list):
     from cpscope.attention.policy import use_kernel_policy
 
     ph = Placeholders()  # one call's: the dense forwards' placeholders for their backwards
-    changes = {"dense_cudnn": False, "varlen": "flash"} if route == "flash" else {}
+    changes = {"flash": {"dense_cudnn": False, "varlen": "flash"}, "flex": {"flex": "first"}}.get(route, {})
 
     def fwd(q, k, v, s, c, w, sc):
         with use_kernel_policy(**changes):
@@ -180,11 +180,13 @@ def _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap):
     return _errors(out, lse, (dq, dk, dv), ref)
 
 
-def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
-    """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``)."""
+def run_case(name: str, dev: torch.device, seed: int = 0, route: Any = None) -> dict:
+    """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``); ``route``
+    (e.g. ``"flex"``: FlexAttention first) replaces the case's own."""
     from cpscope.attention.kernels import Varlen
 
-    route, layout, shape, dims, causal, window, softcap = CASES[name]
+    own, layout, shape, dims, causal, window, softcap = CASES[name]
+    route = route or own
     gen = torch.Generator(device=dev).manual_seed(1000 + seed)
     q, k, v, do = _inputs("bshd" if layout == "split" else layout, shape, dims, dev, gen)
     scale = 1.0 / math.sqrt(dims[2])
