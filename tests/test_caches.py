@@ -52,6 +52,12 @@ NOT_CACHES = {
 # Caches in wings that other changes own: each still escapes clear_caches. Register it (``_tensor_cache.lru`` or
 # ``register_clear``), add a filler to FILLERS, and delete its line here.
 PENDING = {
+    "cpscope.attention.agreement._CPU_OK": "agreement check: per-group backend probe (merged with the kernels wing)",
+    "cpscope.attention.agreement._HOOKED": "agreement check: optimizer classes hooked for the step boundary",
+    "cpscope.attention.kernels.flex._api": "flex route: FlexAttention import probe",
+    "cpscope.attention.kernels.flex._compiled": "flex route: compiled functions (its own clear hook; to register)",
+    "cpscope.attention.kernels.flex._dense_masks": "flex route: dense block masks (its own clear hook; to register)",
+    "cpscope.attention.kernels.flex._score_mods": "flex route: softcap score modifiers",
     "cpscope.attention.allgather._keys_index": "attention wing: lru_cache of device index tensors",
     "cpscope.attention.allgather._block_varlen": "attention wing: lru_cache of device offsets (Varlen)",
     "cpscope.attention.ulysses._permutation": "attention wing: lru_cache of device permutations",
