@@ -18,7 +18,7 @@ real
     group calls it made, how many of them every rank had to make (*lockstep*: each a step of the whole job; under
     NCCL bound to a device each is a world-wide ``ncclCommSplit``), the process groups torch registered on it.
 simulated
-    The same registry code with its dist layer swapped for :class:`cpscope.groups.sim.SimulatedLayer` (one rank
+    The same registry code with its dist layer swapped for :class:`tests._sim.SimulatedLayer` (one rank
     of an N-rank job; calls are counted, nothing is sent), for N = 8 … 4096.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def real_run(repeats: int, backend: str, device: torch.device) -> dict:
 def simulate(worlds: list[int], rank_of=lambda n: n // 2 + 1) -> list[dict]:
     import cpscope
     from cpscope.groups import registry as G
-    from cpscope.groups.sim import SimulatedLayer
+    from tests._sim import SimulatedLayer
 
     rows = []
     real = G._LAYER

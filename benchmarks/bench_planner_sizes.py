@@ -18,7 +18,7 @@ planner
     process CPU time).
 registry
     ``cpscope.new_cp_groups(sizes)`` for every divisor vs the powers of two, on the simulated dist layer
-    (:class:`cpscope.groups.sim.SimulatedLayer`: one rank of an N-rank job, calls counted, nothing sent) with the
+    (:class:`tests._sim.SimulatedLayer`: one rank of an N-rank job, calls counted, nothing sent) with the
     ``local`` (gloo / unbound NCCL) and ``split`` (NCCL bound to a device) methods: the group calls the rank makes,
     how many of them all ranks make in lockstep, the groups it ends up in, the blocks the job creates in all, and
     the registry's Python time per rank (median of ``--repeats``; the real creation adds the backend's own cost per
@@ -65,7 +65,7 @@ def _winner(plan: Any, lengths: np.ndarray, n: int) -> str:
     """Which candidate of plan_hybrid gave ``plan`` (where every divisor is allowed and the sizes straddle)."""
     from cpscope.hybrid import plan_hybrid
     from cpscope.hybrid.planner import _nested_subsets
-    from cpscope.hybrid.problem import divisors, is_nested
+    from cpscope.hybrid._problem import divisors, is_nested
 
     sizes = divisors(n)
     if is_nested(sizes):
@@ -104,8 +104,8 @@ def planner_rows(worlds: tuple[int, ...], seeds: tuple[int, ...], repeats: int) 
 def registry_rows(worlds: tuple[int, ...], repeats: int) -> list[dict]:
     import cpscope
     from cpscope.groups import registry as G
-    from cpscope.groups.sim import SimulatedLayer
-    from cpscope.hybrid.problem import divisors
+    from tests._sim import SimulatedLayer
+    from cpscope.hybrid._problem import divisors
 
     rows = []
     real = G._LAYER

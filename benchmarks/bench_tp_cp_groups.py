@@ -11,7 +11,7 @@ real
     ``clear_cp_group_cache()`` and a barrier, as the slowest rank sees it; every group is checked with an
     ``all_reduce``. Per rank: the groups created (CP, ``[tp, cp]``, ``[tp, dp, cp]``), the group calls.
 simulated
-    The same code on :class:`cpscope.groups.sim.SimulatedLayer` (one rank of an N-rank job, nothing sent):
+    The same code on :class:`tests._sim.SimulatedLayer` (one rank of an N-rank job, nothing sent):
     N = 64 … 4096 at TP 8, every divisor of N / 8 as a CP size; ``local`` (gloo) and ``split`` (NCCL bound).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _real(tp: int, repeats: int) -> dict:
 
 def simulate(worlds: list[int], tp: int) -> list[dict]:
     from cpscope.groups import registry as G
-    from cpscope.groups.sim import SimulatedLayer
+    from tests._sim import SimulatedLayer
     from cpscope.groups.tp_cp import new_tp_cp_groups, plan_tp_cp_blocks
 
     rows, real = [], G._LAYER

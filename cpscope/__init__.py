@@ -68,7 +68,7 @@ from .sharding import (
     zigzag_unshard,
 )
 from .rope import RotaryEmbedding, apply_rotary_pos_emb, rotary_freqs
-from .attention import ContextParallelAttention, context_parallel_attention
+from .attention import ContextParallelAttention, RanksDisagreeError, context_parallel_attention, verify_agreement
 from .recompute import checkpoint, scope_context_fn, scoped
 from .microbatch import MicrobatchScope
 from ._sentinel import SentinelError, sentinel
@@ -115,6 +115,8 @@ __all__ = [
     "set_build_time_cp_group",
     "sentinel",
     "SentinelError",
+    "RanksDisagreeError",
+    "verify_agreement",
 ]
 
 from ._version import __version__  # noqa: E402

@@ -127,6 +127,26 @@ def check_seq_dim(x: torch.Tensor, seq_dim: int) -> int:
 # RoPE checks
 
 
+_ROPE_TABLE_DTYPES = (torch.float32, torch.float64)
+
+
+def check_rope_table_dtype(freqs: torch.Tensor, name: str = "freqs") -> None:
+    """A RoPE angle table must be float32 or float64: in bf16 / fp16 the angles of long positions are rounded to
+    garbage (position 65535 x inv_freq 1 is off by up to 256 radians in bf16) before any kernel sees them.
+
+    Example::
+
+        check_rope_table_dtype(cpscope.rotary_freqs(64, 4096))               # fine: float32
+        check_rope_table_dtype(cpscope.rotary_freqs(64, 4096).bfloat16())    # ValueError naming torch.bfloat16
+    """
+    if freqs.dtype not in _ROPE_TABLE_DTYPES:
+        raise ValueError(
+            f"{name} (the RoPE angle table) must be float32 or float64, got {freqs.dtype}: in a low-precision dtype "
+            f"the angles of long positions are rounded to garbage; build the table in float32 (cpscope.rotary_freqs "
+            f"/ RotaryEmbedding do) and keep it out of model.to(dtype) conversions"
+        )
+
+
 def check_rope_freqs(freqs: torch.Tensor, head_dim: int, global_len: int, what: str = "global sequence length") -> int:
     """Check a TE-style RoPE table ``[max_seqlen, 1, 1, rot_dim]`` against the input; return ``rot_dim``.
 
@@ -138,6 +158,7 @@ def check_rope_freqs(freqs: torch.Tensor, head_dim: int, global_len: int, what: 
         raise ValueError(f"freqs must have shape [max_seqlen, 1, 1, rot_dim], got {tuple(freqs.shape)}")
     if not freqs.is_floating_point():
         raise ValueError(f"freqs must be a floating-point tensor of angles, got dtype {freqs.dtype}")
+    check_rope_table_dtype(freqs)
     rot_dim = freqs.shape[-1]
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rot_dim (freqs.shape[-1]) must be a positive even number, got {rot_dim}")
@@ -161,4 +182,4 @@ def check_tensor_dims(t: torch.Tensor, qkv_format: str, name: str = "t") -> None
         )
 
 
-__all__ += ["check_rope_freqs", "check_tensor_dims"]
+__all__ += ["check_rope_freqs", "check_rope_table_dtype", "check_tensor_dims"]

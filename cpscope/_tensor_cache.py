@@ -23,8 +23,10 @@ metadata (zigzag indices, positions, the ring's plan, cuDNN's device offsets). :
 Values are shared by every caller: treat them as read-only, and never hand one to a user (copy it first).
 
 :func:`clear_caches` (``cpscope.clear_caches``) drops this cache and calls every function registered with
-:func:`register_clear` (the cuDNN graph cache of packed attention registers itself). Nothing cached is needed for
-correctness; clearing frees memory and costs a rebuild on next use.
+:func:`register_clear` (the cuDNN graph cache of packed attention registers itself). A function-level memo is
+written with :func:`lru` (``functools.lru_cache``, registered with :func:`clear_caches`), never with
+``functools.lru_cache`` directly: ``tests/test_caches.py`` scans the package for caches that :func:`clear_caches`
+cannot reach. Nothing cached is needed for correctness; clearing frees memory and costs a rebuild on next use.
 
 Example::
 
@@ -33,6 +35,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -40,9 +43,13 @@ from typing import Any, Callable, Hashable, Optional, TypeVar
 
 import torch
 
-__all__ = ["derived", "by_value", "register_clear", "clear_caches", "stats", "PER_TENSOR", "VALUE_CACHE_SIZE"]
+__all__ = [
+    "derived", "by_value", "lru", "register_clear", "registered", "clear_caches", "stats", "PER_TENSOR",
+    "VALUE_CACHE_SIZE",
+]
 
 V = TypeVar("V")
+F = TypeVar("F", bound=Callable[..., Any])
 PER_TENSOR = 16  # values kept per tensor: a host copy and the packs of a few (cp, rank, real offsets)
 VALUE_CACHE_SIZE = 64  # values kept for value keys (offsets given as Python sequences, sequence lengths)
 
@@ -184,6 +191,30 @@ def register_clear(fn: Callable[[], None]) -> Callable[[], None]:
         if fn not in _CLEARS:
             _CLEARS.append(fn)
     return fn
+
+
+def lru(maxsize: Optional[int] = 128) -> Callable[[F], F]:
+    """``functools.lru_cache(maxsize)`` whose cache :func:`clear_caches` empties too (the one way cpscope memoises a
+    function: the cache test refuses a bare ``functools.lru_cache`` in the package).
+
+    Example::
+
+        @_tensor_cache.lru(maxsize=16)
+        def _load(path: str, mtime_ns: int) -> CommCostModel: ...
+    """
+
+    def wrap(fn: F) -> F:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        register_clear(cached.cache_clear)
+        return cached  # type: ignore[return-value]
+
+    return wrap
+
+
+def registered() -> tuple[Callable[[], None], ...]:
+    """The functions :func:`clear_caches` calls besides dropping this module's own caches (for tests)."""
+    with _LOCK:
+        return tuple(_CLEARS)
 
 
 def clear_caches() -> None:

@@ -2,7 +2,9 @@
 
 Every module that names a variant (the scope, attention's dispatch, the cost model, calibration, the adapters)
 takes it from here: :data:`VARIANTS` (what runs), :data:`COMM_CHOICES` (what a user may ask for: the variants and
-``"auto"``), :func:`check_comm` (validation) and :func:`split_comm` (``"a2a+p2p:4"`` -> ``("a2a+p2p", 4)``).
+``"auto"``), :func:`check_comm` (validation of a ``comm=`` value), :func:`check_variants` (validation of a list
+of variant names, e.g. the candidates of the cost model) and :func:`split_comm` (``"a2a+p2p:4"`` ->
+``("a2a+p2p", 4)``).
 This module imports nothing of cpscope.
 
 Example::
@@ -13,9 +15,12 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
-__all__ = ["P2P", "ALL_GATHER", "A2A", "HIERARCHICAL", "AUTO", "VARIANTS", "COMM_CHOICES", "check_comm", "split_comm"]
+__all__ = [
+    "P2P", "ALL_GATHER", "A2A", "HIERARCHICAL", "AUTO", "VARIANTS", "COMM_CHOICES", "check_comm", "check_variants",
+    "split_comm",
+]
 
 P2P = "p2p"  # the zigzag ring
 ALL_GATHER = "all_gather"  # K/V gathered once
@@ -42,3 +47,22 @@ def check_comm(comm: Optional[str]) -> Optional[str]:
         if inner.isdigit() and int(inner) > 1:
             return comm
     raise ValueError(f"comm must be one of {COMM_CHOICES} or 'a2a+p2p:N' (N > 1 the inner size), got {comm!r}")
+
+
+def check_variants(names: Iterable[str], *, what: str = "variants", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``names`` as a tuple if each is one of :data:`VARIANTS` (bare names: no ``"auto"``, no ``":N"``) or of
+    ``extra``; else ``ValueError`` naming the unknown ones, the argument (``what``) and the choices.
+
+    Example::
+
+        check_variants(["p2p", "a2a"])         # ('p2p', 'a2a')
+        check_variants(["ulysses"])            # ValueError: unknown communication variant 'ulysses' (variants ...
+    """
+    names = tuple(names)
+    unknown = [n for n in names if n not in VARIANTS and n not in extra]
+    if unknown:
+        bad = repr(unknown[0]) if len(unknown) == 1 else str(unknown)
+        s = "" if len(unknown) == 1 else "s"
+        raise ValueError(f"unknown communication variant{s} {bad} ({what} must be some of {VARIANTS + extra}, got "
+                         f"{list(names)})")
+    return names

@@ -52,17 +52,13 @@ import torch
 from torch._C import _current_graph_task_id as _task_of_thread  # -1 on this thread outside every graph task
 from torch._C._autograd import _top_saved_tensors_default_hooks as _top_hooks
 
+# The public names (the contract's). graph_task_id, in_backward, thread_task, mark_binding, unmark_binding and
+# check_read are the protocol between this module and the scope (and the adapters that detect a backward): internal.
 __all__ = [
-    "graph_task_id",
-    "in_backward",
     "ScopeReadInBackwardError",
     "set_backward_read_check",
     "backward_read_check_enabled",
     "allow_scope_reads_in_backward",
-    "thread_task",
-    "mark_binding",
-    "unmark_binding",
-    "check_read",
 ]
 
 logger = logging.getLogger(__name__)

@@ -54,9 +54,9 @@ PACKAGE = "cpscope"
 # The target layering (floor of each room; imports point down). Informative: rooms not listed are "unplaced".
 TARGET_FLOORS = {
     "_variants": 0, "_hooks": 0, "backward_check": 0, "_checks": 0, "_contextlib": 0, "_version": 0, "hybrid": 0,
-    "scope": 1,
+    "scope": 1, "_scope_binding": 1,
     "_pack": 2, "_tensor_cache": 2, "groups": 2, "streams": 2,
-    "sharding": 3, "recompute": 3, "microbatch": 3,
+    "sharding": 3, "_padding": 3, "recompute": 3, "microbatch": 3,
     "attention": 4, "rope": 4,
     "train": 5,
     "_sentinel": 6,

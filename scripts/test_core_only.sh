@@ -2,7 +2,8 @@
 # Run the test suite with the core dependencies only: torch 2.13.0 (CPU build), cpscope and its `test` extra
 # (pytest, hypothesis, numpy, tqdm) — no transformers, TRL, accelerate, PEFT, megatron-core, TransformerEngine,
 # triton or flash-linear-attention. Proves that every test needing an optional package skips cleanly without it
-# and that nothing in the core imports one. CI runs it after scripts/test.sh (the suite with every extra).
+# and that nothing in the core imports one. CI runs the faster equivalent, scripts/test_core_only_fast.sh (the same
+# venv, the optional packages hidden), after scripts/test.sh (the suite with every extra).
 #
 #   CPSCOPE_CORE_VENV   the venv to use (default .venv-core); made if missing, reused otherwise
 #   PYTHON              the Python that makes it (default python3)

@@ -1,3 +1,6 @@
+import os
+import random
+
 import pytest
 
 from tests.distributed import shutdown_pools
@@ -19,6 +22,15 @@ def _backward_read_check_back_on():
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("CPSCOPE_REACHES_OPTIONAL", "") not in ("", "0"):  # only the tests that can change without
+        from tests._core_only import reaches_optional                     # the optional packages (fast CI pass)
+
+        kept = [item for item in items if reaches_optional(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+    seed = os.environ.get("CPSCOPE_TEST_SHUFFLE")
+    if seed:  # run the tests in a random order (the suite must not depend on it): the seed makes it reproducible
+        random.Random(int(seed)).shuffle(items)
     try:
         import torch
 
@@ -31,3 +43,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    lines = []
+    if os.environ.get("CPSCOPE_TEST_SHUFFLE"):
+        lines.append(f"cpscope: tests in a random order, CPSCOPE_TEST_SHUFFLE={os.environ['CPSCOPE_TEST_SHUFFLE']}")
+    if os.environ.get("CPSCOPE_CORE_ONLY", "") not in ("", "0"):
+        lines.append("cpscope: core only (optional packages hidden: tests/_core_only.py)")
+    return lines

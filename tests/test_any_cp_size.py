@@ -192,7 +192,7 @@ def _planned_step(world: int, capacity: int) -> list[int]:
     """The planner over every divisor of the world, the loop, the example GPT (cpscope RoPE and attention), under
     the sentinel checking every microbatch: loss and gradients equal the single-process float64 reference."""
     from cpscope.hybrid import plan_hybrid
-    from cpscope.hybrid.problem import divisors
+    from cpscope.hybrid._problem import divisors
     from cpscope.train.loop import (allreduce_gradients, allreduce_sum, global_num_targets, prepare_microbatches,
                                     run_microbatches)
     from tests.hybrid.test_loop import SMALL, reference_loss, rel_err, th

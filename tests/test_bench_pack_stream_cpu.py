@@ -2,6 +2,7 @@
 row the GPU run reports (the GPU numbers come from the lead's H100 / H200 run)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -22,5 +23,9 @@ def test_tiny_run(tmp_path):
     rows = out["streams"][0]["rows"]
     assert {"cpscope", "cpscope_again", "flex"} <= set(rows)
     assert rows["cpscope"]["packs"] == 6 and rows["cpscope"]["total_ms"] > 0
-    assert out["check_small"]["cpscope"]["ok"] and out["llama"]["parity"]["cpscope"]["ok"]
+    assert out["check_small"]["cpscope"]["ok"]
+    if importlib.util.find_spec("transformers") is not None:  # the Llama rows need transformers (an extra)
+        assert out["llama"]["parity"]["cpscope"]["ok"]
+    else:
+        assert "llama" not in out
     assert (tmp_path / "pack_stream.json").exists()

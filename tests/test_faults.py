@@ -153,7 +153,7 @@ def test_a_rank_that_stalls_mid_step_gives_a_timeout_naming_the_collective():
 # A recompute under the wrong scope on every rank: raised on every rank, at the gradient verdict
 
 
-def _recompute(wrong_on: tuple) -> tuple:
+def _recompute(wrong_on: tuple, reentrant: bool = False) -> tuple:
     from tests.test_sentinel import _tiny
 
     cpscope.set_backward_read_check(False)  # the expert opt-out: the sentinel is what catches it
@@ -165,11 +165,11 @@ def _recompute(wrong_on: tuple) -> tuple:
     def run() -> None:
         with cpscope.sentinel(every=1, timeout=_SENTINEL_TIMEOUT_S) as s:
             with cpscope.runtime_cp(g), s.microbatch(g):
-                x = cpscope.zigzag_shard(x_full, seq_dim=1)
+                x = cpscope.zigzag_shard(x_full, seq_dim=1).requires_grad_(reentrant)
                 if plain:  # plain torch checkpoint: the recompute (outside the scope) runs under CP1
-                    y = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=False)
+                    y = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=reentrant)
                 else:
-                    y = cpscope.checkpoint(model.block, x, use_reentrant=False)
+                    y = cpscope.checkpoint(model.block, x, use_reentrant=reentrant)
             y.sum().backward()
 
     return _outcome(run)
@@ -183,6 +183,18 @@ def test_a_recompute_mismatch_is_raised_on_every_rank_not_inside_one_backward():
     (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _recompute, (1,), timeout=60)
     assert e1 == "SentinelError" and "activation recompute" in m1, m1
     assert e0 != "ok" and t0 < _BOUND_S and t1 < _BOUND_S, (e0, m0)
+
+
+def test_a_reentrant_recompute_mismatch_is_raised_on_every_rank():
+    """``use_reentrant=True``: the forward runs without autograd (no gradient taps); the recompute's own check is
+    the verdict, on every rank — with the wrong scope on one rank only too (named on both)."""
+    for rank, (err, msg, secs) in enumerate(run_ranks(2, _recompute, (0, 1), True, timeout=60)):
+        assert err == "SentinelError" and "activation recompute" in msg and f"rank {rank}" in msg, (rank, msg)
+        assert secs < _BOUND_S
+    (e0, m0, t0), (e1, m1, t1) = run_ranks(2, _recompute, (1,), True, timeout=60)
+    assert e1 == "SentinelError" and "activation recompute" in m1 and "rank 1" in m1, m1
+    assert e0 == "SentinelError" and "rank(s) [1] of the group found a mismatch" in m0, m0  # not a hang
+    assert t0 < _BOUND_S and t1 < _BOUND_S
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def test_loop_accepts_groups_over_a_permuted_rank_list():
 @pytest.fixture
 def simulated(monkeypatch):
     """``make(world, rank, **kw)`` swaps the registry's dist layer for a SimulatedLayer (restored after)."""
-    from cpscope.groups.sim import SimulatedLayer
+    from tests._sim import SimulatedLayer
 
     def make(world: int, rank: int, **kw) -> SimulatedLayer:
         layer = SimulatedLayer(world, rank, **kw)
@@ -275,7 +275,7 @@ def test_local_names_are_aligned_with_placeholders(simulated):
 
 
 def test_hierarchical_calls_stay_among_the_cp_groups_members(simulated):
-    from cpscope.groups.sim import SimGroup
+    from tests._sim import SimGroup
 
     layer = simulated(4096, 1029)
     cp = SimGroup(range(1024, 1032))  # a CP8 group inside a 4096-rank job

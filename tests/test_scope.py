@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpscope
+from cpscope import _scope_binding as binding_mod
 from cpscope import scope as scope_mod
 from tests.distributed import run_ranks
 
@@ -315,12 +316,13 @@ def test_registry_size_one_is_none():
 
 
 def test_scope_knows_none_of_its_readers():
-    """scope.py imports only the bottom layer, names no attention variant and holds no backward-check internals."""
+    """scope.py (and _scope_binding.py, its binding half) import only the bottom layer, name no attention variant
+    and hold no backward-check internals."""
     import re
 
-    src = open(scope_mod.__file__).read()
+    src = open(scope_mod.__file__).read() + open(binding_mod.__file__).read()
     imports = set(re.findall(r"^from \.(\w*) import", src, flags=re.M))
-    assert imports == {"_checks", "_contextlib", "_variants", "backward_check"}, imports
+    assert imports == {"_checks", "_contextlib", "_scope_binding", "_variants", "backward_check"}, imports
     assert "import cpscope" not in src
     for word in ("p2p", "all_gather", "a2a", "graph_task_id()", "saved_tensors", "_checkpoint", "_raise"):
         assert word not in src, word
@@ -363,7 +365,7 @@ def test_scope_cache_hit_needs_the_very_group():
 
     old = StandIn()
     planted = scope_mod.CPScope(old, 4, 3)
-    scope_mod._SCOPES[weakref.ref(old)] = planted
+    binding_mod._SCOPES[weakref.ref(old)] = planted
     old_id = id(old)
     del old
     gc.collect()
@@ -377,8 +379,8 @@ def test_scope_cache_hit_needs_the_very_group():
             with pytest.raises(ValueError, match="expected a torch.distributed.ProcessGroup or None, got StandIn"):
                 bind(new)
     finally:
-        for key in [k for k, v in scope_mod._SCOPES.items() if v is planted]:
-            del scope_mod._SCOPES[key]
+        for key in [k for k, v in binding_mod._SCOPES.items() if v is planted]:
+            del binding_mod._SCOPES[key]
 
 
 def _w_numpy_integer_local_cp_size_with_a_real_group():
@@ -474,13 +476,13 @@ def _w_destroyed_group_is_released():
         assert cpscope.cp_size() == 2 and cpscope.current_cp_group() is group
         snap = cpscope.capture_scope()
     assert scope_mod.scope_for(group) is snap  # cached: one scope per group
-    assert weakref.ref(group) in scope_mod._SCOPES
+    assert weakref.ref(group) in binding_mod._SCOPES
     ref = weakref.ref(group)
     dist.destroy_process_group(group)
     del group
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())  # neither the cache nor the snapshot kept it alive
-    assert not any(s is snap for s in scope_mod._SCOPES.values())  # its cache entry is gone
+    assert not any(s is snap for s in binding_mod._SCOPES.values())  # its cache entry is gone
     with pytest.raises(RuntimeError, match="was destroyed"):
         snap.group  # a kept snapshot of a destroyed group refuses loudly (it never turns into CP1)
     assert snap.size == 2 and "destroyed" in repr(snap)

@@ -429,7 +429,7 @@ def test_ranks_running_different_packs_are_caught_by_the_loop_before_the_forward
 # 4. A recompute under the wrong scope, with the default-on autograd check switched off
 
 
-def _wrong_recompute(policy):
+def _wrong_recompute(policy, reentrant=False):
     autograd_read_check(False)  # the expert opt-out: without the sentinel this trains wrong in silence
     groups = cpscope.new_cp_groups([1, 2])
     model = _tiny(dtype=torch.float64)
@@ -437,8 +437,9 @@ def _wrong_recompute(policy):
     with cpscope.sentinel(every=2, on_mismatch=policy) as s:
         for i in range(3):
             with cpscope.runtime_cp(groups[2]), s.microbatch():
-                x = cpscope.zigzag_shard(x_full, seq_dim=1)
-                y = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=False)  # plain torch checkpoint
+                # (the reentrant form needs an input that requires grad, or its output has no graph)
+                x = cpscope.zigzag_shard(x_full, seq_dim=1).requires_grad_(reentrant)
+                y = torch.utils.checkpoint.checkpoint(model.block, x, use_reentrant=reentrant)  # plain torch
             try:
                 y.sum().backward()  # outside the scope: the recompute reads CP1
             except cpscope.SentinelError as e:
@@ -446,18 +447,20 @@ def _wrong_recompute(policy):
     return "ran", None, _summary(s.reports)
 
 
-def test_recompute_under_the_wrong_scope_is_reported_at_the_first_sampled_microbatch():
-    for rank, (what, i, ms) in enumerate(run_ranks(2, _wrong_recompute, "raise")):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_under_the_wrong_scope_is_reported_at_the_first_sampled_microbatch(reentrant):
+    for rank, (what, i, ms) in enumerate(run_ranks(2, _wrong_recompute, "raise", reentrant)):
         # the cause first, on every rank; the wrong gradients it made follow
         assert (what, i) == ("raised", 0) and ms[0] == ("recompute", "rope scope", rank, 0), ms
         assert {m[0] for m in ms} <= {"recompute", "attention-grad"} and {m[3] for m in ms} == {0}
-    for rank, (what, _, ms) in enumerate(run_ranks(2, _wrong_recompute, "log")):
+    for rank, (what, _, ms) in enumerate(run_ranks(2, _wrong_recompute, "log", reentrant)):
         assert what == "ran"
         fields = {(m[0], m[1]) for m in ms}
         # RoPE and attention recomputed under CP1, and the ring's gradients from those recomputed tensors are wrong
         assert {("recompute", "rope scope"), ("recompute", "scope")} <= fields
-        assert {f for c, f in fields if c == "attention-grad"} == {"dq", "dk", "dv"}
-        assert {m[3] for m in ms if m[0] == "attention-grad"} == {0, 2}  # the sampled microbatches only
+        assert {m[3] for m in ms} == {0, 2}  # the sampled microbatches only
+        if not reentrant:  # (a reentrant forward runs without autograd: no gradient taps, the recompute is the check)
+            assert {f for c, f in fields if c == "attention-grad"} == {"dq", "dk", "dv"}
 
 
 def _right_recompute():

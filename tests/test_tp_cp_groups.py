@@ -102,7 +102,7 @@ def test_simulated_4096_ranks_each_rank_creates_only_its_own_groups():
     among the members only, none in lockstep."""
     from cpscope.groups import clear_cp_group_cache
     from cpscope.groups import registry as G
-    from cpscope.groups.sim import SimulatedLayer
+    from tests._sim import SimulatedLayer
 
     real, rank = G._LAYER, 2049
     G._LAYER = layer = SimulatedLayer(4096, rank)

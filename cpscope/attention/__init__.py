@@ -12,7 +12,8 @@ the windowed form of ``p2p`` / ``all_gather`` — :mod:`.halo` over :mod:`.halo_
 which K/V rows each rank needs from whom) — and their pieces: :mod:`.kernels` (one block and its kernels, chosen by
 one router; steered by :mod:`.policy`),
 :mod:`.merge` (log-sum-exp merging), :mod:`.comm` (the exchange between ranks), :mod:`.layout` (the packed form of
-the collective variants), :mod:`._inputs` (validation).
+the collective variants), :mod:`._inputs` (validation), :mod:`.agreement` (the ranks of a group agree on each
+call before any exchange: :class:`RanksDisagreeError` on every rank instead of a hang or wrong rows).
 
 Example::
 
@@ -20,8 +21,10 @@ Example::
         q, k, v = (cpscope.zigzag_shard(t, seq_dim=1) for t in (q, k, v))
         out = cpscope.context_parallel_attention(q, k, v, qkv_format="bshd", causal=True)
 """
+from .agreement import RanksDisagreeError, verify_agreement
 from .api import attention_with_scope, context_parallel_attention
 from .module import ContextParallelAttention
 from .variants import set_auto_chooser
 
-__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser"]
+__all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser",
+           "RanksDisagreeError", "verify_agreement"]

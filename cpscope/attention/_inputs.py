@@ -13,8 +13,9 @@ from .._pack import Pack
 __all__ = ["check_attention_inputs", "check_softmax_scale", "check_thd_pack", "check_dense_max_seqlen", "check_window",
            "check_softcap", "check_sinks"]
 
-_CUDA_DTYPES = (torch.float16, torch.bfloat16)
-_CPU_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Every floating dtype some block kernel takes (the router sends each to the fastest that does: fp16 / bf16 to
+# cuDNN or flash, fp32 to aten's memory-efficient kernels or the exact math, fp64 to the exact math).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def check_attention_inputs(
@@ -45,9 +46,8 @@ def check_attention_inputs(
     h, h_kv = q.shape[-2], k.shape[-2]
     if h_kv == 0 or h % h_kv:
         raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({h_kv}) for grouped-query attention")
-    allowed = _CUDA_DTYPES if q.is_cuda else _CPU_DTYPES
-    if q.dtype not in allowed:
-        raise ValueError(f"dtype {q.dtype} is not supported on {q.device.type} (supported: {allowed})")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported on {q.device.type} (supported: {_DTYPES})")
     if qkv_format != "thd":
         seq = q.shape[1] if qkv_format == "bshd" else q.shape[0]
         check_divisible_seq(seq * cp, cp)

@@ -6,7 +6,8 @@ with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plai
 
 A call is validated and resolved once into an :class:`AttentionCall` (:func:`prepare_call`: shapes, offsets and
 their per-pack metadata, the variant); :func:`run_call` runs it — the zigzag ring (:mod:`.ring`) here, the
-collective variants through :func:`cpscope.attention.variants.run_variant`. An observer in the
+collective variants through :func:`cpscope.attention.variants.run_variant`. Under CP > 1 the ranks first agree on
+the call (:mod:`.agreement`: a fixed-size digest, no host sync per layer). An observer in the
 ``cpscope._hooks.attention`` slot (the sentinel) wraps the run of the prepared call.
 
 Kernels: exact math on CPU (fp32/fp64 scores); on CUDA (fp16/bf16) PyTorch's cuDNN attention for dense blocks
@@ -34,6 +35,7 @@ from .._variants import P2P
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ._inputs import (check_attention_inputs, check_dense_max_seqlen, check_sinks, check_softcap, check_softmax_scale,
                       check_thd_pack, check_window)
+from .agreement import check_call
 from .kernels import Window
 from .halo import halo_attention
 from .halo_plan import effective_window, halo_plan_for
@@ -171,12 +173,21 @@ def attention_with_scope(
     features = {"window": window, "sinks": sinks, "softcap": softcap}
     observer = _hooks.attention
     if observer is None:
-        return run_call(prepare_call(*args, **features))
+        call = prepare_call(*args, **features)  # bad input raises here, before any collective
+        return run_call(call) if scope.size == 1 else _agreed_run(call)
     try:
         call = prepare_call(*args, **features)
     except ValueError as e:  # the observer agrees with the other ranks first, then raises it
         call = AttentionCall(*args, error=e, **features)
-    return observer(call, run_call)
+    return observer(call, run_call if scope.size == 1 else _agreed_run)
+
+
+def _agreed_run(call: "AttentionCall") -> torch.Tensor:
+    """:func:`run_call` under CP > 1, after the group agreed on the call (:mod:`cpscope.attention.agreement`: one
+    fixed-size all-reduce, no host sync after the first call of each kind)."""
+    if call.error is None:
+        check_call(call)
+    return run_call(call)
 
 
 _attention_with_scope_island = torch.compiler.disable(attention_with_scope)

@@ -24,6 +24,7 @@ __all__ = ["KernelPolicy", "kernel_policy", "set_kernel_policy", "use_kernel_pol
 _VARLEN = ("auto", "cudnn", "flash")
 _FIXED_FORMS = ("ordered", "mapping")
 _CONSTANTS = ("host", "runtime")
+_FLEX = ("auto", "first", "off")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class KernelPolicy:
         fixed_form: how graphs with host scalars (a softcap's constants) execute: ``"ordered"`` or ``"mapping"``.
         cudnn_constants: a score modifier's constants as pass-by-value host tensors (``"host"``) or the frontend's
             runtime scalars (``"runtime"``).
+        flex: FlexAttention's place in the router's table: ``"auto"`` (where its row lists it, on CUDA), ``"first"``
+            (first in every row that lists it, on any device: the CPU runs its eager math — tests and benchmarks) or
+            ``"off"``.
     """
 
     dense_cudnn: bool = True
@@ -55,10 +59,12 @@ class KernelPolicy:
     ordered_execute: bool = True
     fixed_form: str = "ordered"
     cudnn_constants: str = "host"
+    flex: str = "auto"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("varlen", self.varlen, _VARLEN), ("fixed_form", self.fixed_form, _FIXED_FORMS),
-                                     ("cudnn_constants", self.cudnn_constants, _CONSTANTS)):
+                                     ("cudnn_constants", self.cudnn_constants, _CONSTANTS),
+                                     ("flex", self.flex, _FLEX)):
             if value not in allowed:
                 raise ValueError(f"KernelPolicy.{name} must be one of {allowed}, got {value!r}")
 

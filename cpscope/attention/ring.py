@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .kernels import acc_dtype, block_backward, block_forward
+from .kernels import acc_dtype, block_backward, block_forward, run_whole
 from .comm import RingComm, is_dense
 from .merge import merge_rows_, merge_sinks_, sinks_grad
 from .ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
@@ -300,4 +300,11 @@ def ring_attention(
     ``plan.size == 1``. ``sinks`` (``[h]``) get the gradient of this rank's rows. Use
     :func:`cpscope.context_parallel_attention` rather than calling this directly.
     """
+    if plan.size == 1 and plan.pad_rows is None and not plan.compact:
+        # CP1 is one block: where the router picks a kernel with its own autograd (FlexAttention), run it as is
+        st = plan.step(0)
+        out = run_whole(q, k, v, scale=plan.scale, causal=st.causal, varlen=st.varlen, window=plan.window,
+                        softcap=plan.softcap, sinks=sinks)
+        if out is not None:
+            return out
     return _RingAttention.apply(q, k, v, sinks, plan, group)

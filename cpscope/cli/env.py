@@ -19,7 +19,7 @@ import platform
 import sys
 from typing import Any, Optional
 
-__all__ = ["NAME", "HELP", "DESCRIPTION", "add_arguments", "run", "collect"]
+__all__ = ["NAME", "HELP", "DESCRIPTION", "add_arguments", "run"]  # the command protocol of cpscope.cli
 
 NAME = "env"
 HELP = "versions, GPUs and the attention kernel each block kind routes to on this machine"

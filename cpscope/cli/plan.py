@@ -1,14 +1,14 @@
 """``python -m cpscope plan``: will hybrid CP pay on my length distribution? — the plan of a few sample steps and the
 predicted step time, memory per rank and gain against every static CP size, before any GPU is rented.
 
-Inputs: document lengths (a file, a local dataset, or a built-in distribution: :mod:`cpscope.cli.lengths`), a
+Inputs: document lengths (a file, a local dataset, or a built-in distribution: :mod:`cpscope.cli._lengths`), a
 cluster (``--gpus-per-node`` × ``--nodes`` ranks), a model shape (``--preset``, ``--hf-config`` or ``--layers --hidden
 --heads ...``; a hybrid model's linear-attention, state-space and short-convolution layers with ``--linear-layers``:
-they cost linear, not quadratic, time in the document length and send no K/V around the ring) and a GPU (``--gpu``). The time model is :func:`cpscope.cli.shape.analytic_cost` (FLOPs at assumed efficiencies,
+they cost linear, not quadratic, time in the document length and send no K/V around the ring) and a GPU (``--gpu``). The time model is :func:`cpscope.cli._shape.analytic_cost` (FLOPs at assumed efficiencies,
 printed), or a measured one with ``--calibration``: the JSON :mod:`cpscope.train.calibrate` writes (a per-call
 attention model, priced per microbatch with its communication variant) or any JSON with a ``cost_model`` of
 :class:`~cpscope.hybrid.cost.CostModel` coefficients (what ``benchmarks/bench_hybrid.py`` writes). The prediction
-itself is :func:`cpscope.cli.predict.predict`.
+itself is :func:`cpscope.cli._predict.predict`.
 
 Examples::
 
@@ -29,12 +29,12 @@ from typing import Any, Optional
 from ..hybrid import CostModel
 from ..hybrid.comm_cost import CommCostModel
 from ..hybrid.step_cost import StepCost
-from . import lengths as lengths_mod
-from .predict import predict
-from .report import plot, render, to_json
-from .shape import HARDWARE, PRESETS, Assumptions, ModelShape, analytic_cost, memory_per_rank
+from . import _lengths as lengths_mod
+from ._predict import predict
+from ._report import plot, render, to_json
+from ._shape import HARDWARE, PRESETS, Assumptions, ModelShape, analytic_cost, memory_per_rank
 
-__all__ = ["NAME", "HELP", "DESCRIPTION", "add_arguments", "run", "build"]
+__all__ = ["NAME", "HELP", "DESCRIPTION", "add_arguments", "run"]  # the command protocol of cpscope.cli
 
 NAME = "plan"
 HELP = "predict hybrid CP's step time, memory and gain against static CP for a length distribution"

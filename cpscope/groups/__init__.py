@@ -7,7 +7,6 @@
   TP rank), the ``[tp, cp]`` group and the ``[tp, dp, cp]`` domain, created up front; :func:`lookup_tp_cp` in a forward.
 * :mod:`~cpscope.groups.blocks` — the pure block plan (which ranks form a group of each size).
 * :mod:`~cpscope.groups.create` — creating one rank's own blocks through ``torch.distributed``.
-* :mod:`~cpscope.groups.sim` — a simulated ``torch.distributed`` layer for planning at thousands of ranks.
 
 Example::
 

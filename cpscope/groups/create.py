@@ -24,7 +24,7 @@ after that count) first create single-rank placeholder groups so that they agree
 (:func:`cpscope.groups.blocks.pad_schedule`).
 
 :class:`TorchLayer` is the only place that calls ``torch.distributed``; a fake layer stands in for it to count the
-calls at thousands of simulated ranks (:mod:`cpscope.groups.sim`, ``benchmarks/bench_groups.py``).
+calls at thousands of simulated ranks (``tests/_sim.py``, ``benchmarks/bench_groups.py``).
 """
 from __future__ import annotations
 

@@ -18,13 +18,13 @@ Example::
         ...  # run mb.seqs with the CP group of size mb.cp that holds this rank
 """
 from .baselines import plan_greedy, plan_static
-from .bound import lower_bound
+from ._bound import lower_bound
 from .cost import CostModel, padded_length
 from .data import long_tail_lengths
 from .layer_mix import LayerMix
 from .plan import Microbatch, Plan
 from .planner import plan_hybrid
-from .problem import cp_candidates
+from ._problem import cp_candidates
 
 __all__ = [
     "CostModel",

@@ -17,10 +17,10 @@ from typing import Optional
 import numpy as np
 import numpy.typing as npt
 
-from .lpt import _lpt_heap
-from .packing import _build_plan, _first_fit
+from ._lpt import lpt_heap
+from ._packing import build_plan, first_fit
 from .plan import Plan
-from .problem import Cost, CpSizes, _Problem
+from ._problem import Cost, CpSizes, Problem
 
 __all__ = ["plan_static", "plan_greedy"]
 
@@ -45,7 +45,7 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         static = plan_static(lengths, n_ranks=4, capacity=4096, cp=2)   # every sequence at CP2
         gain = static.makespan / plan_hybrid(lengths, n_ranks=4, capacity=4096).makespan
     """
-    p = _Problem(lengths, n_ranks, capacity, cost, None, cp_sizes)
+    p = Problem(lengths, n_ranks, capacity, cost, None, cp_sizes)
     if cp is None:
         ks = int(p.kmin.max())
     else:
@@ -58,15 +58,15 @@ def plan_static(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     k = np.full(p.n, ks, dtype=np.int64)
     tokens = p.lp[ks] // s
     order = np.lexsort((p.rows, -tokens))
-    bins = np.asarray(_first_fit(tokens[order].tolist(), p.capacity), dtype=np.int64)
+    bins = np.asarray(first_fit(tokens[order].tolist(), p.capacity), dtype=np.int64)
     n_bins = int(bins.max()) + 1
     bin_of = np.empty(p.n, dtype=np.int64)
     bin_of[order] = bins
     bin_cost = np.bincount(bin_of, weights=p.seq[ks], minlength=n_bins) + p.lat[ks]  # (least variant)
     by_cost = np.lexsort((np.arange(n_bins), -bin_cost))  # LPT: costliest microbatch first
     bin_block = np.empty(n_bins, dtype=np.int64)
-    bin_block[by_cost] = _lpt_heap(np.zeros(p.n_ranks // s), bin_cost[by_cost], np.inf)
-    return _build_plan(p, "static", k, bin_block[bin_of], microbatch_of=bin_of)
+    bin_block[by_cost] = lpt_heap(np.zeros(p.n_ranks // s), bin_cost[by_cost], np.inf)
+    return build_plan(p, "static", k, bin_block[bin_of], microbatch_of=bin_of)
 
 
 def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost] = None, *,
@@ -83,7 +83,7 @@ def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         greedy = plan_greedy(lengths, n_ranks=4, capacity=4096)   # cp_sizes (2, 1, 1, 1, 1, 1)
         print(greedy.makespan / plan_hybrid(lengths, n_ranks=4, capacity=4096).makespan)
     """
-    p = _Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
+    p = Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
     loads = np.zeros(p.n_ranks)
     block = np.empty(p.n, dtype=np.int64)
     sizes, costs = p.cps[p.kmin].tolist(), p.alone[p.kmin, p.rows].tolist()
@@ -91,4 +91,4 @@ def plan_greedy(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         b = int(np.argmin(loads.reshape(-1, s).max(axis=1))) if s > 1 else int(np.argmin(loads))
         loads[b * s:(b + 1) * s] += c
         block[i] = b
-    return _build_plan(p, "greedy", p.kmin, block, decreasing=False)
+    return build_plan(p, "greedy", p.kmin, block, decreasing=False)

@@ -54,16 +54,19 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from .cost import _nnls
+from .._variants import VARIANTS, check_variants
+from ._comm_features import (BYTES, FEATURES, LOCAL, Sample, check_shape, default_inner, dtype_name, features,
+                             halo_rows, padded, parts, variant_allowed, window_pairs)
+from ._nnls import nnls
 
 __all__ = [
     "FEATURES",
-    "VARIANTS",
+    "LOCAL",
     "CommCostModel",
     "Sample",
     "cache_dir",
@@ -78,163 +81,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("p2p", "all_gather", "a2a", "a2a+p2p")  # in tie-break order: the ring first
-LOCAL = "local"  # the CP1 fit, shared by every variant
-FEATURES = ("attn", "tokens", "bytes", "rounds", "call")
 FORMAT = 1  # version of the JSON layout
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.bfloat16"`` → ``"bfloat16"`` (no torch import).
-
-    Raises:
-        ValueError: a dtype the model has no element size for.
-    """
-    name = str(dtype).removeprefix("torch.")
-    if name not in _BYTES:
-        raise ValueError(f"dtype {dtype!r} is not one of the floating dtypes the cost model knows: {sorted(_BYTES)}")
-    return name
-
-
-def _check_shape(cp: int, heads: int, kv_heads: int, head_dim: int) -> None:
-    for name, value in (("cp", cp), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-
-
-def _heads_split(n: int, heads: int, kv_heads: int) -> bool:
-    """Can an all-to-all over ``n`` ranks give each rank whole heads: q and k/v heads both divisible by ``n``
-    (the rule of ``cpscope.attention``'s ``a2a``)."""
-    return heads % n == 0 and kv_heads % n == 0
-
-
-def default_inner(cp: int, heads: int, kv_heads: int) -> Optional[int]:
-    """The ``a2a+p2p`` sub-group size ``cpscope.attention`` uses by default: the largest ``n ≤ 8`` with
-    ``1 < n < cp`` dividing ``cp`` and both head counts; ``None`` if there is none.
-
-    Example::
-
-        >>> default_inner(8, 32, 8), default_inner(4, 16, 1)
-        (4, None)
-    """
-    ok = [n for n in range(2, min(cp - 1, 8) + 1) if cp % n == 0 and _heads_split(n, heads, kv_heads)]
-    return max(ok) if ok else None
-
-
-def variant_allowed(variant: str, cp: int, heads: int, kv_heads: int, inner: Optional[int] = None) -> bool:
-    """Whether ``variant`` can run at ``cp`` with these heads (the rules of ``cpscope.attention``).
-
-    ``p2p`` and ``all_gather``: always. ``a2a`` (Ulysses): ``heads`` and ``kv_heads`` divisible by ``cp``.
-    ``a2a+p2p``: an all-to-all inside sub-groups of ``inner`` ranks (default :func:`default_inner`; it must
-    satisfy ``1 < inner < cp``, divide ``cp`` and both head counts) and a ring across them. At ``cp = 1`` every
-    variant is allowed (none communicates).
-
-    Example::
-
-        >>> variant_allowed("a2a", 4, heads=32, kv_heads=8), variant_allowed("a2a", 16, heads=32, kv_heads=8)
-        (True, False)
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown communication variant {variant!r}; expected one of {VARIANTS}")
-    if cp == 1 or variant in ("p2p", "all_gather"):
-        return True
-    if variant == "a2a":
-        return _heads_split(cp, heads, kv_heads)
-    inner = default_inner(cp, heads, kv_heads) if inner is None else inner
-    return inner is not None and 1 < inner < cp and cp % inner == 0 and _heads_split(inner, heads, kv_heads)
-
-
-class Sample(NamedTuple):
-    """One timed call: ``seconds`` of forward + backward at CP size ``cp`` (slowest rank, median of repeats)."""
-
-    variant: str  # one of VARIANTS, or "local" for cp = 1
-    dtype: str
-    cp: int
-    lengths: tuple[int, ...]  # global document lengths of the microbatch (multiples of 2·cp)
-    heads: int
-    kv_heads: int
-    head_dim: int
-    causal: bool
-    inner: Optional[int]  # the a2a sub-group size of a2a+p2p (else None)
-    seconds: float
-
-
-def _parts(variant: str, cp: int, heads: int, kv_heads: int, head_dim: int, elem: int, causal: bool,
-           inner: Optional[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-document feature weights and fixed features: ``(w2, w1, fixed)`` such that a document of padded
-    length ``Lp`` has features ``w2 · Lp² + w1 · Lp`` (``[5]`` each) and a call adds ``fixed`` once."""
-    h, g, d = float(heads), float(kv_heads), float(head_dim)
-    w2 = np.array([(0.5 if causal else 1.0) * h * d / cp, 0.0, 0.0, 0.0, 0.0])
-    w1 = np.array([0.0, h * d / cp, 0.0, 0.0, 0.0])
-    fixed = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
-    if cp > 1 and variant != LOCAL:
-        if variant in ("p2p", "all_gather"):
-            w1[2] = 2.0 * g * d * elem * (cp - 1) / cp
-            fixed[3] = cp - 1.0
-        elif variant == "a2a":
-            w1[2] = 2.0 * (h + g) * d * elem * (cp - 1) / cp**2
-            fixed[3] = cp - 1.0
-        else:  # a2a+p2p
-            inner = default_inner(cp, heads, kv_heads) if inner is None else inner
-            if inner is None:
-                raise ValueError(f"a2a+p2p has no sub-group size at cp={cp} with heads={heads}, kv_heads={kv_heads}")
-            a, r = float(inner), cp / float(inner)
-            w1[2] = (2.0 * (h + g) * d * elem * (a - 1) / (cp * a)
-                     + 2.0 * (g / a) * d * elem * (r - 1) / r)
-            fixed[3] = (a - 1.0) + (r - 1.0)
-    return w2, w1, fixed
-
-
-def _padded(lengths: npt.ArrayLike, cp: int) -> np.ndarray:
-    lp = np.asarray(lengths, dtype=np.int64).ravel()
-    if lp.size == 0 or np.any(lp <= 0):
-        raise ValueError(f"document lengths must be a non-empty list of ints > 0, got {np.asarray(lengths)[:8]}")
-    step = 2 * cp
-    return (-(-lp // step) * step).astype(np.float64)
-
-
-def halo_rows(lengths: npt.ArrayLike, cp: int, window: tuple[int, int], causal: bool = True) -> float:
-    """The most K/V rows one rank receives in one pass of the windowed ``p2p`` exchange: for zigzag rank ``t``
-    holding chunks ``t`` and ``2cp-1-t`` (``c`` tokens) of each document, the keys its chunks' queries see
-    (``[x·c - left, (x+1)·c + right)``) that are not its own. ``window``: ``(left, right)``, ``-1`` unbounded.
-
-    Example::
-
-        >>> halo_rows([65536], 4, (256, 0))       # two neighbours' 256-token halos
-        512.0
-    """
-    lp = _padded(lengths, cp)
-    c = lp / (2 * cp)
-    left = math.inf if window[0] == -1 else float(window[0])
-    right = 0.0 if causal else (math.inf if window[1] == -1 else float(window[1]))
-    worst = 0.0
-    for t in range(cp):
-        (a0, a1), (b0, b1) = ((np.maximum(0.0, x * c - left), np.minimum(lp, (x + 1) * c + right))
-                              for x in (t, 2 * cp - 1 - t))
-        both = np.maximum(0.0, np.minimum(a1, b1) - np.maximum(a0, b0))
-        worst = max(worst, float(np.sum((a1 - a0) + (b1 - b0) - both - 2 * c)))
-    return worst
-
-
-def _window_pairs(lp: np.ndarray, window: tuple[int, int], causal: bool) -> float:
-    """Σ over documents of the (query, key) pairs a window leaves, in units of ``Lp²`` (what ``attn`` counts)."""
-    left = math.inf if window[0] == -1 else float(window[0])
-    right = 0.0 if causal else (math.inf if window[1] == -1 else float(window[1]))
-    total = 0.0
-    for n in lp:
-        i = np.arange(n)
-        total += float(np.sum(np.minimum(n - 1, i + right) - np.maximum(0, i - left) + 1))
-    return total
-
-
-def _features(sample: Sample) -> np.ndarray:
-    w2, w1, fixed = _parts(sample.variant, sample.cp, sample.heads, sample.kv_heads, sample.head_dim,
-                           _BYTES[sample.dtype], sample.causal, sample.inner)
-    lp = _padded(sample.lengths, sample.cp)
-    return w2 * float(np.sum(lp * lp)) + w1 * float(np.sum(lp)) + fixed
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,9 +108,8 @@ class CommCostModel:
     def __post_init__(self) -> None:
         for dt, per_variant in self.coefficients.items():
             dtype_name(dt)
+            check_variants(per_variant, what=f"the variants of the cost model's {dt} fit", extra=(LOCAL,))
             for v, coef in per_variant.items():
-                if v not in VARIANTS and v != LOCAL:
-                    raise ValueError(f"unknown variant {v!r} in the cost model (dtype {dt})")
                 if len(coef) != len(FEATURES) or not all(math.isfinite(c) and c >= 0 for c in coef):
                     raise ValueError(f"coefficients of {dt}/{v} must be {len(FEATURES)} finite numbers ≥ 0, "
                                      f"got {coef!r}")
@@ -298,13 +144,13 @@ class CommCostModel:
               causal: bool = True, inner: Optional[int] = None) -> tuple[float, float, float]:
         """``(q2, q1, fixed)`` seconds: a document of padded length ``Lp`` costs ``q2 · Lp² + q1 · Lp`` and
         a call adds ``fixed`` (what the planner tabulates)."""
-        _check_shape(cp, heads, kv_heads, head_dim)
+        check_shape(cp, heads, kv_heads, head_dim)
         dt = dtype_name(dtype)
         coef = self._coef(variant, dt, cp)
         if cp > 1 and not variant_allowed(variant, cp, heads, kv_heads, inner):
             raise ValueError(f"variant {variant!r} cannot run at cp={cp} with heads={heads}, kv_heads={kv_heads}"
                              f", inner={inner}")
-        w2, w1, fixed = _parts(LOCAL if cp == 1 else variant, cp, heads, kv_heads, head_dim, _BYTES[dt], causal,
+        w2, w1, fixed = parts(LOCAL if cp == 1 else variant, cp, heads, kv_heads, head_dim, BYTES[dt], causal,
                                inner)
         return float(w2 @ coef), float(w1 @ coef), float(fixed @ coef)
 
@@ -320,14 +166,14 @@ class CommCostModel:
         """
         q2, q1, fixed = self.split(variant, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                    dtype=dtype, causal=causal, inner=inner)
-        lp = _padded(lengths, cp)
+        lp = padded(lengths, cp)
         if window is None:
             return float(q2 * np.sum(lp * lp) + q1 * np.sum(lp) + fixed)
         dt = dtype_name(dtype)
-        w2, w1, base = _parts(LOCAL if cp == 1 else variant, cp, heads, kv_heads, head_dim, _BYTES[dt], causal, inner)
-        feats = w2 / (0.5 if causal else 1.0) * _window_pairs(lp, window, causal) + w1 * float(np.sum(lp)) + base
+        w2, w1, base = parts(LOCAL if cp == 1 else variant, cp, heads, kv_heads, head_dim, BYTES[dt], causal, inner)
+        feats = w2 / (0.5 if causal else 1.0) * window_pairs(lp, window, causal) + w1 * float(np.sum(lp)) + base
         if cp > 1 and variant == "p2p":
-            feats[2] = 2.0 * kv_heads * head_dim * _BYTES[dt] * halo_rows(lp, cp, window, causal)
+            feats[2] = 2.0 * kv_heads * head_dim * BYTES[dt] * halo_rows(lp, cp, window, causal)
         return float(feats @ self._coef(variant, dt, cp))
 
     # -- fitting --------------------------------------------------------------------------------------------
@@ -352,9 +198,9 @@ class CommCostModel:
             rows.setdefault((dtype_name(s.dtype), s.variant), []).append(s)
         coefficients: dict[str, dict[str, tuple[float, ...]]] = {}
         for (dt, v), group in sorted(rows.items()):
-            x = np.stack([_features(s) for s in group])
+            x = np.stack([features(s) for s in group])
             y = np.array([s.seconds for s in group])
-            coefficients.setdefault(dt, {})[v] = tuple(float(c) for c in _nnls(x, y, relative=True))
+            coefficients.setdefault(dt, {})[v] = tuple(float(c) for c in nnls(x, y, relative=True))
         model = cls(coefficients=coefficients, meta=dict(meta or {}), samples=samples)
         logger.debug("CommCostModel.fit on %d samples: %s", len(samples), coefficients)
         return model

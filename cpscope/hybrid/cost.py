@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from .layer_mix import LayerMix
+from ._nnls import nnls
 
 __all__ = ["CostModel", "padded_length"]
 
@@ -61,30 +62,6 @@ def padded_length(lengths: ArrayLike, cp: ArrayLike) -> np.ndarray:
     length = np.asarray(lengths, dtype=np.int64)
     step = 2 * np.asarray(cp, dtype=np.int64)
     return -(-length // step) * step
-
-
-def _nnls(x: np.ndarray, y: np.ndarray, *, relative: bool) -> np.ndarray:
-    """Exact non-negative least squares ``min ‖x·c − y‖, c ≥ 0`` for a handful of columns: the best
-    unconstrained fit over every subset of columns allowed to be non-zero whose solution is non-negative.
-    ``relative`` weights row ``i`` by ``1 / y_i``. Columns are scaled first (coefficients span many decades)."""
-    if relative:
-        x, y = x / y[:, None], np.ones_like(y)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-300)
-    xs = x / scale
-    m = x.shape[1]
-    best: tuple[float, np.ndarray] | None = None
-    for k in range(1, m + 1):
-        for subset in itertools.combinations(range(m), k):
-            cols = list(subset)
-            sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-            if np.any(sol < 0):
-                continue
-            coef = np.zeros(m)
-            coef[cols] = sol
-            resid = float(np.sum((xs @ coef - y) ** 2))
-            if best is None or resid < best[0] * (1 - 1e-12):
-                best = (resid, coef)
-    return np.zeros(m) if best is None else best[1] / scale
 
 
 @dataclass(frozen=True)
@@ -171,7 +148,7 @@ class CostModel:
 
     def _tables(self, padded: np.ndarray, cps: np.ndarray) -> tuple[tuple[str, ...], np.ndarray, np.ndarray,
                                                                     np.ndarray]:
-        """The planner's tables (see :mod:`cpscope.hybrid.problem`): one variant, the ring (``"p2p"``)."""
+        """The planner's tables (see :mod:`cpscope.hybrid._problem`): one variant, the ring (``"p2p"``)."""
         seq = self.padded_seq_cost(padded, cps[:, None])[None]  # [1, K, n]
         fixed = (self.latency * (cps.astype(np.float64) - 1.0))[None]  # [1, K]
         return ("p2p",), seq, fixed, np.ones(fixed.shape, dtype=bool)
@@ -212,7 +189,7 @@ class CostModel:
                              f"got {x.shape[0]} (lengths × cp) and {y.shape[0]} seconds")
         if not np.all(np.isfinite(y)) or np.any(y <= 0):
             raise ValueError("CostModel.fit: every measured time must be finite and > 0")
-        coef = _nnls(x, y, relative=relative)
+        coef = nnls(x, y, relative=relative)
         model = cls(*(float(c) for c in coef))
         logger.debug("CostModel.fit on %d samples -> %s", y.shape[0], model)
         return model

@@ -39,15 +39,15 @@ import numpy as np
 import numpy.typing as npt
 
 from .baselines import plan_greedy, plan_static
-from .bound import _lower_bound, lower_bound
-from .lpt import _NO_LIMIT, _lpt_prefix
-from .packing import _build_plan
+from ._bound import problem_bound, lower_bound
+from ._lpt import NO_LIMIT, lpt_prefix
+from ._packing import build_plan
 from .plan import Microbatch, Plan
-from .problem import Cost, CpSizes, _first_within, _Problem, cp_candidates
+from ._problem import Cost, CpSizes, first_within, Problem, cp_candidates
 
 # Microbatch, Plan, cp_candidates, lower_bound, plan_static and plan_greedy live in their own modules now;
 # they stay importable from here.
-__all__ = ["Microbatch", "Plan", "plan_hybrid", "plan_static", "plan_greedy", "lower_bound", "cp_candidates"]
+__all__ = ["plan_hybrid"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Runs:
         self.seg[placed] = run[blocks]
 
 
-def _phase(p: _Problem, hq: np.ndarray, loads: np.ndarray, lev: int, items: np.ndarray, t_q: int,
+def _phase(p: Problem, hq: np.ndarray, loads: np.ndarray, lev: int, items: np.ndarray, t_q: int,
            k: np.ndarray, block: np.ndarray, runs: Optional[_Runs], outer: bool = True
            ) -> tuple[np.ndarray, np.ndarray]:
     """Place ``items`` at size ``cps[lev]`` on top of rank ``loads``; writes ``k`` and ``block``.
@@ -111,7 +111,7 @@ def _phase(p: _Problem, hq: np.ndarray, loads: np.ndarray, lev: int, items: np.n
             runs.mark(chosen, got, run, epoch)
 
     while pos < items.size:
-        got = _lpt_prefix(bl, heights[pos:], t_q)
+        got = lpt_prefix(bl, heights[pos:], t_q)
         place(items[pos:pos + got.size], got)
         pos += got.size
         if pos == items.size:
@@ -131,7 +131,7 @@ def _phase(p: _Problem, hq: np.ndarray, loads: np.ndarray, lev: int, items: np.n
             left.append(failed)
         elif failed.size:  # fits at no size: run it at its own size anyway, on the least-loaded block
             failed = failed[np.lexsort((failed, -hq[lev, failed]))]
-            place(failed, _lpt_prefix(bl, hq[lev, failed], _NO_LIMIT))
+            place(failed, lpt_prefix(bl, hq[lev, failed], NO_LIMIT))
     return _current(loads, bl, start, touched, s, runs is None), np.concatenate(left)
 
 
@@ -144,12 +144,12 @@ def _current(loads: np.ndarray, bl: np.ndarray, start: np.ndarray, touched: np.n
     return np.where(np.repeat(touched, s), np.repeat(bl, s), loads)
 
 
-def _pack_to_target(p: _Problem, hq: np.ndarray, hq_min: np.ndarray,
+def _pack_to_target(p: Problem, hq: np.ndarray, hq_min: np.ndarray,
                     t_q: int) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], int]:
     """One pass of :func:`plan_hybrid` for the integer target ``t_q``: (level, block) per sequence, the run segment
     of each (``None`` for nested sizes) and the makespan (in load units; above ``t_q`` when some sequence fit
     nowhere in time)."""
-    k0 = _first_within(hq_min, p.fastest, t_q)
+    k0 = first_within(hq_min, p.fastest, t_q)
     k = k0.copy()
     block = np.zeros(p.n, dtype=np.int64)
     runs = None if p.nested else _Runs(p.n)
@@ -214,36 +214,36 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         plan = plan_hybrid([8192, 2048, 1024, 1024, 512, 512], n_ranks=4, capacity=4096)  # .cp_sizes (4, 2, 1, 1, 2, 2)
         mbs = plan.microbatches_for_rank(rank)    # run each under runtime_cp(groups[mb.cp]): cpscope.train.loop
     """
-    p = _Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
-    lb = _lower_bound(p)
+    p = Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
+    lb = problem_bound(p)
     if lb <= 0.0:  # an all-zero cost model: any placement is optimal; spread sequences round-robin
         rank_in_level = np.zeros(p.n, dtype=np.int64)
         for lev in np.unique(p.kmin).tolist():
             sel = np.flatnonzero(p.kmin == lev)
             rank_in_level[sel] = np.arange(sel.size) % (p.n_ranks // int(p.cps[lev]))
-        return _build_plan(p, "hybrid", p.kmin, rank_in_level, lb=lb)
+        return build_plan(p, "hybrid", p.kmin, rank_in_level, lb=lb)
     if not targets:
         raise ValueError("plan_hybrid: targets must not be empty")
     _, k, block, seg = _search(p, lb, targets)
-    plan = _build_plan(p, "hybrid", k, block, lb=lb, seg=seg)
+    plan = build_plan(p, "hybrid", k, block, lb=lb, seg=seg)
     if p.nested:
         return plan
     tried = [plan]  # straddling blocks may wait: nested subsets (which never do) compete; the shortest plan wins
     for sizes in _nested_subsets(p.cps.tolist()):
         sub = p.subset(sizes)
-        lb_sub = None if sub is None else _lower_bound(sub)
+        lb_sub = None if sub is None else problem_bound(sub)
         if lb_sub is None or lb_sub >= min(t.makespan for t in tried):  # fits nowhere, or cannot do better
             continue
         rows = np.flatnonzero(np.isin(p.cps, sub.cps))
         _, k, block, _ = _search(sub, lb_sub, targets)  # as plan_hybrid(cp_sizes=sizes) plans
-        tried.append(_build_plan(p, "hybrid", rows[k], block, lb=lb))
+        tried.append(build_plan(p, "hybrid", rows[k], block, lb=lb))
     best = min(tried, key=lambda plan: plan.makespan)  # ties: the first (all sizes)
     logger.debug("plan_hybrid: CP sizes %s allowed; makespans %s (all sizes, then nested subsets %s); picked %s",
                  p.cps.tolist(), [t.makespan for t in tried], _nested_subsets(p.cps.tolist()), best.sizes_used)
     return best
 
 
-def _search(p: _Problem, lb: float, targets: Sequence[float]) -> tuple[int, np.ndarray, np.ndarray,
+def _search(p: Problem, lb: float, targets: Sequence[float]) -> tuple[int, np.ndarray, np.ndarray,
                                                                         Optional[np.ndarray]]:
     """The target search of :func:`plan_hybrid` on ``p``: ``(makespan, level, block, run segment)`` of the best
     pass, the makespan in units of ``lb / 2**24``."""

@@ -30,7 +30,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .comm_cost import VARIANTS, CommCostModel, _check_shape, default_inner, dtype_name, variant_allowed
+from .._variants import VARIANTS
+from ._comm_features import check_shape, default_inner, dtype_name, variant_allowed
+from .comm_cost import CommCostModel
 
 __all__ = ["StepCost"]
 
@@ -67,7 +69,7 @@ class StepCost:
     variants: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
-        _check_shape(1, self.heads, self.kv_heads, self.head_dim)
+        check_shape(1, self.heads, self.kv_heads, self.head_dim)
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
             raise ValueError(f"StepCost.layers must be an int ≥ 1, got {self.layers!r}")
@@ -103,7 +105,7 @@ class StepCost:
 
     def _tables(self, padded: np.ndarray, cps: np.ndarray) -> tuple[tuple[str, ...], np.ndarray, np.ndarray,
                                                                     np.ndarray]:
-        """The planner's tables (see :mod:`cpscope.hybrid.problem`), one row per variant."""
+        """The planner's tables (see :mod:`cpscope.hybrid._problem`), one row per variant."""
         names = tuple(self.variants)
         lp = padded.astype(np.float64)
         seq = np.zeros((len(names),) + lp.shape)

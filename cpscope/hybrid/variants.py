@@ -29,16 +29,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .comm_cost import (
-    VARIANTS,
-    CommCostModel,
-    _check_shape,
-    _padded,
-    dtype_name,
-    variant_allowed,
-)
+from .._variants import VARIANTS, check_variants
+from ._comm_features import check_shape, dtype_name, padded, variant_allowed
+from .comm_cost import CommCostModel
 
-__all__ = ["VARIANTS", "choose", "predict", "variant_allowed"]
+__all__ = ["choose", "predict"]
 
 
 def predict(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int, kv_heads: int, head_dim: int,
@@ -56,16 +51,13 @@ def predict(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int,
     Raises:
         ValueError: bad shapes or lengths, an unknown candidate, or a dtype the model has no fit for.
     """
-    _check_shape(cp, heads, kv_heads, head_dim)
+    check_shape(cp, heads, kv_heads, head_dim)
     dt = dtype_name(dtype)
     if dt not in cost.coefficients:
         raise ValueError(f"the cost model has no fit for dtype {dt!r}; calibrated: {list(cost.dtypes())}")
-    wanted = VARIANTS if candidates is None else tuple(candidates)
-    unknown = [v for v in wanted if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown communication variants {unknown}; expected some of {VARIANTS}")
+    wanted = VARIANTS if candidates is None else check_variants(candidates, what="candidates")
     inner = cost.inner if inner is None else inner
-    lp = _padded(lengths, cp)
+    lp = padded(lengths, cp)
     s2, s1 = float(np.dot(lp, lp)), float(lp.sum())
     out = {}
     for v in cost.variants(dt):
@@ -91,7 +83,7 @@ def choose(cost: CommCostModel, lengths: npt.ArrayLike, *, cp: int, heads: int, 
         ValueError: as :func:`predict`, or when no candidate is both fitted and allowed at this shape.
     """
     if cp == 1:
-        _check_shape(cp, heads, kv_heads, head_dim)
+        check_shape(cp, heads, kv_heads, head_dim)
         return "p2p"
     times = predict(cost, lengths, cp=cp, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                     causal=causal, inner=inner, candidates=candidates, window=window)

@@ -19,3 +19,5 @@ Example::
     import cpscope.integrations.hf  # registers "cpscope" with transformers
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpscope")
 """
+
+__all__: list[str] = []  # a namespace: each adapter is its own module, imported only when used

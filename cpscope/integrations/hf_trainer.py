@@ -8,4 +8,6 @@ import sys
 
 from .hf import trainer as _trainer
 
+__all__: list[str] = []  # an alias: the module becomes cpscope.integrations.hf.trainer (its names, its __all__)
+
 sys.modules[__name__] = _trainer

@@ -15,6 +15,8 @@ activations.
 * :mod:`~cpscope.linear.delta_rule` — :func:`gated_delta_rule` (GDN's scalar gate, KDA's per-channel gate);
 * :mod:`~cpscope.linear.mamba2` — :func:`mamba2_scan` (SSD);
 * :mod:`~cpscope.linear.short_conv` — :func:`causal_conv1d`;
+* :mod:`~cpscope.linear.kernels` — the local kernels behind one interface (flash-linear-attention's Triton chunk
+  functions on CUDA where installed, the torch chunk code otherwise);
 * :mod:`~cpscope.linear.summaries` — the affine summary algebra; :mod:`~cpscope.linear.exchange` — the all-gather;
   :mod:`~cpscope.linear.pieces` — where the local pieces sit in the global sequences.
 

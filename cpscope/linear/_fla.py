@@ -1,18 +1,24 @@
-"""flash-linear-attention's Triton kernels for the local part of a recurrence (optional; imported only when used).
+"""flash-linear-attention's Triton chunk functions behind :mod:`cpscope.linear.kernels`' interface (optional;
+imported only when called).
 
-Used on CUDA tensors (fp32 / bf16 / fp16) when ``fla`` imports; the torch path otherwise. The kernels run the local
-pieces varlen (``cu_seqlens`` = the local piece offsets) from per-piece initial states and return per-piece final
-states, which is all the summary exchange needs (:mod:`cpscope.linear.delta_rule`, :mod:`cpscope.linear.mamba2`).
+The interface is fla's own (``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_simple_gla``: same keywords), so
+these adapters only pick the function and drop the torch path's ``chunk_size``. fla's facts that the callers rely
+on (0.6.0): ``initial_state`` receives a gradient (``dh0``) and ``output_final_state`` a differentiable final state
+(fp32; ``chunk_kda`` requires an fp32 ``initial_state``); ``cu_seqlens`` needs one packed row (``B == 1``) and one
+initial state per piece; ``cu_seqlens_cpu`` spares the device-to-host copy of the offsets; outputs come back in
+``q``'s dtype.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 __all__ = ["available", "usable", "delta_rule", "simple_gla"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -21,38 +27,26 @@ def available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def usable(x: torch.Tensor, lens: tuple[int, ...] = ()) -> bool:
-    """Whether the fla kernels take this input: CUDA, a 16/32-bit float, fla installed, no empty piece."""
-    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and available()
-            and all(n > 0 for n in lens))
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fla kernels take this input: CUDA, a 16/32-bit float, fla installed."""
+    return x.is_cuda and x.dtype in _DTYPES and available()
 
 
-def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-               cu: torch.Tensor, s0: Optional[torch.Tensor], l2: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``chunk_gated_delta_rule`` (``g [N, HV]``) or ``chunk_kda`` (``g [N, HV, K]``) on flat ``[N, H, ..]`` inputs.
-
-    Returns ``(o [N, HV, V], final [pieces, HV, K, V] or None)``; ``final`` only when ``s0`` is given.
-    """
-    kwargs = dict(scale=scale, initial_state=s0, output_final_state=s0 is not None, use_qk_l2norm_in_kernel=l2,
-                  cu_seqlens=cu.long())
-    args = [t.unsqueeze(0).contiguous() for t in (q, k, v, g, beta)]
-    if g.dim() == 3:
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``chunk_kda`` for a per-channel gate (``g [B, T, HV, K]``), else ``chunk_gated_delta_rule``."""
+    if g.dim() == 4:
         from fla.ops.kda import chunk_kda
 
-        o, final = chunk_kda(*args, **kwargs)
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return chunk_kda(q, k, v, g, beta, **kwargs)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        o, final = chunk_gated_delta_rule(*args, **kwargs)
-    return o.squeeze(0), final
+    return chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
 
 
-def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, cu: torch.Tensor,
-               final: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``chunk_simple_gla`` (scale 1, zero initial states) on flat ``[N, H, ..]`` inputs: Mamba2's SSD with
-    ``q = C``, ``k = B``, ``v = dt·x``, ``g = dt·A``. Returns ``(o [N, H, P], final [pieces, H, N, P] or None)``."""
+def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+               chunk_size: Optional[int] = None, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``chunk_simple_gla`` (its own chunk size: ``chunk_size`` is the torch path's knob and is not passed)."""
     from fla.ops.simple_gla import chunk_simple_gla
 
-    args = [t.unsqueeze(0).contiguous() for t in (q, k, v, g)]
-    o, ht = chunk_simple_gla(*args, scale=1.0, output_final_state=final, cu_seqlens=cu.long())
-    return o.squeeze(0), ht
+    return chunk_simple_gla(q, k, v, g, **kwargs)

@@ -11,7 +11,9 @@ and of transformers' ``torch_chunk_gated_delta_rule``.
 Under CP each local piece is run once with the value columns widened by ``K`` identity columns: from the initial
 state ``[0 | I]`` the run leaves ``[b | A]`` (its summary, :mod:`cpscope.linear.summaries`) and outputs
 ``[o⁰ | Aₜᵀ q]``; after the exchange the output from the true incoming state ``S_in`` is ``o⁰ + (Aₜᵀ q)ᵀ S_in``.
-One pass over the tokens, one all-gather of the summaries.
+One pass over the tokens, one all-gather of the summaries. Under CP1 the kernel is called once, directly. The
+kernel is flash-linear-attention's where it runs, else cpscope's torch chunk code (:mod:`cpscope.linear.kernels`);
+:func:`summarise` and :func:`read_incoming` are the local phases before and after the exchange.
 
 Example::
 
@@ -26,12 +28,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..scope import UNSET, CPScope, resolve_scope
-from . import _fla, summaries
-from .delta_chunk import chunk_delta_rule, l2norm
-from .pieces import Pieces, pieces_of_input, run_pieces
+from ..scope import UNSET, resolve_scope
+from . import kernels, summaries
+from .pieces import Runs, run_pieces, runs_of_input
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "summarise", "read_incoming"]
 
 _WHERE = "gated_delta_rule"
 
@@ -83,8 +84,10 @@ def gated_delta_rule(
         use_qk_l2norm: L2-normalise ``q`` and ``k`` over ``K`` first (eps 1e-6, in fp32), as the models do.
 
     Returns:
-        ``o [B, T, HV, V]`` in ``v``'s dtype. Computed in fp32 (fp64 for fp64 inputs); the chunk summaries are
-        exchanged in that precision. Differentiable in ``q, k, v, g, beta``.
+        ``o [B, T, HV, V]`` in ``v``'s dtype. On CUDA with flash-linear-attention installed, computed by its Triton
+        kernels (``chunk_gated_delta_rule`` / ``chunk_kda``) in the inputs' dtype with fp32 states; otherwise by
+        the torch chunk code in fp32 (fp64 for fp64 inputs). The chunk summaries are exchanged in fp32 (fp64).
+        Differentiable in ``q, k, v, g, beta``.
 
     Raises:
         ValueError: mismatched shapes, a bad ``scale``, a local length that does not match ``cu_seqlens`` and the CP
@@ -96,73 +99,52 @@ def gated_delta_rule(
     """
     scale = _check(q, k, v, g, beta, scale)
     scope = resolve_scope(group)
-    B, T, H, K = q.shape
-    pieces = pieces_of_input(B, T, cu_seqlens, scope, where=_WHERE, name="q")
-    HV, V = v.shape[2], v.shape[3]
-    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    if _fla.usable(q, pieces.lens):
-        o = _run_fla(flat, pieces, scope, scale, use_qk_l2norm)
-    else:
-        o = _run_torch(flat, pieces, scope, scale, use_qk_l2norm)
-    return o.reshape(B, T, HV, V).to(v.dtype)
+    B, T = q.shape[:2]
+    runs = runs_of_input(B, T, cu_seqlens, scope, q.device, where=_WHERE, name="q")
+    kern = kernels.pick(q, runs)
+    if runs.pieces.cp == 1:  # no exchange: straight to the kernel
+        o, _ = kern.delta_rule(*(runs.shape(t) for t in (q, k, v, g, beta)), scale=scale, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                               cu_seqlens=runs.cu, cu_seqlens_cpu=runs.cu_cpu)
+        return o if o.shape == v.shape and o.dtype == v.dtype else o.reshape(v.shape).to(v.dtype)
+    o_aug, A, b = summarise(kern, runs, q, k, v, g, beta, scale, use_qk_l2norm)
+    s_in = summaries.incoming_states(A, b, runs.pieces, scope)  # [pieces, HV, K, V]: the one collective
+    return read_incoming(o_aug, s_in, runs, v.shape[-1]).reshape(v.shape).to(v.dtype)
 
 
-def _compute_dtype(*ts: torch.Tensor) -> torch.dtype:
+def state_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs, else fp32: the precision of the summaries and of the exchange."""
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _local_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-                 s0: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_delta_rule` on ``[n, L, H, ..]`` runs (tokens first in, tokens first out)."""
-    t = [x.movedim(1, 2) for x in (q, k, v, g, beta)]  # [n, H, L, ..]
-    o, s = chunk_delta_rule(*t, s0=s0)
-    return o.movedim(2, 1), s
+def summarise(kern: kernels.Kernels, runs: Runs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, scale: float, l2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel pass over the local runs with the values widened by ``K`` identity columns.
+
+    From the initial states ``[0 | I]`` every run leaves ``[b | A]`` (its summary) and outputs ``[o⁰ | Aₜᵀ q]``.
+    Returns ``(o_aug [tokens, HV, V + K], A [pieces, HV, K, K], b [pieces, HV, K, V])``, the summaries in fp32 (fp64
+    for fp64 inputs). Local: no collective.
+    """
+    K, (HV, V) = k.shape[-1], v.shape[2:]
+    sd = state_dtype(q, k, v, g, beta)
+    n = len(runs.pieces.lens)
+    v_aug = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], -1)  # [B, T, HV, V + K]
+    eye = torch.eye(K, dtype=sd, device=v.device).expand(n, HV, K, K)
+    s0 = torch.cat([torch.zeros(n, HV, K, V, dtype=sd, device=v.device), eye], -1)  # [pieces, HV, K, V + K]
+    o_aug, final = kern.delta_rule(*(runs.shape(t) for t in (q, k, v_aug, g, beta)), scale=scale, initial_state=s0,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=runs.cu,
+                                   cu_seqlens_cpu=runs.cu_cpu)
+    final = final.to(sd)
+    return o_aug.flatten(0, 1), final[..., V:], final[..., :V]
 
 
-def _augment(v: torch.Tensor, K: int, n_pieces: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[v | 0]`` with ``K`` more value columns and the initial states ``[0 | I]`` (``[pieces, H, K, V + K]``)."""
-    H, V = v.shape[1], v.shape[2]
-    v_aug = torch.cat([v, v.new_zeros(v.shape[0], H, K)], -1)
-    eye = torch.eye(K, dtype=v.dtype, device=v.device).expand(n_pieces, H, K, K)
-    s0 = torch.cat([v.new_zeros(n_pieces, H, K, V), eye], -1)
-    return v_aug, s0
+def _read_run(qa: torch.Tensor, *, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.einsum("nlhk,nhkv->nlhv", qa, s0), s0[:, :0]
 
 
-def _finish(o_aug: torch.Tensor, final: torch.Tensor, pieces: Pieces, scope: CPScope, V: int) -> torch.Tensor:
-    """From the widened run's outputs and final states: exchange the summaries, add each piece's incoming part."""
-    b, A = final[..., :V], final[..., V:]  # [pieces, H, K, V], [pieces, H, K, K]
-    s_in = summaries.incoming_states(A, b, pieces, scope)  # [pieces, H, K, V]
-    lens = torch.tensor(pieces.lens, device=o_aug.device)
-    s_tok = s_in.repeat_interleave(lens, dim=0, output_size=o_aug.shape[0])  # [tokens, H, K, V]
-    qa = o_aug[..., V:].to(s_tok.dtype)  # [tokens, H, K]: (A_t^T q_t)
-    return o_aug[..., :V].to(s_tok.dtype) + (qa.unsqueeze(-2) @ s_tok).squeeze(-2)
+def read_incoming(o_aug: torch.Tensor, s_in: torch.Tensor, runs: Runs, V: int) -> torch.Tensor:
+    """The outputs from the true incoming states: ``o⁰ + (Aₜᵀ q)ᵀ S_in`` per piece (``[tokens, HV, V]``, fp32 / fp64).
 
-
-def _prepare(flat: list[torch.Tensor], dtype: torch.dtype, scale: float, l2: bool) -> list[torch.Tensor]:
-    q, k, v, g, beta = (t.to(dtype) for t in flat)
-    if v.shape[1] != q.shape[1]:  # grouped values: each q/k head serves HV / H consecutive value heads
-        q, k = (t.repeat_interleave(v.shape[1] // q.shape[1], dim=1) for t in (q, k))
-    if l2:
-        q, k = l2norm(q), l2norm(k)
-    return [q * scale, k, v, g, beta]
-
-
-def _run_torch(flat: list[torch.Tensor], pieces: Pieces, scope: CPScope, scale: float, l2: bool) -> torch.Tensor:
-    q, k, v, g, beta = _prepare(flat, _compute_dtype(*flat), scale, l2)
-    if pieces.cp == 1:
-        return run_pieces(pieces, _local_torch, [q, k, v, g, beta])[0]
-    K, V = k.shape[-1], v.shape[-1]
-    v_aug, s0 = _augment(v, K, len(pieces.lens))
-    o_aug, final = run_pieces(pieces, _local_torch, [q, k, v_aug, g, beta], s0)
-    return _finish(o_aug, final, pieces, scope, V)
-
-
-def _run_fla(flat: list[torch.Tensor], pieces: Pieces, scope: CPScope, scale: float, l2: bool) -> torch.Tensor:
-    q, k, v, g, beta = flat
-    cu = pieces.local_cu(q.device)
-    if pieces.cp == 1:
-        return _fla.delta_rule(q, k, v, g, beta, scale, cu, None, l2)[0]
-    K, V = k.shape[-1], v.shape[-1]
-    v_aug, s0 = _augment(v, K, len(pieces.lens))
-    o_aug, final = _fla.delta_rule(q, k, v_aug, g, beta, scale, cu, s0.float(), l2)
-    return _finish(o_aug, final.float(), pieces, scope, V)
+    Pieces of one length are read in one batched product (no per-token copy of a state)."""
+    qa = o_aug[..., V:].to(s_in.dtype)  # [tokens, HV, K]
+    return o_aug[..., :V].to(s_in.dtype) + run_pieces(runs.pieces, _read_run, [qa], s_in)[0]

@@ -6,11 +6,14 @@ Per head ``h`` (group ``g = h // (H / G)``), with the state ``s [P, N]`` startin
     s_t  = exp(dt_t A) s_{t−1} + dt_t x_t B_tᵀ                y_t = s_t C_t + D x_t
 
 — transformers' Mamba2 / Bamba ``torch_forward`` and mamba_ssm's ``mamba_chunk_scan_combined`` (``z=None``; the
-clamp is applied always, as transformers does).
+clamp is applied as transformers does; the default limits clamp nothing after a softplus and are skipped).
 
 The transition over a piece is a scalar per head, ``exp(Σ dt·A)``, so a piece's summary is that scalar and its final
 state from zero; after the one all-gather (:mod:`cpscope.linear.summaries`) the incoming state ``s_in`` adds
-``exp(Σ_{≤t} dt·A) s_in C_t`` to each output row.
+``exp(Σ_{≤t} dt·A) s_in C_t`` to each output row. The local scan is flash-linear-attention's ``chunk_simple_gla``
+where it runs (fla 0.6.0 has no SSD kernel; SSD with a scalar decay per head is simple GLA), else cpscope's torch
+chunk code (:mod:`cpscope.linear.kernels`). The phases — :func:`prepare`, :func:`local_scan`, :func:`piece_decays`,
+(the exchange), :func:`read_states`, :func:`finish` — are public so that every rank can be run in one process.
 
 Example::
 
@@ -25,12 +28,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..scope import UNSET, CPScope, resolve_scope
-from . import _fla, summaries
-from .pieces import Pieces, pieces_of_input, run_pieces
-from .ssd_chunk import chunk_ssd
+from ..scope import UNSET, resolve_scope
+from . import kernels, summaries
+from .pieces import Runs, run_pieces, runs_of_input
 
-__all__ = ["mamba2_scan"]
+__all__ = ["mamba2_scan", "prepare", "local_scan", "piece_decays", "read_states", "finish"]
 
 _WHERE = "mamba2_scan"
 
@@ -87,8 +89,10 @@ def mamba2_scan(
         group: the CP group (``None`` = CP1); default the active scope (read once, in forward).
 
     Returns:
-        ``y [B, T, H, P]`` in ``x``'s dtype; computed in fp32 (fp64 for fp64 inputs), summaries in that precision.
-        Differentiable in ``x, dt, A, B, C, D, dt_bias``.
+        ``y [B, T, H, P]`` in ``x``'s dtype. On CUDA with flash-linear-attention installed the scan runs on its
+        ``chunk_simple_gla`` Triton kernel (SSD is simple GLA with ``q = C``, ``k = B``, ``v = dt·x``,
+        ``g = dt·A``) in ``x``'s dtype; otherwise on the torch chunk code in fp32 (fp64 for fp64 inputs). ``dt``,
+        the summaries and their exchange are fp32 (fp64). Differentiable in ``x, dt, A, B, C, D, dt_bias``.
 
     Raises:
         ValueError: mismatched shapes, a bad ``dt_limit``, a local length that does not match ``cu_seqlens`` and the
@@ -100,67 +104,76 @@ def mamba2_scan(
     """
     _check(x, dt, A, B, C, D, dt_bias, dt_limit, chunk_size)
     scope = resolve_scope(group)
-    Bt, T, H, P = x.shape
-    pieces = pieces_of_input(Bt, T, cu_seqlens, scope, where=_WHERE, name="x")
-    dtype = torch.float64 if torch.float64 in (x.dtype, dt.dtype, A.dtype, B.dtype, C.dtype) else torch.float32
-    dt = dt.to(dtype)
+    runs = runs_of_input(x.shape[0], x.shape[1], cu_seqlens, scope, x.device, where=_WHERE, name="x")
+    kern = kernels.pick(x, runs)
+    a, xdt, Bh, Ch = prepare(kern, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+    y, b = local_scan(kern, runs, a, xdt, Bh, Ch, chunk_size)
+    if runs.pieces.cp > 1:
+        s_in = summaries.incoming_states(piece_decays(a, runs), b, runs.pieces, scope)  # the one collective
+        y = y + read_states(a, Ch, s_in, runs)
+    return finish(y, x, D)
+
+
+def prepare(kern: kernels.Kernels, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+            C: torch.Tensor, dt_bias: Optional[torch.Tensor], dt_softplus: bool, dt_limit: Any
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's inputs: ``a = dt·A [B, T, H]`` (fp32 / fp64), ``x·dt [B, T, H, P]`` and ``B``, ``C`` expanded to
+    the heads ``[B, T, H, N]`` (in the model's dtype for the Triton kernels, fp32 / fp64 for the torch ones)."""
+    sd = _state_dtype(x, dt, A, B, C)
+    io = sd if kern.upcast else x.dtype
+    dt = dt.to(sd)
     if dt_bias is not None:
-        dt = dt + dt_bias.to(dtype)
+        dt = dt + dt_bias.to(sd)
     if dt_softplus:
         dt = F.softplus(dt)
-    dt = dt.clamp(min=float(dt_limit[0]), max=float(dt_limit[1]))
-    rep = H // B.shape[2]
-    flat = lambda t: t.reshape(Bt * T, *t.shape[2:])  # noqa: E731
-    xf = flat(x).to(dtype)
-    a = flat(dt) * A.to(dtype)  # [tokens, H]
-    xdt = xf * flat(dt)[..., None]
-    Bf, Cf = (flat(t).to(dtype).repeat_interleave(rep, dim=1, output_size=H) for t in (B, C))
-    if _fla.usable(x, pieces.lens):
-        y = _run_fla(xdt.to(x.dtype), a, Bf.to(x.dtype), Cf.to(x.dtype), pieces, scope)
-    else:
-        y = _run_torch(xdt, a, Bf, Cf, pieces, scope, chunk_size)
+    low, high = float(dt_limit[0]), float(dt_limit[1])
+    if not (dt_softplus and low <= 0.0 and high == math.inf):  # softplus is >= 0: the default limits clamp nothing
+        dt = dt.clamp(min=low, max=high)
+    a = dt * A.to(sd)
+    xdt = (x.to(sd) * dt[..., None]).to(io)
+    rep = x.shape[2] // B.shape[2]
+    Bh, Ch = (t.to(io).repeat_interleave(rep, dim=2, output_size=x.shape[2]) for t in (B, C))  # groups -> heads
+    return a, xdt, Bh, Ch
+
+
+def local_scan(kern: kernels.Kernels, runs: Runs, a: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor,
+               Ch: torch.Tensor, chunk_size: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The scan of every local run from a zero state: ``(y [B, T, H, P], b [pieces, H, P, N] or None)`` (``b``, the
+    runs' final states, only under CP), both fp32 / fp64."""
+    sd = a.dtype
+    y, final = kern.simple_gla(*(runs.shape(t) for t in (Ch, Bh, xdt, a)), scale=1.0, initial_state=None,
+                               output_final_state=runs.pieces.cp > 1, cu_seqlens=runs.cu, cu_seqlens_cpu=runs.cu_cpu,
+                               chunk_size=chunk_size)  # the kernel's default state layout: the direct call's speed
+    return y.reshape(xdt.shape).to(sd), (None if final is None else final.transpose(-1, -2).to(sd))  # [.., P, N]
+
+
+def _totals(a: torch.Tensor, *, s0: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return a[:, :, :0], a.sum(1)  # [n, H]: the log-decay over each run
+
+
+def piece_decays(a: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """``[pieces, H]``: each local piece's transition ``exp(Σ dt·A)`` (its summary's ``A``)."""
+    return run_pieces(runs.pieces, _totals, [a.reshape(-1, a.shape[-1])])[1].exp()
+
+
+def _read_run(a: torch.Tensor, C: torch.Tensor, *, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(Σ_{≤t} a) · s_in C_t`` on ``[n, L, ..]`` runs from their incoming states ``s0 [n, H, P, N]``."""
+    read = torch.einsum("nlhk,nhpk->nlhp", C.to(s0.dtype), s0)
+    return read * a.cumsum(1).exp()[..., None], s0[:, :0]
+
+
+def read_states(a: torch.Tensor, Ch: torch.Tensor, s_in: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """Each token's read of its piece's incoming state ``s_in [pieces, H, P, N]``: ``[B, T, H, P]``."""
+    flat = [a.reshape(-1, a.shape[-1]), Ch.reshape(-1, *Ch.shape[2:])]
+    return run_pieces(runs.pieces, _read_run, flat, s_in)[0].reshape(*a.shape, s_in.shape[-2])
+
+
+def finish(y: torch.Tensor, x: torch.Tensor, D: Optional[torch.Tensor]) -> torch.Tensor:
+    """``y + D x`` in ``y``'s precision, returned in ``x``'s dtype."""
     if D is not None:
-        y = y + xf * (D.to(dtype)[:, None] if D.dim() == 1 else D.to(dtype))
-    return y.reshape(Bt, T, H, P).to(x.dtype)
+        y = y + x.to(y.dtype) * (D.to(y.dtype)[:, None] if D.dim() == 1 else D.to(y.dtype))
+    return y.to(x.dtype)
 
 
-def _local_torch(x: torch.Tensor, a: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *, s0: Any,
-                 chunk_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_ssd` on ``[n, L, ..]`` runs; the cumulative log-decay rides along as a last output column."""
-    y, h, cum = chunk_ssd(x, a, B, C, chunk_size)
-    return torch.cat([y, cum[..., None]], -1), h
-
-
-def _with_incoming(y: torch.Tensor, cum: torch.Tensor, b: torch.Tensor, C: torch.Tensor, pieces: Pieces,
-                   scope: CPScope) -> torch.Tensor:
-    """Exchange the summaries ``(exp(total log-decay), b)`` and add each piece's read of its incoming state."""
-    if pieces.cp == 1:
-        return y
-    lens = torch.tensor(pieces.lens, device=y.device)
-    last = torch.cumsum(lens, 0) - 1  # the last row of each piece (pieces are never empty here: 2·cp | length)
-    A_piece = cum.index_select(0, last.clamp(min=0)).exp() * (lens > 0)[:, None]  # [pieces, H]
-    A_piece = A_piece + (lens == 0)[:, None].to(A_piece.dtype)  # an empty piece is the identity
-    s_in = summaries.incoming_states(A_piece, b, pieces, scope)  # [pieces, H, P, N]
-    s_tok = s_in.repeat_interleave(lens, dim=0, output_size=y.shape[0])  # [tokens, H, P, N]
-    return y + torch.einsum("thn,thpn->thp", C, s_tok) * cum.exp()[..., None]
-
-
-def _run_torch(xdt: torch.Tensor, a: torch.Tensor, B: torch.Tensor, C: torch.Tensor, pieces: Pieces,
-               scope: CPScope, chunk_size: Optional[int]) -> torch.Tensor:
-    fn = lambda *runs, s0: _local_torch(*runs, s0=s0, chunk_size=chunk_size)  # noqa: E731
-    out, b = run_pieces(pieces, fn, [xdt, a, B, C])
-    return _with_incoming(out[..., :-1], out[..., -1], b, C, pieces, scope)
-
-
-def _cumsum_local(a: torch.Tensor, *, s0: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return a.cumsum(1), a.new_zeros(a.shape[0])
-
-
-def _run_fla(xdt: torch.Tensor, a: torch.Tensor, B: torch.Tensor, C: torch.Tensor, pieces: Pieces,
-             scope: CPScope) -> torch.Tensor:
-    cu = pieces.local_cu(xdt.device)
-    y, ht = _fla.simple_gla(C, B, xdt, a, cu, final=pieces.cp > 1)
-    if pieces.cp == 1:
-        return y.to(a.dtype)
-    cum = run_pieces(pieces, _cumsum_local, [a])[0]  # [tokens, H]
-    return _with_incoming(y.to(a.dtype), cum, ht.transpose(-1, -2).to(a.dtype), C.to(a.dtype), pieces, scope)
+def _state_dtype(*ts: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32

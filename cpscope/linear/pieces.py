@@ -20,11 +20,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import _tensor_cache
 from .._checks import check_cu_seqlens, check_local_thd_len
 from .._pack import host_offsets
 from ..scope import CPScope
 
-__all__ = ["Pieces", "pieces_for", "pieces_of_input", "run_pieces"]
+__all__ = ["Pieces", "Runs", "pieces_for", "pieces_of_input", "runs_of_input", "run_pieces"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,70 @@ def pieces_of_input(
     return pieces_for(cu, cp, rank)
 
 
+@dataclass(frozen=True)
+class Runs:
+    """How a kernel sees one rank's local tokens: ``rows`` equal runs (``[rows, L, ...]``, no offsets) or one varlen
+    row whose pieces start at the local offsets ``cu`` — the form of flash-linear-attention's chunk functions.
+
+    Attributes:
+        pieces: the geometry (:class:`Pieces`): which global chunk each run is, for the summary exchange.
+        rows: kernel batch rows: ``B`` (``bshd`` at CP1), ``2·B`` (``bshd`` under CP: a row's front and back chunk
+            are two runs, ``[B, T] -> [2B, T/2]`` is a view) or ``1`` (``thd``: varlen).
+        cu: ``[pieces + 1]`` local piece offsets on the input's device (``thd`` only): at CP1 the caller's own
+            ``cu_seqlens`` tensor when it already sits there (the same object every layer, so a kernel's caches keyed
+            on it hit), else one cached copy per offsets tensor.
+        cu_cpu: the same offsets on the host (int64), so the kernel need not copy them back.
+        has_empty: whether a run holds no token (an empty document; the Triton kernels are not given those).
+    """
+
+    pieces: Pieces
+    rows: int
+    cu: Optional[torch.Tensor] = None
+    cu_cpu: Optional[torch.Tensor] = None
+    has_empty: bool = False
+
+    def shape(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` -> ``[rows, L, ...]`` (a view; the tensor itself when ``rows == B``)."""
+        return t if t.shape[0] == self.rows else t.reshape(self.rows, -1, *t.shape[2:])
+
+
+def _runs(pieces: Pieces, batch: int, varlen: bool, cu_seqlens: Any, device: torch.device) -> Runs:
+    has_empty = not all(pieces.lens)
+    if not varlen:
+        return Runs(pieces, batch * pieces.per_doc, has_empty=has_empty)
+    offsets = [0]
+    for n in pieces.lens:
+        offsets.append(offsets[-1] + n)
+    cu_cpu = torch.tensor(offsets, dtype=torch.long)
+    same = (pieces.cp == 1 and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == device
+            and cu_seqlens.dtype in (torch.int32, torch.int64))
+    return Runs(pieces, 1, cu_seqlens if same else cu_cpu.to(device=device, dtype=torch.int32), cu_cpu, has_empty)
+
+
+def runs_of_input(
+    batch: int, local_len: int, cu_seqlens: Optional[Any], scope: CPScope, device: torch.device, *, where: str,
+    name: str = "x",
+) -> Runs:
+    """:func:`pieces_of_input` (same validation, same errors) and the kernel's view of it, cached per offsets tensor
+    (or per ``(batch, local_len)`` for ``bshd``) so that a layer's host work does not grow with the documents.
+
+    Example::
+
+        runs = runs_of_input(1, 12, torch.tensor([0, 8, 24], dtype=torch.int32), scope, dev, where="f")
+        runs.rows, runs.cu_cpu      # 1, tensor([0, 2, 4, 8, 12]) on CP rank 1 of 2
+    """
+    def build() -> Runs:
+        pieces = pieces_of_input(batch, local_len, cu_seqlens, scope, where=where, name=name)
+        return _runs(pieces, batch, cu_seqlens is not None, cu_seqlens, device)
+
+    key = ("linear_runs", batch, local_len, scope.size, scope.rank, device)
+    if isinstance(cu_seqlens, torch.Tensor):
+        return _tensor_cache.derived(cu_seqlens, key, build)
+    if cu_seqlens is None:
+        return _tensor_cache.by_value(key, build)
+    return build()
+
+
 def run_pieces(
     pieces: Pieces, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor],
     s0: Optional[torch.Tensor] = None,
@@ -127,6 +192,11 @@ def run_pieces(
     by_len: dict[int, list[int]] = {}
     for i, n in enumerate(pieces.lens):
         by_len.setdefault(n, []).append(i)
+    if len(by_len) == 1:  # one length: the pieces tile the rows in order, so [tokens] -> [pieces, L] is a view
+        (L,) = by_len
+        n = len(pieces.lens)
+        out, final = fn(*(t.view(n, L, *t.shape[1:]) for t in inputs), s0=s0)
+        return out.reshape(n * L, *out.shape[2:]), final
     device = inputs[0].device
     outs, rows_all, finals, order = [], [], [], []
     for L, idx in by_len.items():

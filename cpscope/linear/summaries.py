@@ -21,13 +21,15 @@ Example::
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..scope import CPScope
 from .exchange import all_gather_pieces
 from .pieces import Pieces
 
-__all__ = ["apply_transition", "compose", "fold_chunks", "incoming_states"]
+__all__ = ["apply_transition", "compose", "fold_chunks", "incoming_states", "pack_summaries", "states_from_gathered"]
 
 
 def apply_transition(A: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -74,24 +76,42 @@ def _global_order(pieces: Pieces) -> torch.Tensor:
     return idx
 
 
+def pack_summaries(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[pieces, a + b]``: this rank's summaries in one tensor, what :func:`incoming_states` exchanges."""
+    return torch.cat([A.reshape(A.shape[0], -1), b.reshape(b.shape[0], -1)], 1)
+
+
+def states_from_gathered(gathered: torch.Tensor, A_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                         pieces: Pieces) -> torch.Tensor:
+    """The state entering each of ``pieces``' local pieces, from every rank's :func:`pack_summaries` stacked in CP
+    rank order (``[cp, pieces, a + b]``): ``[pieces, H, K, V]``. Pure (no collective): one rank's part of
+    :func:`incoming_states`, or every rank's in turn in one process.
+
+    Example::
+
+        gathered = torch.stack([pack_summaries(A_r, b_r) for A_r, b_r in per_rank])
+        s_in_1 = states_from_gathered(gathered, A_r.shape[1:], b_r.shape[1:], pieces_for(cu, cp, 1))
+    """
+    cp, rank, docs = pieces.cp, pieces.rank, pieces.docs
+    flat = gathered.flatten(0, 1)  # [cp * pieces, a + b]
+    flat = flat.index_select(0, _global_order(pieces).flatten().to(flat.device)).view(docs, 2 * cp, -1)
+    n_a = flat.shape[-1] - math.prod(b_shape)
+    A_all = flat[..., :n_a].reshape(docs, 2 * cp, *A_shape)
+    b_all = flat[..., n_a:].reshape(docs, 2 * cp, *b_shape)
+    back = 2 * cp - 1 - rank
+    states = fold_chunks(A_all, b_all, back)  # [docs, back + 1, H, K, V]
+    mine = torch.stack([states[:, rank], states[:, back]], 1)  # [docs, 2, H, K, V]: front, back
+    return mine.flatten(0, 1)
+
+
 def incoming_states(A: torch.Tensor, b: torch.Tensor, pieces: Pieces, scope: CPScope) -> torch.Tensor:
     """The state entering each local piece: ``[pieces, H, K, V]`` (zeros under CP1).
 
     ``A`` / ``b`` are this rank's piece summaries in local piece order (``[pieces, H]`` or ``[pieces, H, K, K]``;
     ``[pieces, H, K, V]``). One differentiable all-gather of ``(A, b)`` over ``scope``'s group; every rank computes
-    the fold of the chunks before each of its own.
+    the fold of the chunks before each of its own (:func:`states_from_gathered`).
     """
     if pieces.cp == 1:
         return torch.zeros_like(b)
-    cp, rank, docs = pieces.cp, pieces.rank, pieces.docs
-    a_flat = A.reshape(A.shape[0], -1)
-    packed = torch.cat([a_flat, b.reshape(b.shape[0], -1)], 1)  # one collective for both
-    gathered = all_gather_pieces(packed, scope).flatten(0, 1)  # [cp * pieces, a + b]
-    gathered = gathered.index_select(0, _global_order(pieces).flatten().to(gathered.device))
-    gathered = gathered.view(docs, 2 * cp, -1)
-    A_all = gathered[..., : a_flat.shape[1]].reshape(docs, 2 * cp, *A.shape[1:])
-    b_all = gathered[..., a_flat.shape[1]:].reshape(docs, 2 * cp, *b.shape[1:])
-    back = 2 * cp - 1 - rank
-    states = fold_chunks(A_all, b_all, back)  # [docs, back + 1, H, K, V]
-    mine = torch.stack([states[:, rank], states[:, back]], 1)  # [docs, 2, H, K, V]: front, back
-    return mine.flatten(0, 1)
+    gathered = all_gather_pieces(pack_summaries(A, b), scope)  # [cp, pieces, a + b]: one collective for both
+    return states_from_gathered(gathered, tuple(A.shape[1:]), tuple(b.shape[1:]), pieces)

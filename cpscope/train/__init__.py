@@ -19,3 +19,5 @@ Example::
     mbs = prepare_microbatches(plan.microbatches_for_rank(rank), docs, groups)
     result = run_step(ddp_model, mbs, dp_group=dp, sync=DDPSync(ddp_model, dp_group=dp))
 """
+
+__all__: list[str] = []  # a namespace: the names live in its modules (prepare, loop, sync, ...)

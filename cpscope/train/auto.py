@@ -19,7 +19,6 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -30,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .._tensor_cache import lru
 from .._version import __version__
 from ..attention import set_auto_chooser
 from ..hybrid.comm_cost import CommCostModel, cache_dir, default_inner, dtype_name
@@ -62,7 +62,7 @@ def calibration_device(device: Optional[torch.device] = None) -> torch.device:
     return torch.device("cpu")
 
 
-@functools.lru_cache(maxsize=16)
+@lru(maxsize=16)
 def _load(path: str, mtime_ns: int) -> CommCostModel:
     return CommCostModel.load(path)
 

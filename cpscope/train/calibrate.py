@@ -33,28 +33,16 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..hybrid.comm_cost import (LOCAL, VARIANTS, CommCostModel, Sample, cache_key, cache_path, default_inner,
-                                dtype_name, load_cached, variant_allowed)
+from .._variants import VARIANTS, check_variants
+from ..hybrid.comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
+                                load_cached, variant_allowed)
 from .auto import calibration_device, device_name
 
-__all__ = ["calibrate", "device_name", "job_key", "load_or_calibrate", "ring_stand_in"]
+__all__ = ["calibrate", "job_key", "load_or_calibrate"]
 
 logger = logging.getLogger(__name__)
 
 AttentionFn = Callable[..., torch.Tensor]
-
-
-def ring_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: str, **kwargs: Any) -> torch.Tensor:
-    """A stand-in for ``context_parallel_attention(..., comm=...)`` that runs **the ring for every variant**.
-
-    Only for exercising the calibration machinery before the variants exist (tests, dry runs); a model
-    calibrated with it says so in ``meta["stand_in"]`` and its variants all time the ring.
-    """
-    from ..attention import context_parallel_attention
-
-    if comm.partition(":")[0] not in VARIANTS:
-        raise ValueError(f"unknown communication variant {comm!r}; expected one of {VARIANTS}")
-    return context_parallel_attention(q, k, v, **kwargs)
 
 
 def _default_attention() -> AttentionFn:
@@ -63,7 +51,7 @@ def _default_attention() -> AttentionFn:
     if "comm" not in inspect.signature(context_parallel_attention).parameters:
         raise RuntimeError(
             "this cpscope's context_parallel_attention takes no comm= yet (the communication variants are not "
-            "merged); calibrate needs them — or pass attention=ring_stand_in to exercise the machinery only")
+            "merged); calibrate needs them — or pass an attention= stand-in to exercise the machinery only")
     return context_parallel_attention
 
 
@@ -143,7 +131,8 @@ def calibrate(
         warmup, repeats: untimed and timed calls per configuration.
         attention: the call to time, ``attention(q, k, v, comm=..., group=..., qkv_format="thd",
             cu_seqlens=..., causal=...)``; default ``cpscope.context_parallel_attention`` (which must take
-            ``comm=``); :func:`ring_stand_in` runs the ring for every variant (tests).
+            ``comm=``). A callable with a true ``stand_in`` attribute (the tests' ``ring_stand_in``, which runs the
+            ring for every variant) is recorded as such in ``meta["stand_in"]``.
         cache: write the model to the cache (ranks with ``LOCAL_RANK`` 0); ``directory`` overrides its folder.
 
     Raises:
@@ -167,7 +156,7 @@ def calibrate(
     samples = [Sample(variant, dtype_name(dt), cp, lengths, heads, kv, head_dim, causal, sub, float(t))
                for (cp, kv, lengths, variant, sub), t in zip(kept, timed.median(dim=1).values.tolist())]
     key = job_key(cp_sizes, device)
-    meta = {**key, "inner": inner, "stand_in": fn is ring_stand_in,
+    meta = {**key, "inner": inner, "stand_in": bool(getattr(fn, "stand_in", False)),
             "attention": getattr(fn, "__qualname__", repr(fn)), "backend": dist.get_backend(),
             "warmup": warmup, "repeats": repeats, "reduction": "max over ranks, median over repeats"}
     model = CommCostModel.fit(samples, meta)
@@ -236,8 +225,7 @@ def _check_arguments(variants: Sequence[str], heads: int, kv_heads: Sequence[int
     """``calibrate``'s argument checks (``ValueError`` before any collective)."""
     if not dist.is_initialized():
         raise ValueError("calibrate is collective: initialise torch.distributed first (gloo on CPU, NCCL on GPU)")
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad or not variants:
+    if not check_variants(variants):  # ValueError naming the unknown ones
         raise ValueError(f"variants must be some of {VARIANTS}, got {list(variants)}")
     for name, values in (("kv_heads", kv_heads), ("tokens", tokens), ("docs", docs)):
         if not values or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):

@@ -59,9 +59,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
+from ..attention.agreement import verify_agreement
 from ..groups import group_ranks
 from ..scope import runtime_cp
 from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
+# The microbatches this loop runs on; their one home is cpscope.train.prepare (still importable here, not exported).
 from .prepare import (
     IGNORE_INDEX,
     LocalMicrobatch,
@@ -81,18 +83,6 @@ __all__ = [
     "run_microbatches",
     "run_step",
     "StepResult",
-    # re-exported: the microbatches (cpscope.train.prepare) and reductions (cpscope.train.collectives) it runs on
-    "IGNORE_INDEX",
-    "LocalMicrobatch",
-    "next_token_labels",
-    "pack_documents",
-    "prepare_microbatch",
-    "prepare_microbatches",
-    "planned_group",
-    "pad_and_shard",
-    "empty_microbatch",
-    "allreduce_gradients",
-    "allreduce_sum",
 ]
 
 logger = logging.getLogger(__name__)
@@ -294,6 +284,8 @@ def run_step(
     Raises:
         ValueError: ``sync`` was built for another model or another group; ``num_targets`` not positive; a CP group
             outside ``dp_group``; what :func:`~cpscope.train.sync.gradient_sync` refuses.
+        cpscope.RanksDisagreeError: the ranks of a CP group ran different attention calls in this step (read at
+            its end, before the optimizer step; :func:`cpscope.verify_agreement`).
 
     Example::
 
@@ -331,4 +323,5 @@ def run_step(
         sync.abort_step()
         raise
     sync.end_step()
+    verify_agreement()  # the step boundary: attention calls whose agreement was checked on the device (no host read)
     return StepResult(loss_sum=total, num_targets=num_targets, num_microbatches=len(mbs), dp_group=sync.dp_group)

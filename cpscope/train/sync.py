@@ -47,81 +47,25 @@ empty microbatch (zero gradients) added after the others.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..groups import group_ranks
-from .collectives import DEFAULT_BUCKET_BYTES, allreduce_gradients, allreduce_sum, check_dp_group, group_size
+from ._fsdp_sync import FSDPSync, is_fsdp2
+from ._sync_protocol import GradientSync, Group, same_ranks
+from .collectives import DEFAULT_BUCKET_BYTES, allreduce_gradients, group_size
 
 __all__ = [
+    # the protocol and the FSDP2 strategy are defined in _sync_protocol / _fsdp_sync; this module is their home
     "GradientSync",
     "ManualSync",
     "DDPSync",
     "FSDPSync",
     "gradient_sync",
-    "allreduce_gradients",
-    "allreduce_sum",
 ]
 
 logger = logging.getLogger(__name__)
-
-Group = Optional[dist.ProcessGroup]
-
-
-def _same_ranks(dp_group: Group, theirs: Group, what: str, where: str) -> None:
-    """``ValueError`` unless the wrapper's own group ``theirs`` has the members of ``dp_group``."""
-    mine, other = group_ranks(dp_group), group_ranks(theirs)
-    if sorted(mine) != sorted(other):
-        raise ValueError(f"{where}: dp_group has global ranks {mine} but {what} reduces over ranks {other}; pass the "
-                         f"data-parallel group the wrapper was built with (dist.group.WORLD when it is the world)")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Strategies
-
-
-class GradientSync:
-    """How one step's gradients are synchronised; the loop calls the hooks on every rank, once per step.
-
-    Attributes:
-        model: what the user passed (the wrapper).
-        module: what the microbatches' ``forward`` is called on (DDP: its ``.module``).
-        dp_group: the data-parallel group the loss is normalised over and the gradients summed over, always
-            named (:mod:`cpscope.train.collectives`): ``dist.group.WORLD`` for the world, ``None`` for this rank
-            alone.
-        needs_backward: the sync happens inside a backward, so a rank without microbatches runs an empty one.
-    """
-
-    needs_backward: bool = False
-
-    def __init__(self, model: nn.Module, module: nn.Module, dp_group: Group) -> None:
-        self.model, self.module = model, module
-        self.dp_group = check_dp_group(dp_group, type(self).__name__)
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the model's parameters (where counts and losses are reduced)."""
-        for p in self.module.parameters():
-            return p.device  # FSDP2's DTensor parameters report their local device
-        return torch.device("cpu")
-
-    def begin_step(self) -> None:
-        """Before the first forward of the step (collectives allowed: every rank calls it)."""
-
-    def before_last_microbatch(self) -> None:
-        """Before the forward of the step's last microbatch (the empty one on a rank without microbatches)."""
-
-    def end_step(self) -> None:
-        """After the last backward (collectives allowed: every rank calls it)."""
-
-    def abort_step(self) -> None:
-        """A microbatch raised: undo what :meth:`begin_step` changed, without collectives (best effort)."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({type(self.model).__name__})"
 
 
 class ManualSync(GradientSync):
@@ -185,9 +129,9 @@ class DDPSync(GradientSync):
                 f"ranks run different numbers of backwards) and sums the gradients itself, so the hook would be "
                 f"skipped. Remove it, or drive the step with a GradientSync of your own"
             )
-        if any(_is_fsdp2(m) for m in ddp.module.modules()):
+        if any(is_fsdp2(m) for m in ddp.module.modules()):
             raise ValueError("DDPSync: the DDP module contains FSDP2 modules; shard with fully_shard alone")
-        _same_ranks(dp_group, ddp.process_group, "DistributedDataParallel's process_group", "DDPSync")
+        same_ranks(dp_group, ddp.process_group, "DistributedDataParallel's process_group", "DDPSync")
         super().__init__(ddp, ddp.module, dp_group)
         ignore = set(getattr(ddp, "parameters_to_ignore", ()))
         self._params = [p for n, p in ddp.module.named_parameters() if n not in ignore and p.requires_grad]
@@ -202,166 +146,6 @@ class DDPSync(GradientSync):
 
     def end_step(self) -> None:
         allreduce_gradients(self._params, dp_group=self.dp_group, bucket_bytes=self.bucket_bytes)
-
-
-def _is_fsdp2(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
-
-
-def _param_groups(module: nn.Module) -> list[Any]:
-    """FSDP2's parameter groups of one FSDP module (torch ≥ 2.13: a list; earlier: one or none)."""
-    state = module._get_fsdp_state()  # type: ignore[attr-defined]
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
-
-
-# The FSDP2 settings a step changes (per parameter group) and restores afterwards.
-_GROUP_SETTINGS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "post_forward_mesh_info",
-                   "gradient_divide_factor", "force_sum_reduction_for_comms")
-
-
-class FSDPSync(GradientSync):
-    """FSDP2 (``fully_shard``) under hybrid CP: unshard once, accumulate without communication, reduce once.
-
-    Per step, on every rank:
-
-    1. ``begin_step``: every FSDP module gets ``set_requires_gradient_sync(False)``, ``set_reshard_after_forward(
-       False)``, ``set_reshard_after_backward(False)``, a gradient divide factor of 1 with sum-only collectives
-       (a SUM: the loss is already the global mean), and is ``unshard()``-ed — one all-gather per parameter
-       group, in module order, the same on every rank. No forward or backward then communicates for FSDP: the
-       parameters are already unsharded and the gradients accumulate unsharded (in ``reduce_dtype`` under a
-       ``MixedPrecisionPolicy``).
-    2. ``before_last_microbatch``: gradient sync back on, so the next backward reduce-scatters every parameter
-       group once (FSDP's own reduce-scatter, overlapped with that backward). That backward is the rank's last
-       microbatch when it is CP1; otherwise — a CP microbatch last, or no microbatch at all — :func:`run_step`
-       runs one empty CP1 microbatch after the others (``needs_backward``). A reduce-scatter must never run inside a
-       ring microbatch's backward: the ring's members for which that microbatch is not the last go on to the next
-       layer's ring exchange, which waits for the rank blocked in the reduce-scatter — a deadlock that a schedule as
-       simple as "rank 2 runs only the CP4 microbatch, rank 0 runs CP4 then CP2" produces.
-    3. ``end_step``: every module ``reshard()``-ed (the sharded gradients are ready for the optimizer) and its own
-       settings — ``reshard_after_forward`` / ``_backward``, gradient sync, divide factor — restored.
-
-    Cost: the unsharded parameters (``param_dtype``) and unsharded gradients (``reduce_dtype``) of the whole model
-    are held for the whole step, i.e. ``P · (param bytes + grad bytes)`` per rank instead of FSDP's per-layer
-    working set — the price of ranks that run different numbers of microbatches without waiting for each other.
-    Communication is the minimum: one all-gather and one reduce-scatter per parameter group per step.
-
-    Only a one-dimensional mesh (plain FSDP, no HSDP) is supported, and every trainable parameter must be FSDP's
-    (``fully_shard`` on the root too), else ``ValueError``.
-
-    Example::
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:  # blocks get the fp32 RoPE table as an input: do not cast it to bf16
-            fully_shard(block, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
-        fully_shard(model, mp_policy=policy)
-        sync = FSDPSync(model, dp_group=dist.group.WORLD)      # the mesh's group: here the world
-        result = run_step(model, mbs, dp_group=dist.group.WORLD, sync=sync)
-    """
-
-    needs_backward = True
-
-    def __init__(self, model: nn.Module, *, dp_group: Group) -> None:
-        root = getattr(model, "_orig_mod", model)  # torch.compile(model) wraps it
-        fsdp = [m for m in root.modules() if _is_fsdp2(m)]
-        if not fsdp:
-            raise ValueError(f"FSDPSync: {type(model).__name__} has no FSDP2 module (fully_shard was not applied)")
-        from torch.distributed.tensor import DTensor
-
-        plain = [n for n, p in root.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if plain:
-            raise ValueError(
-                f"FSDPSync: {len(plain)} trainable parameter(s) are not sharded by FSDP2 (e.g. {plain[:3]}), so no "
-                f"reduce-scatter would sum their gradients; apply fully_shard to the root module too"
-            )
-        _same_ranks(dp_group, _mesh_group(fsdp), "the FSDP2 device mesh", "FSDPSync")
-        super().__init__(model, model, dp_group)
-        self._fsdp = fsdp
-        self._roots = _roots(root)
-        self._saved: Optional[list[tuple[Any, dict[str, Any]]]] = None
-
-    def _save(self) -> None:
-        saved = []
-        for m in self._fsdp:
-            state = m._get_fsdp_state()
-            if hasattr(state, "_auto_reshard_after_forward"):  # set_reshard_after_forward clears it
-                saved.append((state, {"_auto_reshard_after_forward": state._auto_reshard_after_forward}))
-            for g in _param_groups(m):
-                saved.append((g, {k: getattr(g, k) for k in _GROUP_SETTINGS if hasattr(g, k)}))
-        self._saved = saved
-
-    def _restore(self) -> None:
-        for obj, values in self._saved or ():
-            for k, v in values.items():
-                setattr(obj, k, v)
-        self._saved = None
-
-    def begin_step(self) -> None:
-        for m in self._roots:  # FSDP's root set-up (normally at the first forward) before changing its settings
-            m._get_fsdp_state()._lazy_init()
-        self._save()
-        for m in self._fsdp:
-            m.set_requires_gradient_sync(False, recurse=False)
-            m.set_reshard_after_forward(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
-            set_factor = getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor
-            set_factor(1.0)
-            if hasattr(m, "set_force_sum_reduction_for_comms"):  # SUM without a PREMUL_SUM op (gloo has none)
-                m.set_force_sum_reduction_for_comms(True)
-        for m in self._fsdp:  # one all-gather per parameter group, in module order, on every rank
-            m.unshard()
-
-    def before_last_microbatch(self) -> None:
-        for m in self._fsdp:
-            m.set_requires_gradient_sync(True, recurse=False)
-
-    def end_step(self) -> None:
-        for m in self._fsdp:
-            m.reshard()
-        self._restore()
-
-    def abort_step(self) -> None:
-        try:
-            for m in self._roots:
-                if hasattr(m, "reset_iter_state"):
-                    m.reset_iter_state()
-            for m in self._fsdp:
-                m.reshard()
-        finally:
-            self._restore()
-
-
-def _mesh_group(fsdp: list[nn.Module]) -> Group:
-    """The one group every FSDP module is sharded over (``ValueError`` for HSDP's 2-D mesh or several groups)."""
-    meshes = []
-    for m in fsdp:
-        for g in _param_groups(m):
-            mesh = g.mesh_info.mesh
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"FSDPSync supports FSDP over a 1-D device mesh; {type(m).__name__} is sharded over a "
-                    f"{mesh.ndim}-D mesh {tuple(mesh.shape)} (HSDP is not supported by the hybrid loop yet)"
-                )
-            meshes.append(mesh)
-    ranks = {tuple(dist.get_process_group_ranks(mm.get_group())) for mm in meshes}
-    if len(ranks) > 1:
-        raise ValueError(f"FSDPSync: the FSDP modules are sharded over different groups of ranks {sorted(ranks)}")
-    return meshes[0].get_group() if meshes else None
-
-
-def _roots(model: nn.Module) -> list[nn.Module]:
-    """The FSDP modules that no other FSDP module contains (FSDP's roots)."""
-    roots: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if _is_fsdp2(m) and not any(name == r or name.startswith(r + ".") or r == "" for r, _ in roots):
-            roots.append((name, m))
-    return [m for _, m in roots]
 
 
 def gradient_sync(model: nn.Module, *, dp_group: Group) -> GradientSync:
@@ -400,6 +184,6 @@ def gradient_sync(model: nn.Module, *, dp_group: Group) -> GradientSync:
             "gradient_sync: FSDP1 (FullyShardedDataParallel) is not supported by the hybrid loop; shard with FSDP2 "
             "(torch.distributed.fsdp.fully_shard)"
         )
-    if any(_is_fsdp2(m) for m in root.modules()):
+    if any(is_fsdp2(m) for m in root.modules()):
         return FSDPSync(model, dp_group=dp_group)
     return ManualSync(model, dp_group=dp_group)

@@ -3,13 +3,14 @@ computed on the GPU (``tests/attention/test_kernels_gpu.py``; ``benchmarks/bench
 
 Each case runs one block through the router (:mod:`cpscope.attention.kernels.router`) under the policy its route
 names (``cudnn`` / ``plain``: the default, cuDNN where the table allows it; ``flash``: cuDNN off, so
-flash-attention-2),
+flash-attention-2; ``flex``, given to :func:`run_case`: FlexAttention first),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
-``out = 0, lse = -inf``, ``ok``, and what cuDNN refused to build (``cudnn_refused``: the block then ran on the next
-route, see :mod:`cpscope.attention.kernels.router`). ``split`` cases cut the keys of one windowed block in two blocks (each with
-the window that the bottom-right alignment gives it), merge the two by their log-sum-exp and run both backwards
-with the merged statistics: external statistics, blocks with more queries than keys, and rows with no key.
+``out = 0, lse = -inf``, ``ok``, what cuDNN refused to build in this case (``cudnn_refused``: the block then ran on
+the next route, see :mod:`cpscope.attention.kernels.router`) and the route each block took (``routes``). ``split``
+cases cut the keys of one windowed block in two blocks (each with the window that the bottom-right alignment gives
+it), merge the two by their log-sum-exp and run both backwards with the merged statistics: external statistics,
+blocks with more queries than keys, and rows with no key.
 
 The reference is written here from the block contract (query ``i`` of ``n_q`` sees key ``j`` of ``n_k`` iff
 ``-left <= j - (i + n_k - n_q) <= right``; ``right`` 0 when causal; softcap before the mask), not from cpscope.
@@ -116,21 +117,40 @@ def _inputs(layout, shape, dims, dev, gen):
     return q, k, v, do
 
 
-def _block_fns(route: str, vl: Any):
+def _taken(direction: str, q, k, v, vl, c, w, sc) -> dict:
+    """After a block ran: the first route the table offers it here (``first``; ``first_bf16``: for bf16 inputs),
+    the route it takes now (``took``: the next one where cuDNN refused the graph) and the recorded refusal
+    (``refused``, ``None`` if none) — all under the policy in force."""
+    from cpscope.attention.kernels import router
+
+    kind = router.kind_of(q, k, v, causal=c, varlen=vl, window=w, softcap=sc)
+    caps = router.caps_of(q.device)
+    first = router.routes_for(kind, caps, q.dtype)[0]
+    took = router.choose(q, k, v, causal=c, varlen=vl, window=w, softcap=sc, direction=direction)
+    why = router.fallbacks().get(router._refusal_key(first, kind, direction, q, k, v))
+    return {"direction": direction, "kind": kind, "first": first, "took": took, "refused": why,
+            "first_bf16": router.routes_for(kind, caps, torch.bfloat16)[0]}
+
+
+def _block_fns(route: str, vl: Any, routes: list):
     from cpscope.attention.kernels import Placeholders, block_backward, block_forward
     from cpscope.attention.policy import use_kernel_policy
 
     ph = Placeholders()  # one call's: the dense forwards' placeholders for their backwards
-    changes = {"dense_cudnn": False, "varlen": "flash"} if route == "flash" else {}
+    changes = {"flash": {"dense_cudnn": False, "varlen": "flash"}, "flex": {"flex": "first"}}.get(route, {})
 
     def fwd(q, k, v, s, c, w, sc):
         with use_kernel_policy(**changes):
-            return block_forward(q, k, v, scale=s, causal=c, varlen=vl, window=w, softcap=sc, placeholders=ph)
+            res = block_forward(q, k, v, scale=s, causal=c, varlen=vl, window=w, softcap=sc, placeholders=ph)
+            routes.append(_taken("forward", q, k, v, vl, c, w, sc))
+            return res
 
     def bwd(do, q, k, v, o, l, s, c, w, sc):
         with use_kernel_policy(**changes):
-            return block_backward(do, q, k, v, o, l, scale=s, causal=c, varlen=vl, window=w, softcap=sc,
-                                  placeholders=ph)
+            res = block_backward(do, q, k, v, o, l, scale=s, causal=c, varlen=vl, window=w, softcap=sc,
+                                 placeholders=ph)
+            routes.append(_taken("backward", q, k, v, vl, c, w, sc))
+            return res
 
     return fwd, bwd
 
@@ -160,11 +180,13 @@ def _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap):
     return _errors(out, lse, (dq, dk, dv), ref)
 
 
-def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
-    """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``)."""
+def run_case(name: str, dev: torch.device, seed: int = 0, route: Any = None) -> dict:
+    """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``); ``route``
+    (e.g. ``"flex"``: FlexAttention first) replaces the case's own."""
     from cpscope.attention.kernels import Varlen
 
-    route, layout, shape, dims, causal, window, softcap = CASES[name]
+    own, layout, shape, dims, causal, window, softcap = CASES[name]
+    route = route or own
     gen = torch.Generator(device=dev).manual_seed(1000 + seed)
     q, k, v, do = _inputs("bshd" if layout == "split" else layout, shape, dims, dev, gen)
     scale = 1.0 / math.sqrt(dims[2])
@@ -176,7 +198,8 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         vl = Varlen(t(cu[0]), t(cu[1]), max(lens[0]), max(lens[1]), tuple(cu[0]), tuple(cu[1]))
     from cpscope.attention.kernels import fallbacks
 
-    fwd, bwd = _block_fns(route, vl)
+    routes: list = []
+    fwd, bwd = _block_fns(route, vl, routes)
     before = set(fallbacks())
     if layout == "split":
         res = _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap)
@@ -186,4 +209,4 @@ def run_case(name: str, dev: torch.device, seed: int = 0) -> dict:
         grads = bwd(do, q, k, v, ref[0].to(q.dtype), ref[1].float(), scale, causal, window, softcap)
         res = _errors(out, lse, grads, ref)
     refused = {str(k[0]): why for k, why in fallbacks().items() if k not in before}
-    return {"route": route, "layout": layout, **res, "cudnn_refused": refused}
+    return {"route": route, "layout": layout, **res, "cudnn_refused": refused, "routes": routes}

@@ -175,9 +175,9 @@ def _check_block(causal, window, softcap) -> None:
 
 def test_cpu_block_window_is_banded():
     """A window far narrower than the block computes only the band: its tiles cover O(rows x window) pairs."""
-    lo, hi = exact._key_bounds(4096, 4096, True, None, (31, 0), torch.device("cpu"))
+    lo, hi = exact.key_bounds(4096, 4096, True, None, (31, 0), torch.device("cpu"))
     tiles = exact._tiles(lo, hi, 8)
     area = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in tiles)
     assert area <= 4096 * 128, area  # the band (32 keys per row) within a small factor
-    full = exact._tiles(*exact._key_bounds(4096, 4096, True, None, None, torch.device("cpu")), 8)
+    full = exact._tiles(*exact.key_bounds(4096, 4096, True, None, None, torch.device("cpu")), 8)
     assert sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in full) <= 2 * 4096 * 4097 // 2 + 4096 * 128  # causal

@@ -104,7 +104,8 @@ def test_only_kinds_validated_on_hardware_go_to_cudnn(fake, monkeypatch):
     monkeypatch.setattr(router, "_REFUSED", {})
 
     def on_cudnn(n_q, n_k, causal, vl, window, softcap):
-        h = lambda n: torch.empty((n, 4, 8) if vl is not None else (1, n, 4, 8), device="meta")  # noqa: E731
+        h = lambda n: torch.empty((n, 4, 8) if vl is not None else (1, n, 4, 8), device="meta",  # noqa: E731
+                                  dtype=torch.bfloat16)
         return router.choose(h(n_q), h(n_k), h(n_k), causal=causal, varlen=vl, window=window,
                              softcap=softcap) == "cudnn"
 

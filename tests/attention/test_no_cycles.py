@@ -142,10 +142,6 @@ def test_cudnn_graph_paths_leave_no_cycle(fake, dense):
     _check(_block_call(dense, window=(7, 0), softcap=20.0))
 
 
-@pytest.mark.xfail(strict=True, reason="known cycle (issue 31): a refused graph's exception keeps the build closure's "
-                   "cells (q, k, v, out, dq, dk, dv) alive until gc; the fix belongs in the kernels router "
-                   "(cpscope/attention/kernels/, being moved): build from shapes, not tensors, and drop the "
-                   "exception's traceback before falling back")
 def test_refused_graph_fallback_leaves_no_cycle(fake, monkeypatch):
     """A graph the frontend refuses (an exception caught while choosing the kernel) keeps no frame alive."""
     def refuse(self):

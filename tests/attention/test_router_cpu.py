@@ -50,13 +50,13 @@ EXPECTED = {
     "dense-mla": ("cudnn", "cudnn", "exact"),
     "dense-window": ("cudnn", "flash", "exact"),
     "dense-window-split": ("flash", "flash", "exact"),
-    "dense-softcap": ("cudnn", "exact", "exact"),
-    "dense-softcap-split": ("exact", "exact", "exact"),
+    "dense-softcap": ("cudnn", "flex", "exact"),
+    "dense-softcap-split": ("flex", "flex", "exact"),
     "packed": ("cudnn", "flash", "exact"),
     "packed-mla": ("cudnn", "flash", "exact"),
     "packed-window": ("cudnn", "flash", "exact"),
-    "packed-softcap-window": ("cudnn", "exact", "exact"),
-    "packed-softcap": ("exact", "exact", "exact"),
+    "packed-softcap-window": ("cudnn", "flex", "exact"),
+    "packed-softcap": ("flex", "flex", "exact"),
 }
 
 
@@ -82,11 +82,11 @@ def test_decision_table(kind):
 
 
 def test_policy_steers_the_table():
-    assert available_routes("dense", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "exact"]
-    assert available_routes("dense-window", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "exact"]
-    assert available_routes("dense-softcap", GPU, KernelPolicy(dense_cudnn=False)) == ["exact"]
-    assert available_routes("packed", GPU, KernelPolicy(varlen="flash")) == ["flash", "exact"]
-    assert available_routes("packed-softcap-window", GPU, KernelPolicy(varlen="flash")) == ["exact"]
+    assert available_routes("dense", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "efficient", "exact"]
+    assert available_routes("dense-window", GPU, KernelPolicy(dense_cudnn=False)) == ["flash", "flex", "exact"]
+    assert available_routes("dense-softcap", GPU, KernelPolicy(dense_cudnn=False)) == ["flex", "exact"]
+    assert available_routes("packed", GPU, KernelPolicy(varlen="flash")) == ["flash", "efficient", "exact"]
+    assert available_routes("packed-softcap-window", GPU, KernelPolicy(varlen="flash")) == ["flex", "exact"]
     with pytest.raises(RuntimeError, match="'cudnn' requested"):
         available_routes("packed", GPU_NO_FRONTEND, KernelPolicy(varlen="cudnn"))
     assert available_routes("packed", CPU, KernelPolicy(varlen="cudnn")) == ["exact"]
@@ -96,6 +96,22 @@ def test_policy_steers_the_table():
     with use_kernel_policy(dense_cudnn=False):
         assert router.choose(q, k, v, causal=causal, varlen=vl, window=window, softcap=softcap, caps=GPU) == "flash"
     assert router.choose(q, k, v, causal=causal, varlen=vl, window=window, softcap=softcap, caps=GPU) == "cudnn"
+
+
+def test_flex_policy_and_capabilities():
+    """FlexAttention: on CUDA where its row lists it (after cuDNN and flash), first anywhere under ``flex="first"``
+    (the CPU runs its eager math), never under ``flex="off"`` or without it in torch."""
+    assert available_routes("packed-softcap", CPU) == ["exact"]
+    assert available_routes("packed-softcap", CPU, KernelPolicy(flex="first")) == ["flex", "exact"]
+    assert available_routes("dense-window", GPU, KernelPolicy(flex="first")) == ["flex", "cudnn", "flash", "exact"]
+    assert available_routes("dense", GPU, KernelPolicy(flex="first")) == ["cudnn", "flash", "efficient", "exact"]
+    assert available_routes("dense-softcap", GPU, KernelPolicy(flex="off")) == ["cudnn", "exact"]
+    assert available_routes("dense-softcap", GPU._replace(flex=False)) == ["cudnn", "exact"]
+    with pytest.raises(ValueError, match="flex"):
+        KernelPolicy(flex="always")
+    with use_kernel_policy(flex="first"):
+        table = router.routing_table(torch.device("cpu"))
+    assert table["packed-softcap"][0] == "flex" and table["dense"][0] == "exact"
 
 
 def test_refusals_are_remembered_per_kind(monkeypatch):

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpscope
+from cpscope._variants import VARIANTS
 from cpscope.hybrid.comm_cost import (
     FEATURES,
-    VARIANTS,
     CommCostModel,
     Sample,
     cache_key,
@@ -130,7 +130,7 @@ def test_cache_dir_override(tmp_path, monkeypatch) -> None:
 def test_bad_models_and_queries() -> None:
     with pytest.raises(ValueError, match="finite numbers"):
         CommCostModel({"bfloat16": {"p2p": (1.0, -1.0, 0, 0, 0)}})
-    with pytest.raises(ValueError, match="unknown variant 'ring'"):
+    with pytest.raises(ValueError, match="unknown communication variant 'ring'"):
         CommCostModel({"bfloat16": {"ring": (0, 0, 0, 0, 0)}})
     with pytest.raises(ValueError, match="int8"):
         CommCostModel({"int8": {"p2p": (0, 0, 0, 0, 0)}})
@@ -207,7 +207,7 @@ def test_choose_ties_go_to_the_ring_and_errors_name_values() -> None:
     only_a2a = CommCostModel({"bfloat16": {"a2a": same}})
     with pytest.raises(ValueError, match=r"no communication variant is both fitted .*'a2a'.* cp=8, heads=12"):
         choose(only_a2a, [4096], cp=8, heads=12, kv_heads=4, head_dim=64, dtype="bfloat16")
-    with pytest.raises(ValueError, match="unknown communication variants"):
+    with pytest.raises(ValueError, match="unknown communication variant .ring."):
         choose(tie, [4096], cp=2, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", candidates=("ring",))
     with pytest.raises(ValueError, match="no fit for dtype 'float32'"):
         choose(tie, [4096], cp=2, heads=8, kv_heads=8, head_dim=64, dtype="float32")
@@ -219,7 +219,8 @@ SMALL = dict(heads=4, kv_heads=(4, 2), head_dim=8, tokens=(32, 64), docs=(1, 2),
 
 
 def _calibrate_with_stand_in(directory: str) -> str:
-    from cpscope.train.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     model = calibrate(groups, attention=ring_stand_in, directory=directory, **SMALL)
@@ -264,11 +265,12 @@ def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
     if has_comm:  # the attention takes comm=: the real calibration runs
         assert out == ["ran", "ran"]
     else:
-        assert all("takes no comm=" in o and "ring_stand_in" in o for o in out)
+        assert all("takes no comm=" in o and "stand-in" in o for o in out)
 
 
 def _calibrate_bad_args() -> bool:
-    from cpscope.train.calibrate import calibrate, ring_stand_in
+    from cpscope.train.calibrate import calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     for kwargs, match in (({"variants": ("ring",)}, "variants must be"), ({"kv_heads": (3,)}, "multiple of"),
@@ -364,7 +366,8 @@ def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path)
 
 
 def _load_or_calibrate_twice(directory: str) -> bool:
-    from cpscope.train.calibrate import load_or_calibrate, ring_stand_in
+    from cpscope.train.calibrate import load_or_calibrate
+    from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
     tiny = {**SMALL, "kv_heads": (4,), "tokens": (32,), "docs": (1,)}

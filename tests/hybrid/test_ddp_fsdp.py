@@ -185,7 +185,7 @@ CUSTOM = {0: [(2, 0, (0,)), (1, 0, (4,))], 1: [(1, 1, (1,)), (2, 0, (0,))], 2: [
 
 
 def _fsdp_settings(model: torch.nn.Module) -> list:
-    from cpscope.train.sync import _GROUP_SETTINGS, _param_groups
+    from cpscope.train._fsdp_sync import GROUP_SETTINGS as _GROUP_SETTINGS, param_groups as _param_groups
 
     return [(type(m).__name__, [{k: getattr(g, k) for k in _GROUP_SETTINGS if hasattr(g, k)} for g in _param_groups(m)])
             for m in model.modules() if hasattr(m, "_get_fsdp_state")]

@@ -21,7 +21,7 @@ from cpscope.hybrid import (
 )
 from cpscope.hybrid.comm_cost import CommCostModel, default_inner, variant_allowed
 from cpscope.hybrid.data import sft_like_lengths
-from cpscope.hybrid.problem import _Problem
+from cpscope.hybrid._problem import Problem
 from cpscope.hybrid.step_cost import StepCost
 
 CAPACITY = 16384
@@ -337,8 +337,8 @@ def test_docstring_examples() -> None:
     import doctest
     import importlib
 
-    names = ("cost", "data", "plan", "problem", "bound", "lpt", "packing", "baselines", "planner", "comm_cost",
-             "variants", "step_cost")
+    names = ("cost", "data", "plan", "_problem", "_bound", "_lpt", "_packing", "baselines", "planner", "comm_cost",
+             "_comm_features", "_nnls", "variants", "step_cost")
     for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
@@ -373,7 +373,7 @@ def test_bound_charges_the_fixed_part_of_unavoidable_microbatches() -> None:
     # one 125k document needs CP64 on 64 ranks: every rank pays its 63 ring steps, which the classic bound missed
     lengths = sft_like_lengths(128, seed=0)
     cost = CostModel()
-    p = _Problem(lengths, 64, CAPACITY, cost, None)
+    p = Problem(lengths, 64, CAPACITY, cost, None)
     classic = max(float(np.max(p.prefix_min[-1])), float(np.min(p.work, axis=0).sum()) / 64)
     bound = lower_bound(lengths, 64, CAPACITY, cost)
     assert bound >= classic + 0.9 * cost.latency * 63  # at least (almost) the CP64 microbatch's latency above it
@@ -398,7 +398,7 @@ def optimum(lengths, n_ranks: int, capacity: int, cost) -> float:
     assignment runs without waiting in the CP-size-descending order, so its makespan is its largest rank load.)"""
     import itertools
 
-    p = _Problem(lengths, n_ranks, capacity, cost, None)
+    p = Problem(lengths, n_ranks, capacity, cost, None)
     options = [[(k, b) for k in range(p.cps.size) if p.lp[k, i] <= capacity * p.cps[k]
                 for b in range(n_ranks // int(p.cps[k]))] for i in range(p.n)]
     memo: dict = {}

@@ -17,7 +17,7 @@ from cpscope.hybrid import (
     plan_static,
 )
 from cpscope.hybrid.data import sft_like_lengths
-from cpscope.hybrid.problem import divisors, is_nested
+from cpscope.hybrid._problem import divisors, is_nested
 from tests.hybrid.test_planner import CAPACITY, check_plan, optimum, simulate, toy_step
 
 MIXES = {
@@ -171,20 +171,20 @@ def test_padding_at_non_power_of_two_sizes() -> None:
 @pytest.mark.parametrize("n_ranks", [6, 12, 30, 96])
 def test_placement_plans_of_straddling_sizes_are_valid_and_exact(n_ranks: int) -> None:
     """The all-sizes pass alone (before the nested subsets compete): blocks wait, the order is the placement's."""
-    from cpscope.hybrid.bound import _lower_bound
-    from cpscope.hybrid.packing import _build_plan
+    from cpscope.hybrid._bound import problem_bound
+    from cpscope.hybrid._packing import build_plan
     from cpscope.hybrid.planner import DEFAULT_TARGETS, _search
-    from cpscope.hybrid.problem import _Problem
+    from cpscope.hybrid._problem import Problem
 
     waits = 0
     for seed in range(3):
         for cost in (CostModel(), toy_step(heads=30, kv_heads=6)):
             lengths = long_tail_lengths(2 * n_ranks, seed=seed, median=1024)
-            p = _Problem(lengths, n_ranks, CAPACITY, cost, None)
+            p = Problem(lengths, n_ranks, CAPACITY, cost, None)
             assert not p.nested
-            lb = _lower_bound(p)
+            lb = problem_bound(p)
             planned, k, block, seg = _search(p, lb, DEFAULT_TARGETS)
-            plan = _build_plan(p, "hybrid", k, block, lb=lb, seg=seg)
+            plan = build_plan(p, "hybrid", k, block, lb=lb, seg=seg)
             check_plan(plan, lengths, n_ranks, CAPACITY, cost)
             assert plan.makespan <= planned * lb / 2**24 * (1 + 1e-6)  # packing only shortens the planned schedule
             waits += sum(f > busy * (1 + 1e-9) for f, busy in zip(plan.rank_finish, plan.rank_loads))

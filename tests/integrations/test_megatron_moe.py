@@ -242,16 +242,45 @@ def _index_sets(plan: list, world: int) -> list[list[int]]:
     return [sorted({lst[j] for lst in per_rank}) for j in range(len(per_rank[0]))]
 
 
+def _expert_bias_step(model: Any, ref: Any, alone: Any) -> float:
+    """Megatron's step end for aux-loss-free balancing (``finalize_model_grads``): the tokens each router counted,
+    summed over the job's ranks, equal the reference's count (exactly), then both update their expert bias
+    (the model over the whole job, the reference over this rank ``alone``) and reset the counts. Returns the
+    largest expert bias (nonzero: later steps route with it)."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    routers, ref_routers = ([m for m in x.modules() if getattr(m, "expert_bias", None) is not None]
+                            for x in (model, ref))
+    assert len(routers) == len(ref_routers) == 2
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    dist.all_reduce(counts)
+    want = torch.stack([r.local_tokens_per_expert for r in ref_routers])
+    assert float(want.sum()) > 0 and torch.equal(counts, want), (counts, want)
+    for m, group in ((model, dist.group.WORLD), (ref, alone)):
+        _update_router_expert_bias([m], m.config, tp_dp_cp_group=group)
+        reset_model_temporary_tensors(m.config, [m])
+    for r, w in zip(routers, ref_routers):
+        assert torch.equal(r.expert_bias, w.expert_bias), (r.expert_bias, w.expert_bias)
+    return max(float(r.expert_bias.abs().max()) for r in routers)
+
+
 def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: float, bind: bool = True,
-           plans: Any = None) -> dict:
+           plans: Any = None, **overrides: Any) -> dict:
     from cpscope.integrations.megatron import documents_from_batch, enable_runtime_cp
 
     _init_megatron()
     plans = PLANS if plans is None else plans
     groups = cpscope.new_cp_groups(sorted({mb.cp for plan in plans for mb in plan} | {1}))
     per_index = "global_aux_loss" in losses["moe_router_load_balancing_type"]
-    model = _build_moe(dtype, dispatcher, losses)
-    ref = _build_moe(dtype, dispatcher, losses, pg_collection=_single_process_groups() if per_index else None)
+    expert_bias = overrides.get("moe_router_enable_expert_bias", False)
+    expects_aux = losses["moe_router_load_balancing_type"] != "none" or bool(losses.get("moe_z_loss_coeff"))
+    alone = _single_process_groups().tp_dp_cp if expert_bias else None
+    model = _build_moe(dtype, dispatcher, losses, **overrides)
+    ref = _build_moe(dtype, dispatcher, losses, pg_collection=_single_process_groups() if per_index else None,
+                     **overrides)
     names = enable_runtime_cp(model)
     assert "decoder.layers.0" in names and "decoder.layers.1" in names  # the MoE layers
     if not bind:  # the static groups: undo the router binding only (the failure mode)
@@ -259,7 +288,7 @@ def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: f
             if type(m).__name__ == "TransformerLayer" and hasattr(type(m), "_cpscope_base"):
                 m.__class__ = type(m)._cpscope_base
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
-    out: dict = {"loss": [], "ref_loss": [], "aux": [], "ref_aux": [], "grad_err": [], "aux_err": []}
+    out: dict = {"loss": [], "ref_loss": [], "aux": [], "ref_aux": [], "grad_err": [], "aux_err": [], "bias": []}
     for step in range(steps):
         docs = documents_from_batch(_megatron_batch(LENGTHS, seed=10 + step))
         plan = plans[step % len(plans)]
@@ -280,14 +309,17 @@ def _train(dtype: torch.dtype, dispatcher: str, losses: dict, steps: int, tol: f
         out["aux"].append(aux)
         out["ref_aux"].append(ref_aux)
         out["grad_err"].append(_max_err(_grads(model), _grads(ref)))
-        out["aux_err"].append(max(abs(a - b) / max(1.0, abs(b)) for i in ref_aux for a, b in zip(aux[i], ref_aux[i])))
+        out["aux_err"].append(max((abs(a - b) / max(1.0, abs(b)) for i in ref_aux for a, b in zip(aux[i], ref_aux[i])),
+                                  default=0.0))
         if bind:
             assert abs(loss - float(total) / n) <= tol * max(1.0, abs(float(total) / n)), (step, loss, total / n)
             for i in ref_aux:
-                assert len(aux[i]) == len(ref_aux[i]) > 0
+                assert len(aux[i]) == len(ref_aux[i]) > (0 if expects_aux else -1)
                 for a, b in zip(aux[i], ref_aux[i]):
                     assert abs(a - b) <= tol * max(1.0, abs(b)), (step, i, aux[i], ref_aux[i])
             _assert_close(_grads(model), _grads(ref), tol, f"step {step} gradients")
+        if expert_bias:
+            out["bias"].append(_expert_bias_step(model, ref, alone))
         for o in (opt, opt_ref):
             o.step()
             o.zero_grad(set_to_none=True)
@@ -472,6 +504,22 @@ def test_moe_trains_with_cp3_equal_to_no_cp():
 
 def test_moe_global_aux_loss_equal_to_no_cp():
     run_ranks(4, _train, torch.float32, "allgather", GLOBAL, 3, 1e-5)
+
+
+EXPERT_BIAS = {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid",
+               "moe_router_bias_update_rate": 0.05}
+
+
+@pytest.mark.parametrize("losses", [{"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0},
+                                    {"moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01}],
+                         ids=["aux_loss_free", "with_seq_aux_loss"])
+def test_moe_expert_bias_trains_equal_to_no_cp(losses):
+    """Aux-loss-free balancing (sigmoid router with expert bias, as in DeepSeek-V3; with DeepSeek-V3's small
+    sequence aux loss too), mixed CP4 / CP2 / CP1 ``thd`` microbatches with zigzag padding, 3 steps: loss,
+    gradients and weights equal the model without CP, and so do the tokens counted per expert (summed over the job)
+    and the expert bias Megatron's step end derives from them, which the later steps route with."""
+    out = run_ranks(4, _train, torch.float32, "alltoall", losses, 3, 1e-5, True, None, **EXPERT_BIAS)[0]
+    assert len(out["bias"]) == 3 and out["bias"][0] > 0
 
 
 def test_moe_float64_step():

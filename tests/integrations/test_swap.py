@@ -92,6 +92,36 @@ def test_copies_keep_the_swapped_class(how):
     assert _swap.unswap(twin) and type(twin) is Doubling and type(m) is not Doubling
 
 
+@pytest.mark.parametrize("how", ["swap", "deepcopy", "pickle"])
+def test_several_mixins_compose_in_one_class(how):
+    """swap_class takes several mixins: one class (Scaled's forward, then Negated's, then the base), both
+    behaviours, the prepare hook of each, copies and pickling rebuild it, and unswap removes it."""
+    m = _module()
+    x = torch.randn(2, 3)
+    plain = m(x)
+    assert _swap.swap_class(m, (Scaled, Negated), _cpscope_factor=3.0)
+    cls = type(m)
+    assert cls.__bases__ == (Scaled, Negated, Doubling) and _swap.original_class(m) is Doubling
+    assert cls._cpscope_mixins == (Scaled, Negated) and cls._cpscope_mixin == (Scaled, Negated)
+    assert _swap.swapped_class(Doubling, (Scaled, Negated)) is cls  # one class per (base, mixins)
+    assert _swap.swapped_class(Doubling, (Scaled,)) is _swap.swapped_class(Doubling, Scaled)
+    assert not _swap.swap_class(m, (Scaled, Negated), _cpscope_factor=3.0)  # idempotent
+    twin = {"swap": m, "deepcopy": copy.deepcopy(m), "pickle": pickle.loads(pickle.dumps(m))}[how]
+    assert type(twin) is cls
+    torch.testing.assert_close(twin(x), -3 * plain)  # -(3 * base): both mixins ran
+    assert twin._cpscope_seen[-1] == ["input"]  # Scaled's prepare hook gave the base forward's signature
+    assert _swap.unswap(twin) and type(twin) is Doubling
+    torch.testing.assert_close(twin(x), plain)
+
+
+def test_mixins_must_be_classes():
+    m = _module()
+    for bad in ((), (Scaled, "Negated"), "Scaled"):
+        with pytest.raises(ValueError, match="mixins must be a class"):
+            _swap.swap_class(m, bad)
+    assert type(m) is Doubling
+
+
 def test_concurrent_swaps_create_one_class():
     class Fresh(torch.nn.Linear):
         pass

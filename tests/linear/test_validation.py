@@ -31,7 +31,7 @@ def test_local_length_vs_cu_seqlens_and_cp() -> None:
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=16 with CP size 1"):
         gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, group=None)
     fake_cp2 = CPScope(None, 2, 0)  # size/rank only: validation runs before any collective
-    import cpscope.linear.delta_rule as mod
+    import cpscope.linear.pieces as mod
 
     with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
         mod.pieces_of_input(1, 8, torch.tensor([0, 6, 16], dtype=torch.int32), fake_cp2, where="t")
@@ -39,6 +39,13 @@ def test_local_length_vs_cu_seqlens_and_cp() -> None:
         gated_delta_rule(*_gdn(B=2, T=8), cu_seqlens=torch.tensor([0, 16], dtype=torch.int32), group=None)
     with pytest.raises(ValueError, match="global length 14 must be divisible by 2\\*cp=4"):
         mod.pieces_of_input(1, 7, None, fake_cp2, where="t")
+    # the cached kernel geometry validates the same way, every call (a failed build caches nothing)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
+            mod.runs_of_input(1, 8, torch.tensor([0, 6, 16], dtype=torch.int32), fake_cp2, torch.device("cpu"),
+                              where="t")
+        with pytest.raises(ValueError, match="global length 14 must be divisible by 2\\*cp=4"):
+            mod.runs_of_input(1, 7, None, fake_cp2, torch.device("cpu"), where="t")
 
 
 def test_mamba2_and_conv_shapes() -> None:

@@ -7,8 +7,10 @@ one, ~60 ms of host time each) or have no band and no score modifier (the dense 
 a key that each family derives from its shapes, strides, dtype, band, softcap, scale and device; a build costs tens
 of milliseconds once (``docs/attention_kernels.md``), a cached call well under a millisecond of host time.
 
-A graph the frontend refuses to build raises :class:`GraphUnsupported` — before any kernel ran — so that the router
-(:mod:`.router`) sends that kind of block to its next route.
+A graph the frontend refuses to build raises :class:`GraphUnsupported` — before any kernel ran, and without the
+frontend's exception, whose frames would hold the block — so that the router (:mod:`.router`) sends that kind of
+block to its next route. At interpreter exit the cached graphs are dropped and the handles destroyed while the
+frontend still works (no nanobind leak warnings).
 
 Executing: the frontend's mapping form of ``execute`` validates every binding in Python on every call; its ordered
 form (``tensor_uids=``, frontend >= 1.30) caches that per graph and is used where available
@@ -28,7 +30,9 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import inspect
 import logging
 import threading
@@ -94,6 +98,30 @@ def clear_cache() -> None:
     """Drop the cached cuDNN graphs (they are rebuilt on demand)."""
     with _lock:
         _graphs.clear()
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit: drop the cached graphs and destroy this process's handles while the frontend still
+    works, so that no frontend object is alive when its extension is torn down (nanobind prints "leaked instances"
+    warnings for those). Does nothing in a process that never built a graph."""
+    with _lock:
+        graphs, handles = list(_graphs.values()), dict(_handles)
+        _graphs.clear()
+        _handles.clear()
+    if not graphs and not handles:
+        return
+    del graphs
+    gc.collect()  # graphs in reference cycles (a graph keeps its score modifier's Python callables)
+    cudnn = module()
+    for idx, h in handles.items():
+        try:
+            with torch.cuda.device(idx):
+                cudnn.destroy_handle(h)
+        except Exception:  # noqa: BLE001 - CUDA may be torn down already at exit
+            log.debug("cuDNN handle of device %s not destroyed at exit", idx, exc_info=True)
+
+
+atexit.register(_release_at_exit)
 
 
 def cached_graphs() -> list[tuple]:
@@ -175,10 +203,14 @@ def cached(key: tuple, build: Callable[[], Built]) -> Built:
             _graphs.move_to_end(key)
             return g
     t0 = time.perf_counter()
+    refused = None
     try:
         g = build()
     except Exception as e:  # noqa: BLE001 - the frontend raises many types; none of them ran a kernel
-        raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}") from e
+        refused = f"cuDNN graph {key[:1]} not built: {type(e).__name__}: {str(e)[:2000]}"
+    if refused is not None:  # raised here, without the frontend's exception: raising inside the handler would tie
+        # that exception to this frame (and through the build closure to the block's tensors) in a reference cycle
+        raise GraphUnsupported(refused)
     log.debug("cuDNN attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
     with _lock:
         _graphs[key] = g

@@ -79,21 +79,23 @@ class ScoreMod:
 
     def __init__(self, cudnn: Any, graph: Any, named: dict, softcap: float, band: Optional[Band], square: bool,
                  lens: Optional[tuple] = None, bounds: Optional[tuple] = None) -> None:
-        self.cudnn, self.graph, self.named, self.fixed = cudnn, graph, named, {}
+        # no reference to ``graph`` is kept: the graph keeps this object's methods (its score modifier), and a
+        # graph cuDNN refuses to build must be freed by reference counting (no cycle)
+        self.cudnn, self.named, self.fixed = cudnn, named, {}
         self.band, self.square, self.lens = band, square, lens
-        self.cap, self.inv_cap, self.masked = self._const("cap", softcap), self._const("inv_cap", 1 / softcap), \
-            self._const("masked", MASKED)
+        self.cap, self.inv_cap, self.masked = self._const(graph, "cap", softcap), \
+            self._const(graph, "inv_cap", 1 / softcap), self._const(graph, "masked", MASKED)
         self.tanh: Any = None
         self.bounds = bounds
         if band is not None and bounds is None:  # top-left band: the same bounds for every sequence
-            self.bounds = (self._const("wl", band.left + 1), self._const("hi", band.right))
+            self.bounds = (self._const(graph, "wl", band.left + 1), self._const(graph, "hi", band.right))
 
-    def _const(self, name: str, value: float) -> Any:
+    def _const(self, graph: Any, name: str, value: float) -> Any:
         """A scalar of the graph: a pass-by-value tensor bound from a host tensor at execute (see module docs)."""
         if kernel_policy().cudnn_constants == "runtime":
-            return self.graph.tensor_scalar(float(value), self.cudnn.scalar_type.RUNTIME_PARAM)
+            return graph.tensor_scalar(float(value), self.cudnn.scalar_type.RUNTIME_PARAM)
         name = "const_" + name
-        t = self.graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+        t = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
                               data_type=self.cudnn.data_type.FLOAT)
         self.named[name] = t
         self.fixed[name] = torch.full((1, 1, 1, 1), float(value), dtype=torch.float32)

@@ -20,7 +20,7 @@ import torch
 
 from .block import Varlen, Window, acc_dtype
 
-__all__ = ["forward", "backward", "TILE_BUDGET"]
+__all__ = ["forward", "backward", "key_bounds", "TILE_BUDGET"]
 
 TILE_BUDGET = 1 << 22  # score elements ([batch, heads, rows, keys]) of one CPU tile
 
@@ -37,7 +37,7 @@ def _reduce_kv(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx.unflatten(-2, (kv_heads, h // kv_heads)).sum(-2)
 
 
-def _key_bounds(t_q: int, t_k: int, causal: bool, vl: Optional[Varlen], window: Window,
+def key_bounds(t_q: int, t_k: int, causal: bool, vl: Optional[Varlen], window: Window,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(lo, hi)``, ``[t_q]`` int64: query row ``i`` sees keys ``lo[i] <= j < hi[i]`` (packed key indices).
 
@@ -116,7 +116,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     dt, h = acc_dtype(q.dtype), q.shape[-2]
     qb, kb, vb = _batched(q, vl), _batched(k, vl), _batched(v, vl)
     b, t_q = qb.shape[0], qb.shape[1]
-    lo, hi = _key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
+    lo, hi = key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
     out = torch.zeros((*qb.shape[:-1], vb.shape[-1]), dtype=dt, device=q.device)
     lse = torch.full((b, h, t_q), float("-inf"), dtype=dt, device=q.device)
     for i0, i1, k0, k1 in _tiles(lo, hi, b * h):
@@ -139,7 +139,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dob, ob = _batched(dout, vl).to(dt), _batched(out, vl).to(dt)
     lseb = (lse.unsqueeze(0) if vl is not None else lse).to(dt)  # [b, h, s_q]
     b, t_q = qb.shape[0], qb.shape[1]
-    lo, hi = _key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
+    lo, hi = key_bounds(t_q, kb.shape[1], causal, vl, window, q.device)
     dq = torch.zeros(qb.shape, dtype=dt, device=q.device)
     dk, dv = torch.zeros(kb.shape, dtype=dt, device=q.device), torch.zeros(vb.shape, dtype=dt, device=q.device)
     delta = (dob * ob).sum(-1).transpose(1, 2)  # [b, h, q]

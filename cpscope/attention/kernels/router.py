@@ -2,29 +2,35 @@
 
 A block's **kind** (:func:`kind_of`) is its layout (dense / packed) and what it asks beyond plain attention:
 
-================================  =====================================  ===============================================
-kind                              routes, in order                       why
-================================  =====================================  ===============================================
-``dense``                         cudnn (aten), flash (aten), exact      cuDNN attention is what SDPA picks on Hopper
-``dense-mla``                     cudnn (aten), flash (padded), exact    cuDNN takes a v head dim of its own
-``dense-window``                  cudnn (graph), flash, exact            a band the graph runs as one kernel
-``dense-window-split``            flash, exact                           two cuDNN kernels failed parity on an H200
-``dense-softcap``                 cudnn (graph), exact                   flash-attention-2 has no softcap
-``dense-softcap-split``           exact                                  as ``dense-window-split``
-``packed``                        cudnn (graph), flash (varlen), exact   cuDNN's ragged kernels where installed
+================================  ===========================================  =========================================
+kind                              routes, in order                             why
+================================  ===========================================  =========================================
+``dense``                         cudnn (aten), flash (aten), exact            cuDNN attention is what SDPA picks on
+                                                                               Hopper
+``dense-mla``                     cudnn (aten), flash (padded), exact          cuDNN takes a v head dim of its own
+``dense-window``                  cudnn (graph), flash, flex, exact            a band the graph runs as one kernel
+``dense-window-split``            flash, flex, exact                           two cuDNN kernels failed parity (H200)
+``dense-softcap``                 cudnn (graph), flex, exact                   flash-attention-2 has no softcap
+``dense-softcap-split``           flex, exact                                  as ``dense-window-split``
+``packed``                        cudnn (graph), flash (varlen), exact         cuDNN's ragged kernels where installed
 ``packed-mla``                    cudnn (graph), flash (padded), exact
-``packed-window``                 cudnn (graph), flash, exact
-``packed-softcap-window``         cudnn (graph), exact                   a left-bounded band over equal offsets
-``packed-softcap``                exact                                  other packed softcaps failed parity (H200)
-================================  =====================================  ===============================================
+``packed-window``                 cudnn (graph), flash, flex, exact
+``packed-softcap-window``         cudnn (graph), flex, exact                   a left-bounded band over equal offsets
+``packed-softcap``                flex, exact                                  other packed softcaps failed parity
+================================  ===========================================  =========================================
 
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
 graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash``
-needs CUDA; ``exact`` runs anywhere) and has not been **refused**: a graph that cuDNN refuses to build
-(:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs) sends that kind
+needs CUDA; ``flex`` (FlexAttention's compiled kernels, :mod:`.flex`) needs CUDA — or the policy's
+``flex="first"``, which also puts it first in its rows — and a torch that has it; ``exact`` runs anywhere) and has
+not been **refused**: a graph that cuDNN refuses to build
+(:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs), or a block
+FlexAttention cannot compile (:class:`~cpscope.attention.kernels.flex.FlexUnsupported`), sends that kind
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
-warning; :func:`fallbacks` lists what fell back and why. ``flex`` is a route name reserved for a FlexAttention
-kernel: no kind lists it until it exists.
+warning; :func:`fallbacks` lists what fell back and why.
+
+:func:`run_whole` runs a call that is one block (CP1, nothing to merge) through the chosen kernel's own autograd
+where it has one (``flex``): the kernel's forward and backward, nothing recomputed.
 
 :func:`routing_table` says, for each kind, the route it takes on a device and why (``python -m cpscope env``).
 
@@ -32,39 +38,46 @@ Example::
 
     choose(q, k, v, causal=True, varlen=None, window=(4095, 0), softcap=None)     # 'cudnn' on an H100, 'exact' on CPU
     routing_table(torch.device("cuda", 0))["packed-softcap"]                      # ('exact', 'the table ...')
+
+**Dtypes.** A route is taken only where its kernels take the inputs' dtype (:data:`DTYPES`, :func:`routes_for`):
+cuDNN and flash take fp16 / bf16; ``efficient`` (aten's memory-efficient kernels, needs CUDA) is fp32's, listed
+before ``exact`` by the plain kinds (``dense``, ``dense-mla``, ``packed``, ``packed-mla``); FlexAttention takes fp32
+too; the exact math any floating dtype. So fp16 runs where bf16 does, fp32 on the memory-efficient kernels, or on
+FlexAttention or the exact math where a window or softcap is asked for, fp64 on the exact math.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 from ..mods import Band
-from . import aten, cudnn_dense, cudnn_frontend, cudnn_thd, exact
+from . import aten, cudnn_dense, cudnn_frontend, cudnn_thd, exact, flex
 from .aten import Kernel
 from .block import Placeholders, Varlen, Window
 from ..policy import KernelPolicy, kernel_policy
 
 __all__ = ["ROUTES", "TABLE", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
-           "routing_table", "block_forward", "block_backward"]
+           "routing_table", "block_forward", "block_backward", "run_whole"]
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("cudnn", "flash", "flex", "exact")
+ROUTES = ("cudnn", "flash", "efficient", "flex", "exact")
 TABLE: dict[str, tuple[str, ...]] = {
-    "dense": ("cudnn", "flash", "exact"),
-    "dense-mla": ("cudnn", "flash", "exact"),
-    "dense-window": ("cudnn", "flash", "exact"),
-    "dense-window-split": ("flash", "exact"),
-    "dense-softcap": ("cudnn", "exact"),
-    "dense-softcap-split": ("exact",),
-    "packed": ("cudnn", "flash", "exact"),
-    "packed-mla": ("cudnn", "flash", "exact"),
-    "packed-window": ("cudnn", "flash", "exact"),
-    "packed-softcap-window": ("cudnn", "exact"),
-    "packed-softcap": ("exact",),
+    "dense": ("cudnn", "flash", "efficient", "exact"),
+    "dense-mla": ("cudnn", "flash", "efficient", "exact"),
+    "dense-window": ("cudnn", "flash", "flex", "exact"),
+    "dense-window-split": ("flash", "flex", "exact"),
+    "dense-softcap": ("cudnn", "flex", "exact"),
+    "dense-softcap-split": ("flex", "exact"),
+    "packed": ("cudnn", "flash", "efficient", "exact"),
+    "packed-mla": ("cudnn", "flash", "efficient", "exact"),
+    "packed-window": ("cudnn", "flash", "flex", "exact"),
+    "packed-softcap-window": ("cudnn", "flex", "exact"),
+    "packed-softcap": ("flex", "exact"),
 }
 
 _EXACT = Kernel("exact tiled math", lambda *a: exact.forward(*a[:8]), lambda *a: exact.backward(*a[:11]))
@@ -78,20 +91,56 @@ _CUDNN_THD = Kernel("cuDNN frontend ragged graph",
                                                                            softcap=sc),
                     lambda do, q, k, v, o, l, s, c, vl, w, sc, ph: cudnn_thd.backward(
                         do, q, k, v, o, l, vl, scale=s, causal=c, window=w, softcap=sc))
-_GRAPHS = (_CUDNN_DENSE, _CUDNN_THD)
+_FLEX = Kernel("FlexAttention (compiled, block mask + score modifier)", lambda *a: flex.forward(*a[:8]),
+               lambda *a: flex.backward(*a[:11]))
+_REFUSABLE = (_CUDNN_DENSE, _CUDNN_THD, _FLEX)  # kernels that may refuse a block before running it
 
 
 def _kernel(route: str, kind: str) -> Kernel:
     """The kernel of ``route`` for blocks of ``kind``."""
     if route == "exact":
         return _EXACT
+    if route == "flex":
+        return _FLEX
     if route == "cudnn":
         if kind in ("dense", "dense-mla"):
             return aten.SDPA_CUDNN
         return _CUDNN_DENSE if kind.startswith("dense") else _CUDNN_THD
     if route == "flash":
         return {"dense": aten.SDPA_FLASH, "packed": aten.FLASH_VARLEN}.get(kind, aten.FLASH)
+    if route == "efficient":
+        return aten.EFFICIENT
     raise ValueError(f"route {route!r} has no kernel for {kind!r} blocks")
+
+
+_HALF = (torch.float16, torch.bfloat16)
+# The input dtypes each route's kernels take (a route not listed takes any). ``efficient`` is fp32's: half precision
+# always has cuDNN or flash before it where it has CUDA at all.
+DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cudnn": _HALF,
+    "flash": _HALF,
+    "efficient": (torch.float32,),
+    "flex": (torch.float32, *_HALF),
+    "exact": (torch.float64, torch.float32, *_HALF),
+}
+
+
+def _dtype_why_not(route: str, dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why ``route``'s kernels cannot take ``dtype`` inputs (``None``: they can, or the dtype is not known)."""
+    takes = DTYPES.get(route)
+    if dtype is None or takes is None or dtype in takes:
+        return None
+    return f"takes {', '.join(str(t).replace('torch.', '') for t in takes)}, not {str(dtype).replace('torch.', '')}"
+
+
+def routes_for(kind: str, caps: "Caps", dtype: torch.dtype, policy: Optional[KernelPolicy] = None) -> list[str]:
+    """:func:`available_routes` of ``kind`` whose kernels take ``dtype`` inputs, in the table's order.
+
+    Example::
+
+        routes_for("dense", Caps(cuda=True, frontend=True), torch.float32)      # ['efficient', 'exact']
+    """
+    return [r for r in available_routes(kind, caps, policy) if _dtype_why_not(r, dtype) is None]
 
 
 def kind_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, varlen: Optional[Varlen],
@@ -111,15 +160,17 @@ def kind_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, 
 
 
 class Caps(NamedTuple):
-    """What a device offers the routes: CUDA kernels (aten's), and the cuDNN frontend's graphs."""
+    """What a device offers the routes: CUDA kernels (aten's), the cuDNN frontend's graphs, FlexAttention (this
+    torch's)."""
 
     cuda: bool
     frontend: bool
+    flex: bool = True
 
 
 def caps_of(device: torch.device) -> Caps:
     """The :class:`Caps` of ``device`` in this process."""
-    return Caps(device.type == "cuda", cudnn_frontend.available(device))
+    return Caps(device.type == "cuda", cudnn_frontend.available(device), flex.available())
 
 
 def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optional[str]:
@@ -127,8 +178,16 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
     this process lacks."""
     if route == "exact":
         return None
+    if route == "efficient":  # aten's memory-efficient kernels (fp32's, see DTYPES)
+        return None if caps.cuda else "not a CUDA device"
     if route == "flash":
         return None if caps.cuda else "not a CUDA device"
+    if route == "flex":
+        if policy.flex == "off":
+            return "policy flex='off'"
+        if not caps.flex:
+            return "no FlexAttention in this torch"
+        return None if caps.cuda or policy.flex == "first" else "not a CUDA device (its kernels compile for CUDA)"
     if route != "cudnn":
         return f"no {route} kernel"
     if kind.startswith("dense"):
@@ -150,7 +209,15 @@ def _why_not(route: str, kind: str, caps: Caps, policy: KernelPolicy) -> Optiona
 def available_routes(kind: str, caps: Caps, policy: Optional[KernelPolicy] = None) -> list[str]:
     """The routes of ``kind``'s row that ``caps`` and the policy allow, in the table's order."""
     pol = policy if policy is not None else kernel_policy()
-    return [r for r in TABLE[kind] if _why_not(r, kind, caps, pol) is None]
+    return [r for r in _row(kind, pol) if _why_not(r, kind, caps, pol) is None]
+
+
+def _row(kind: str, policy: KernelPolicy) -> tuple[str, ...]:
+    """``kind``'s row of the table, ``flex`` first under the policy's ``flex="first"``."""
+    routes = TABLE[kind]
+    if policy.flex == "first" and "flex" in routes:
+        return ("flex",) + tuple(r for r in routes if r != "flex")
+    return routes
 
 
 # ---- refused graphs --------------------------------------------------------------------------------------------
@@ -160,7 +227,8 @@ _REFUSED: dict[tuple, str] = {}  # (route, kind, direction, dtype, head dims, he
 
 
 def fallbacks() -> dict[tuple, str]:
-    """The kinds of block whose route cuDNN refused in this process, with the reason (a copy)."""
+    """The kinds of block whose route refused them in this process (cuDNN, FlexAttention), with the reason (a
+    copy)."""
     with _lock:
         return dict(_REFUSED)
 
@@ -172,8 +240,17 @@ def _refusal_key(route: str, kind: str, direction: str, q: torch.Tensor, k: torc
 def _refuse(key: tuple, err: Exception) -> None:
     with _lock:
         _REFUSED[key] = str(err)[:500]
-    log.warning("cuDNN refused a %s %s block (%s); this kind of block runs on the next route from now on",
-                key[2], key[0], err)
+    log.warning("%s refused a %s %s block (%s); this kind of block runs on the next route from now on",
+                "FlexAttention" if key[1] == "flex" else "cuDNN", key[2], key[0], err)
+
+
+def _drop_frames(err: BaseException) -> None:
+    """Free what a caught refusal's traceback holds (the finished frames' locals: the block's tensors, the graph
+    being built) once the refusal is recorded, so that nothing of the failed attempt outlives it — whoever keeps the
+    exception (a debugger, a logging handler)."""
+    traceback.clear_frames(err.__traceback__)
+    err.__traceback__ = None
+    err.__context__ = err.__cause__ = None
 
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, varlen: Optional[Varlen],
@@ -185,7 +262,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, v
 
 
 def _choose(kind: str, direction: str, q, k, v, caps: Caps) -> str:
-    for route in available_routes(kind, caps):
+    for route in routes_for(kind, caps, q.dtype):
         if _refusal_key(route, kind, direction, q, k, v) not in _REFUSED:
             return route
     return "exact"
@@ -200,10 +277,11 @@ def _run(direction: str, args: tuple, q, k, v, causal, varlen, window, softcap, 
         fn = kern.forward if direction == "forward" else kern.backward
         try:
             return fn(*args, scale, causal, varlen, window, softcap, placeholders)
-        except cudnn_frontend.GraphUnsupported as e:
-            if kern not in _GRAPHS:
+        except (cudnn_frontend.GraphUnsupported, flex.FlexUnsupported) as e:
+            if kern not in _REFUSABLE:
                 raise
             _refuse(_refusal_key(route, kind, direction, q, k, v), e)
+            _drop_frames(e)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
@@ -239,31 +317,59 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return _run("backward", (dout, q, k, v, out, lse), q, k, v, causal, varlen, window, softcap, scale, placeholders)
 
 
+def run_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+              varlen: Optional[Varlen] = None, window: Window = None, softcap: Optional[float] = None,
+              sinks: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """A call that is one block (CP1: nothing to merge; ``sinks`` ``[h]`` optional) through its kernel's own
+    autograd: the differentiable output when the router picks a kernel that has one (``flex``) for both directions,
+    else ``None`` (the caller runs :func:`block_forward` / :func:`block_backward` in its own autograd function).
+
+    Example::
+
+        out = run_whole(q, k, v, scale=0.125, causal=True, window=(4095, 0), softcap=50.0)
+        if out is None:
+            ...                                      # the ring's Function around block_forward / block_backward
+    """
+    kind = kind_of(q, k, v, causal=causal, varlen=varlen, window=window, softcap=softcap)
+    caps = caps_of(q.device)
+    if any(_choose(kind, d, q, k, v, caps) != "flex" for d in ("forward", "backward")):
+        return None
+    try:
+        return flex.attend(q, k, v, scale=scale, causal=causal, varlen=varlen, window=window, softcap=softcap,
+                           sinks=sinks)
+    except flex.FlexUnsupported as e:
+        for d in ("forward", "backward"):
+            _refuse(_refusal_key("flex", kind, d, q, k, v), e)
+        return None
+
+
 # ---- what routes where, on this machine -------------------------------------------------------------------------
 
 def routing_table(device: Any = None, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[str, str]]:
     """For each kind of block (:data:`TABLE`), the route it takes on ``device`` (default: the current CUDA device,
     else the CPU) and why: the kernel, and the routes before it that were skipped with their reasons (``dtype``: the
-    inputs' dtype, for graphs cuDNN refused earlier). Builds no graph and runs no kernel.
+    inputs' dtype — routes whose kernels do not take it are skipped, and graphs cuDNN refused earlier for it).
+    Builds no graph and runs no kernel.
 
     Example::
 
         for kind, (route, why) in routing_table().items():
             print(f"{kind:24} {route:6} {why}")
+        routing_table("cuda", torch.float32)["dense"]      # ('efficient', 'aten memory-efficient attention (...)')
     """
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     caps, pol, out = caps_of(dev), kernel_policy(), {}
     refused = {(key[1], key[2]): why for key, why in fallbacks().items() if key[3] == dtype and key[-1] == dev}
-    for kind, routes in TABLE.items():
+    for kind in TABLE:
         skipped = []
-        for route in routes:
+        for route in _row(kind, pol):
             try:
-                why = _why_not(route, kind, caps, pol)
+                why = _dtype_why_not(route, dtype) or _why_not(route, kind, caps, pol)
             except RuntimeError as e:
                 why = str(e)
             if why is None and (route, kind) in refused:
-                why = f"refused by cuDNN earlier: {refused[(route, kind)][:120]}"
+                why = f"refused earlier: {refused[(route, kind)][:120]}"
             if why is None:
                 out[kind] = (route, _kernel(route, kind).name + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
                 break

@@ -27,6 +27,13 @@ none elsewhere — so token counts come from the all-reduced counts
 (exact whatever each rank holds) and padding never enters the statistics, and weights each rank's z-loss by its
 share of the microbatch's real tokens. No group is created in forward; nothing is left on the modules after a call.
 
+Aux-loss-free balancing (``moe_router_enable_expert_bias``, as in DeepSeek-V3): each rank adds the tokens it routed
+(padding excluded) to the router's ``local_tokens_per_expert``; Megatron's step end (``finalize_model_grads``)
+all-reduces them over ``tp_dp_cp`` — every CP group of the job lies inside it — so the bias update sees every token
+of the global batch once, as without CP. megatron-core 0.19.2's own ``_apply_expert_bias`` masks the ``[T, E]``
+routing map with the ``[T]`` padding mask (a shape error whenever a mask is given); for the call of its MLP the
+router counts with :func:`_count_expert_tokens` instead (the same count, the mask broadcast per token).
+
 ``global_aux_loss`` all-reduces over the whole DP×CP domain in every forward, as under Megatron's own data
 parallelism: every rank must run the same number of MoE forwards per step (one per microbatch). cpscope's planner
 does not promise that (ranks may run different numbers of microbatches, some none); give such plans equal counts
@@ -46,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Any, Optional
 
@@ -60,6 +68,7 @@ from ._carrier import consumer_scope
 __all__ = ["MoELayerMixin", "check_cp_beside_tp", "check_routers", "is_moe_layer", "moe_refusals"]
 
 _PAD_ATTR = "_cpscope_moe_padding"
+_COUNT_ATTR = "_apply_expert_bias"  # TopKRouter's method that counts the tokens routed per expert
 _TP_CP_METRICS = ("load_balancing_loss", "seq_load_balancing_loss")
 # CP groups already checked to lie inside a router's tp_dp_cp group (by the latter's id)
 _CHECKED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
@@ -114,12 +123,26 @@ class MoELayerMixin:
         if z_scale != 1.0 and router.config.moe_z_loss_coeff:
             router.config = copy.copy(router.config)  # the router's own, for this call
             router.config.moe_z_loss_coeff = static[2].moe_z_loss_coeff * z_scale
+        if getattr(router, "enable_expert_bias", False):  # for this call: megatron's own count fails on a mask
+            router.__dict__[_COUNT_ATTR] = functools.partial(_count_expert_tokens, router)
         try:
             return super()._forward_mlp(  # type: ignore[misc]
                 hidden_states, inference_context, padding_mask=padding, packed_seq_params=packed_seq_params)
         finally:
             router.tp_cp_group, router.cp_group, router.config = static
+            router.__dict__.pop(_COUNT_ATTR, None)
             _restore_metric_groups(static[0])
+
+
+def _count_expert_tokens(router: Any, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> None:
+    """``TopKRouter._apply_expert_bias`` with the ``[T]`` padding mask (True = padding) broadcast over the
+    ``[T, E]`` routing map: adds the real tokens routed to each expert to ``local_tokens_per_expert``, in training
+    forwards only (``torch.is_grad_enabled()``, as Megatron: not in evaluation, nor twice with recompute)."""
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1).to(torch.bool)
+            router.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
 def check_routers(routers: list, scope: CPScope) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..._checks import check_rope_table_dtype
 from ...scope import CPScope, capture_scope
 from ...sharding import zigzag_positions
 from .._swap import call_with_attributes, signature_without_self
@@ -128,6 +129,14 @@ class AttentionRopeMixin:
         psp = kwargs.get("packed_seq_params")
         if psp is None and idx is not None and idx < len(args):
             psp = args[idx]
+        _check_tables(kwargs.get("rotary_pos_emb"))  # a bf16 table is refused before Megatron's RoPE runs
         scope = consumer_scope(psp)  # the carried scope: the same in forward and in recompute
         collection = self._cpscope_collection(scope, self.pg_collection)  # type: ignore[attr-defined]
         return call_with_attributes(self, {"pg_collection": collection}, super().forward, *args, **kwargs)  # type: ignore[misc]
+
+
+def _check_tables(emb: Any) -> None:
+    """``rotary_pos_emb`` as Megatron passes it (a table, a ``(q, k)`` pair of tables or ``None``): float32/64."""
+    for t in emb if isinstance(emb, (tuple, list)) else (emb,):
+        if isinstance(t, torch.Tensor):
+            check_rope_table_dtype(t, "rotary_pos_emb")

@@ -118,14 +118,6 @@ class EntryMixin(ForwardSignature):
             )
 
 
-class _EntryMoE(EntryMixin, MoELayerMixin):
-    """A bare MoE ``TransformerLayer`` given to :func:`enable_runtime_cp`: the entry and its router's binding."""
-
-
-class _EntryMTP(EntryMixin, MTPModelMixin):
-    """A ``GPTModel`` with multi-token prediction: the entry and its MTP rolls' binding (:mod:`._mtp`)."""
-
-
 def _first_tensor(arguments: dict[str, Any], *names: str) -> Any:
     for name in names:
         value = arguments.get(name)
@@ -289,12 +281,13 @@ def enable_runtime_cp(model: nn.Module) -> list[str]:
     return sorted(set(names))
 
 
-def _entry_mixin(module: nn.Module) -> type:
-    """The entry's mixin, with the consumer binding the entry module itself needs (chosen once: swapping an
-    entry again would drop its state)."""
+def _entry_mixin(module: nn.Module) -> tuple[type, ...]:
+    """The entry's mixins: the entry, and the consumer binding the entry module itself needs — a bare MoE
+    ``TransformerLayer``'s router, a ``GPTModel``'s multi-token prediction rolls (:mod:`._mtp`) — chosen once:
+    swapping an entry again would drop its state."""
     if is_mtp_model(module):
-        return _EntryMTP
-    return _EntryMoE if is_moe_layer(module) else EntryMixin
+        return (EntryMixin, MTPModelMixin)
+    return (EntryMixin, MoELayerMixin) if is_moe_layer(module) else (EntryMixin,)
 
 
 class _Classes(NamedTuple):

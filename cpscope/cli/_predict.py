@@ -20,12 +20,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from ..hybrid import Plan, cp_candidates, plan_hybrid, plan_static
-from ..hybrid.problem import Cost
+from ..hybrid import CostModel, Plan, StepCost, cp_candidates, plan_hybrid, plan_static
+
+Cost = Union[CostModel, StepCost]  # what the planners take as cost=
 
 __all__ = ["Prediction", "Schedule", "predict"]
 

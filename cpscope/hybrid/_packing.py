@@ -1,12 +1,12 @@
 """From a placement to a :class:`Plan`: each block's sequences packed into microbatches, with exact rank loads.
 
-A planner decides a CP size (row of the problem's tables) and a block for every sequence; :func:`_build_plan`
+A planner decides a CP size (row of the problem's tables) and a block for every sequence; :func:`build_plan`
 packs the sequences of each (CP size, block) into microbatches of at most ``capacity`` tokens per rank by first
-fit (:func:`_first_fit`), orders them for execution and sums the rank loads under the cost model.
+fit (:func:`first_fit`), orders them for execution and sums the rank loads under the cost model.
 
 Example::
 
-    >>> _first_fit([6, 5, 4, 3], capacity=10)   # bins [6, 4] and [5, 3]
+    >>> first_fit([6, 5, 4, 3], capacity=10)   # bins [6, 4] and [5, 3]
     [0, 1, 0, 1]
 """
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Optional
 
 import numpy as np
 
-from .bound import _lower_bound
+from ._bound import problem_bound
 from .plan import Microbatch, Plan
-from .problem import _Problem
+from ._problem import Problem
 
-__all__: list[str] = []
+__all__ = ["build_plan", "first_fit"]
 
 logger = logging.getLogger(__name__)
 
 
-def _first_fit(tokens: list[int], capacity: int) -> list[int]:
+def first_fit(tokens: list[int], capacity: int) -> list[int]:
     """First fit of ``tokens`` (in the given order) into bins of ``capacity``; returns each item's bin."""
     if sum(tokens) <= capacity:
         return [0] * len(tokens)
@@ -78,7 +78,7 @@ def _finish_times(n_ranks: int, key: np.ndarray, cp: np.ndarray, block: np.ndarr
     return finish
 
 
-def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decreasing: bool = True,
+def build_plan(p: Problem, method: str, k: np.ndarray, block: np.ndarray, decreasing: bool = True,
                 lb: Optional[float] = None, microbatch_of: Optional[np.ndarray] = None,
                 seg: Optional[np.ndarray] = None) -> Plan:
     """Pack each (cp, block)'s sequences into microbatches by first fit (longest first if ``decreasing``, else
@@ -109,7 +109,7 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     if microbatch_of is None:
         too_big = np.flatnonzero(np.add.reduceat(o_tok, g_start) > p.capacity)  # groups needing several
         for a, z in zip(g_start[too_big].tolist(), g_end[too_big].tolist()):
-            sub[a:z] = _first_fit(o_tok[a:z].tolist(), p.capacity)
+            sub[a:z] = first_fit(o_tok[a:z].tolist(), p.capacity)
         if too_big.size:  # bring each microbatch's sequences together, keeping their order
             group_id = np.cumsum(new_group)
             regroup = np.lexsort((np.arange(p.n), sub, group_id))
@@ -145,7 +145,7 @@ def _build_plan(p: _Problem, method: str, k: np.ndarray, block: np.ndarray, decr
     finish = loads if p.nested else _finish_times(p.n_ranks, o_key[starts], mb_cp, mb_block, mb_cost)
     plan = Plan(method=method, n_ranks=p.n_ranks, capacity=p.capacity, lengths=tuple(p.lengths.tolist()),
                 cp_sizes=tuple(cp_seq.tolist()), microbatches=tuple(mbs), rank_loads=tuple(loads.tolist()),
-                lower_bound=_lower_bound(p) if lb is None else lb, padding_tokens=int((lp - p.lengths).sum()),
+                lower_bound=problem_bound(p) if lb is None else lb, padding_tokens=int((lp - p.lengths).sum()),
                 rank_finish=tuple(finish.tolist()), cp_candidates=tuple(p.cps.tolist()))
     logger.debug("%s plan: %d seqs on %d ranks, %d microbatches, makespan %.4g (lower bound %.4g)", method, p.n,
                  p.n_ranks, len(mbs), plan.makespan, plan.lower_bound)

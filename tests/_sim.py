@@ -1,11 +1,14 @@
 """A simulated dist layer for the group registry: one rank of an N-rank job, every call recorded, nothing sent.
 
+Test and benchmark code (it stands in for ``torch.distributed`` in ``cpscope.groups``' registry), kept out of the
+package.
+
 Example::
 
-    from cpscope import groups
-    from cpscope.groups.sim import SimulatedLayer
+    from cpscope.groups import registry
+    from tests._sim import SimulatedLayer
 
-    groups._LAYER = layer = SimulatedLayer(4096, rank=17)
+    registry._LAYER = layer = SimulatedLayer(4096, rank=17)
     groups.new_cp_groups([2 ** i for i in range(13)])     # what rank 17 of 4096 would call
     layer.calls                                          # [("gather", ...), ("new_group", (16, 17), True), ...]
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .create import TorchLayer
+from cpscope.groups.create import TorchLayer
 
 __all__ = ["SimGroup", "SimulatedLayer"]
 

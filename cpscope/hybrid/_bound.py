@@ -13,9 +13,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 import numpy.typing as npt
 
-from .problem import Cost, CpSizes, _Problem
+from ._problem import Cost, CpSizes, Problem
 
-__all__ = ["lower_bound"]
+__all__ = ["lower_bound", "problem_bound"]
 
 
 _DFF_K = (1, 2, 3)  # the dual feasible functions u^(k) the fixed-part charge is tried with
@@ -40,7 +40,7 @@ class _Tables(NamedTuple):
     count: np.ndarray  # [u]: sequences of each distinct length
 
 
-def _tables(p: _Problem) -> _Tables:
+def _tables(p: Problem) -> _Tables:
     first, count = p.first, p.count
     lat = p.lat[:, None]
     return _Tables(p.alone[:, first], p.work[:, first], p.seq[:, first], p.cps[:, None] * lat, lat,
@@ -69,7 +69,7 @@ def _needed_work(tab: _Tables, t: float) -> float:
     return best
 
 
-def _lower_bound(p: _Problem, rtol: float = 1e-4) -> float:
+def problem_bound(p: Problem, rtol: float = 1e-4) -> float:
     critical = float(np.max(p.prefix_min[-1]))
     n = float(p.n_ranks)
     tab = _tables(p)
@@ -121,4 +121,4 @@ def lower_bound(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         plan = plan_hybrid(lengths, n_ranks=4, capacity=4096)
         gap = plan.makespan / lower_bound(lengths, n_ranks=4, capacity=4096) - 1   # how far from optimal, at most
     """
-    return _lower_bound(_Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes))
+    return problem_bound(Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes))

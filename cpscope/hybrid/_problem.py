@@ -1,12 +1,12 @@
 """The planning problem every planner reads: validated inputs, the allowed CP sizes and per-sequence tables.
 
-:class:`_Problem` checks ``lengths`` / ``n_ranks`` / ``capacity`` / ``max_cp`` / ``cp_sizes`` once (``ValueError``
+:class:`Problem` checks ``lengths`` / ``n_ranks`` / ``capacity`` / ``max_cp`` / ``cp_sizes`` once (``ValueError``
 naming the values) and tabulates, for every allowed CP size (row) and sequence (column), the padded length, the time
 of the sequence alone in a microbatch and its work in rank-seconds.
 
 **CP sizes.** Any size that divides ``n_ranks`` may run: by default every divisor (at most ``max_cp``), or the set
 given as ``cp_sizes`` (``"pow2"`` keeps the powers of two only). A set whose sizes each divide the next (powers of
-two, or ``1, 3, 6, 12``) is *nested*: its aligned blocks nest, which the planners exploit (:attr:`_Problem.nested`).
+two, or ``1, 3, 6, 12``) is *nested*: its aligned blocks nest, which the planners exploit (:attr:`Problem.nested`).
 
 The cost is anything with ``_tables(padded [K, n], cps [K])`` returning ``(variants, seq [V, K, n], fixed [V, K],
 allowed [V, K])``: per communication variant, each sequence's per-rank seconds and each microbatch's fixed
@@ -19,7 +19,7 @@ Example::
 
     >>> cp_candidates(24).tolist(), cp_candidates(24, cp_sizes="pow2").tolist(), cp_candidates(64, max_cp=8).tolist()
     ([1, 2, 3, 4, 6, 8, 12, 24], [1, 2, 4, 8], [1, 2, 4, 8])
-    >>> p = _Problem([65536, 512], n_ranks=8, capacity=16384, cost=None, max_cp=None)
+    >>> p = Problem([65536, 512], n_ranks=8, capacity=16384, cost=None, max_cp=None)
     >>> p.cps[p.kmin].tolist()   # memory-minimum CP size of each sequence
     [4, 1]
 """
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 Cost = Union[CostModel, "StepCost"]
 CpSizes = Union[None, str, Iterable[int]]
 
-__all__ = ["cp_candidates", "divisors", "is_nested"]
+__all__ = ["Cost", "CpSizes", "Problem", "cp_candidates", "divisors", "first_within", "is_nested"]
 
 
-class _Problem:
+class Problem:
     """Validated inputs and the ``[n_cp, n_seqs]`` tables every planner reads (row k: CP size ``cps[k]``)."""
 
     def __init__(self, lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optional[Cost],
@@ -110,7 +110,7 @@ class _Problem:
         self.fastest = np.argmin(self.alone, axis=0)
         self.prefix_min = np.minimum.accumulate(self.alone, axis=0)  # running minimum over CP sizes
 
-    def subset(self, sizes: Iterable[int]) -> Optional["_Problem"]:
+    def subset(self, sizes: Iterable[int]) -> Optional["Problem"]:
         """The same problem with only ``sizes`` (a subset of :attr:`cps`) allowed, from the same tables; ``None``
         when some sequence fits none of them."""
         rows = np.flatnonzero(np.isin(self.cps, np.asarray(list(sizes), dtype=np.int64)))
@@ -190,7 +190,7 @@ def cp_candidates(n_ranks: int, max_cp: Optional[int] = None, cp_sizes: CpSizes 
     return np.asarray(sizes, dtype=np.int64)
 
 
-def _first_within(prefix_min: np.ndarray, fastest: np.ndarray, target: float) -> np.ndarray:
+def first_within(prefix_min: np.ndarray, fastest: np.ndarray, target: float) -> np.ndarray:
     """Per sequence, the index of the smallest CP size whose time alone is ≤ target (else the fastest one),
     from the running minimum over CP sizes ``[K, n]`` (non-increasing, so a count finds it)."""
     k = np.count_nonzero(prefix_min > target, axis=0)

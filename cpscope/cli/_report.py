@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..hybrid import CostModel
-from .predict import Prediction
-from .shape import LINEAR_CHUNK, Assumptions, Hardware, ModelShape, NodeAwareCost
+from ._predict import Prediction
+from ._shape import LINEAR_CHUNK, Assumptions, Hardware, ModelShape, NodeAwareCost
 
 __all__ = ["plot", "render", "to_json"]
 

@@ -6,7 +6,7 @@ Example::
 
     >>> import numpy as np
     >>> loads = np.zeros(2, dtype=np.int64)
-    >>> _lpt_prefix(loads, np.array([5, 4, 3, 2]), t_q=6).tolist(), loads.tolist()   # 3 would end at 7 > 6
+    >>> lpt_prefix(loads, np.array([5, 4, 3, 2]), t_q=6).tolist(), loads.tolist()   # 3 would end at 7 > 6
     ([0, 1], [5, 4])
 """
 from __future__ import annotations
@@ -15,16 +15,16 @@ import heapq
 
 import numpy as np
 
-__all__: list[str] = []
+__all__ = ["NO_LIMIT", "lpt_heap", "lpt_prefix"]
 
-_NO_LIMIT = np.iinfo(np.int64).max
+NO_LIMIT = np.iinfo(np.int64).max
 _KEY_LIMIT = 2**62  # argsort keys load·n_blocks + block must stay below this
 _HEAP_BLOCKS = 64  # below this many blocks, a heap beats numpy rounds
 _SHORT_ROUND = 16  # a numpy round placing fewer items than this hands over to the heap
 
 
-def _lpt_heap(loads: np.ndarray, heights: np.ndarray, t_q: float) -> list[int]:
-    """:func:`_lpt_prefix`, one item at a time with a heap of (load, block)."""
+def lpt_heap(loads: np.ndarray, heights: np.ndarray, t_q: float) -> list[int]:
+    """:func:`lpt_prefix`, one item at a time with a heap of (load, block)."""
     heap = list(zip(loads.tolist(), range(loads.size)))
     heapq.heapify(heap)
     chosen = []
@@ -39,14 +39,14 @@ def _lpt_heap(loads: np.ndarray, heights: np.ndarray, t_q: float) -> list[int]:
     return chosen
 
 
-def _lpt_prefix(loads: np.ndarray, heights: np.ndarray, t_q: int) -> np.ndarray:
+def lpt_prefix(loads: np.ndarray, heights: np.ndarray, t_q: int) -> np.ndarray:
     """LPT: items (``heights`` sorted descending) one at a time onto the least-loaded block (ties: lower index),
     ``loads`` updated in place, stopping before the first item that would end after ``t_q``. Returns the blocks
     of the items placed. With many blocks it runs in numpy rounds, in which items land on the blocks in load
     order for as long as that provably equals the one-at-a-time result (a heap takes over if rounds get short)."""
     n, nb = heights.size, loads.size
     if nb <= _HEAP_BLOCKS:
-        return np.asarray(_lpt_heap(loads, heights, t_q), dtype=np.int64)
+        return np.asarray(lpt_heap(loads, heights, t_q), dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
@@ -69,7 +69,7 @@ def _lpt_prefix(loads: np.ndarray, heights: np.ndarray, t_q: int) -> np.ndarray:
         if j_fail < j_stale:  # the next item overflows even the least-loaded block
             break
         if cnt < _SHORT_ROUND and pos < n:
-            rest = _lpt_heap(loads, heights[pos:], t_q)
+            rest = lpt_heap(loads, heights[pos:], t_q)
             out[pos:pos + len(rest)] = rest
             pos += len(rest)
             break
