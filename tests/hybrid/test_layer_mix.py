@@ -13,7 +13,7 @@ import pytest
 
 from cpscope.cli import parser
 from cpscope.cli.plan import build
-from cpscope.cli.shape import PRESETS, Assumptions, Hardware, ModelShape, analytic_cost
+from cpscope.cli._shape import PRESETS, Assumptions, Hardware, ModelShape, analytic_cost
 from cpscope.hybrid import CostModel, LayerMix, plan_hybrid
 
 QWEN3_NEXT_JSON = {  # the fields of Qwen3-Next-80B-A3B's config.json that the shape reads
