@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import logging
 import math
 import os
@@ -349,7 +350,10 @@ def _run(args, dev: torch.device, dtype: torch.dtype, timer: Timer, calls: dict)
             log.info("%s %6d: cpscope %s ms, flex %s ms (ratio %s), before %s ms, parity %s", layout, n,
                      row.get("cpscope_ms"), row.get("flex_ms", row.get("flex_fwd_ms")), row.get("ratio"),
                      row.get("cpscope_exact_ms"), row.get("parity_vs_flex"))
-    if args.hf_seqlens:
+    if args.hf_seqlens and importlib.util.find_spec("transformers") is None:
+        res["skipped"] = {"gemma2": "transformers is not installed (pip install transformers)"}
+        log.warning("Gemma 2 rows skipped: %s", res["skipped"]["gemma2"])
+    elif args.hf_seqlens:
         res["gemma2"] = attempt(res, "gemma2", lambda: gemma_rows(args, dev, dtype, timer)) or []
         for row in res["gemma2"]:
             log.info("Gemma 2 %6d: cpscope %s ms, flex_attention %s ms, sdpa %s ms (x%s / x%s of flex / sdpa), "

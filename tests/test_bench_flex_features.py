@@ -3,6 +3,7 @@ the float64 check, the Gemma 2 rows against ``attn_implementation="eager"``) thr
 float64 check fails on a wrong result. The GPU numbers come from the full run (``docs/attention_kernels.md``)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -19,9 +20,12 @@ def test_tiny_run(tmp_path):
     for row in res["attention"]:
         assert row["cpscope_ms"] and row["parity_vs_flex"]["ok"], row
     assert res["attention"][0]["cpscope_exact_ms"]  # the route before: FlexAttention off
+    assert res["flex_calls"]["attend"] > 0  # the calls went through FlexAttention
+    if importlib.util.find_spec("transformers") is None:  # the core-only pass: the Gemma 2 rows say why they are absent
+        assert not res["gemma2"] and "transformers" in res["skipped"]["gemma2"], res
+        return
     (gemma,) = res["gemma2"]
     assert gemma["ok"] and gemma["checked_against"] == "eager" and gemma["cpscope_ms"], gemma
-    assert res["flex_calls"]["attend"] > 0  # the calls went through FlexAttention
 
 
 def test_reference_check_fails_on_a_wrong_result(monkeypatch):
