@@ -75,6 +75,8 @@ PENDING = {
 # Containers emptied by a function registered with register_clear: container -> that function.
 CLEARED_BY = {
     "cpscope.attention.kernels.cudnn_frontend._graphs": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
+    "cpscope.attention.kernels.cudnn_frontend._kernel_caches": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
+    "cpscope.attention.kernels.cudnn_frontend._static": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
     "cpscope.attention.kernels.cudnn_dense._consts": "cpscope.attention.kernels.cudnn_dense.clear_constants",
 }
 

@@ -134,3 +134,50 @@ def test_batch_bucketing_pads_with_empty_sequences(fake, monkeypatch):
     assert {key[1] for key in cudnn_frontend.cached_graphs()} == {3, 4}  # graphs for 3 and for 4 (bucketed) sequences
     for a, b in zip(res[True], res[False]):
         assert torch.equal(a, b)
+
+
+# ---- dynamic-shape graphs and the kernel cache (KernelPolicy.kernel_cache) ---------------------------------------
+
+_STREAM = [[0, 9, 24], [0, 5, 12, 30, 31], [0, 40], [0, 3, 6, 9, 12, 15, 18, 21, 24]]  # four pack shapes
+
+
+def test_new_pack_shapes_share_one_kernel_cache(fake):
+    """Every graph of a stream of pack shapes is a dynamic-shape graph bound to the device's one kernel cache, and
+    each pack's numbers still match the float64 reference."""
+    made = []
+    real = fake.pygraph
+    fake.pygraph = lambda **kw: made.append(real(**kw)) or made[-1]
+    for cu in _STREAM:
+        _check_block(cu, cu, 4, 2, 16, 16, True)
+    assert len(made) >= 2 * len(_STREAM) - 2  # a new forward and backward graph for (nearly) every shape
+    caches = {id(g.kernel_cache) for g in made}
+    assert all(g.dynamic and g.kernel_cache is not None for g in made) and len(caches) == 1
+
+
+def test_kernel_cache_off_builds_static_graphs(fake):
+    made = []
+    real = fake.pygraph
+    fake.pygraph = lambda **kw: made.append(real(**kw)) or made[-1]
+    with use_kernel_policy(kernel_cache=False):
+        _check_block(_STREAM[0], _STREAM[0], 4, 2, 16, 16, True)
+    assert made and not any(g.dynamic or g.kernel_cache is not None for g in made)
+
+
+def test_family_refused_with_dynamic_shapes_is_built_static_from_then_on(fake, caplog):
+    """A frontend that refuses a dynamic-shape graph: that graph is built static (right numbers), one log line,
+    and the family's later shapes go static at once (no second refused try)."""
+    tries = []
+    real = fake.pygraph
+
+    def pygraph(**kw):
+        tries.append(bool(kw.get("is_dynamic_shape_enabled")))
+        if kw.get("is_dynamic_shape_enabled"):
+            raise RuntimeError("dynamic shapes not supported for this graph (fake)")
+        return real(**kw)
+
+    fake.pygraph = pygraph
+    with caplog.at_level("INFO", logger=cudnn_frontend.__name__):
+        for cu in _STREAM[:3]:
+            _check_block(cu, cu, 4, 2, 16, 16, True)
+    assert tries[:2] == [True, False] and tries.count(True) == 2  # once per family: forward, backward
+    assert len([r for r in caplog.records if "dynamic shapes" in r.getMessage()]) == 2
