@@ -31,6 +31,7 @@ import math
 import numbers
 import operator
 import threading
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -45,6 +46,7 @@ from .._checks import (
 from .. import _hooks
 from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
+from .._tensor_cache import register_clear
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
 from ..scope import UNSET as _UNSET, resolve_scope
@@ -92,7 +94,14 @@ _compile_off: set[tuple[Any, ...]] = set()
 
 
 def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(fn, dynamic=True)
+    # a copy with a code object of its own: torch keeps compiled code per code object, so clearing drops that too
+    return torch.compile(types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__), dynamic=True)
+
+
+@register_clear  # cpscope.clear_caches() drops the compiled math (compiled again on next use)
+def _forget_compiled() -> None:
+    global _compiled
+    _compiled = None
 
 
 def _causes(e: Optional[BaseException]) -> Iterator[BaseException]:
