@@ -200,7 +200,8 @@ def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     q = torch.randn(1, 32, 4, 16).bfloat16()
     k, v = (torch.randn(1, 16, 2, 16).bfloat16() for _ in range(2))
     cudnn_dense.forward(q, k, v, scale=0.25, causal=False, window=(7, 7))
-    return lambda: len(fe._graphs) * len(cudnn_dense._consts)  # both filled, and 0 once either is empty
+    assert fe._graphs and cudnn_dense._consts  # both filled
+    return lambda: len(fe._graphs) + len(cudnn_dense._consts)
 
 
 def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -213,7 +214,8 @@ def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     q, k, v = (torch.randn(1, 24, 2, 16) for _ in range(3))
     flex.forward(q, k, v, 0.25, True, None, window=(7, 0), softcap=20.0)
     flex._compiled_for((torch.device("cuda", 0), torch.bfloat16, 2, 2, 16, 16, 0.25, 20.0, False))
-    return lambda: len(flex._dense_masks) * len(flex._score_mods) * len(flex._compiled)
+    assert flex._dense_masks and flex._score_mods and flex._compiled  # all three filled
+    return lambda: len(flex._dense_masks) + len(flex._score_mods) + len(flex._compiled)
 
 
 def _fill_mixers(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -237,6 +239,35 @@ def _fill_rope_compiled(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     t = torch.randn(1, 8, 2, 16)
     api.apply_rotary_pos_emb(t, cpscope.rotary_freqs(16, 8), qkv_format="bshd", group=None, impl="compiled")
     return lambda: int(api._compiled is not None)
+
+
+def _fill_owned(tmp_path: Path, monkeypatch) -> Callable[[], int]:
+    """Caches kept on modules (``_tensor_cache.owned``): ``cpscope.RotaryEmbedding``'s table and the Megatron RoPE
+    adapter's angle table and process-group collection (on stand-ins with the attributes its mixins read: no
+    megatron-core needed)."""
+    import types
+
+    from cpscope.integrations.megatron import _rope
+
+    class Rotary(_rope.RotaryTableMixin, torch.nn.Module):
+        rotary_interleaved = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+
+        def get_freqs_non_repeated(self, n: int, offset: int = 0) -> torch.Tensor:
+            return torch.outer(torch.arange(n, dtype=torch.float32) + offset, self.inv_freq)
+
+    class Attention(_rope.AttentionRopeMixin, torch.nn.Module):
+        pass
+
+    rope, rotary, attention = cpscope.RotaryEmbedding(8), Rotary(), Attention()
+    assert rope(16).shape == rotary(16).shape == (16, 1, 1, 8)
+    attention._cpscope_collection(cpscope.capture_scope(), types.SimpleNamespace(cp=None))
+    held = [(rope, "_tables"), (rotary, "_cpscope_tables"), (attention, "_cpscope_collections")]
+    assert all(m.__dict__[name] for m, name in held)  # every one filled
+    return lambda: sum(len(m.__dict__[name]) for m, name in held)
 
 
 def _fill_sentinel_wrapper(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -267,6 +298,7 @@ FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope.attention.kernels.flex._score_mods": _fill_flex,
     "cpscope.integrations.hf.mixers._VERDICTS": _fill_mixers,
     "cpscope.rope.api._compiled": _fill_rope_compiled,
+    "cpscope._tensor_cache._OWNED": _fill_owned,
     "cpscope._sentinel.core._compiler_disabled": _fill_sentinel_wrapper,
     "cpscope.attention.merge._kernels": _fill_triton("cpscope.attention.merge._kernels"),
     "cpscope.attention._sink_kernels._jitted": _fill_triton("cpscope.attention._sink_kernels._jitted"),
@@ -409,3 +441,15 @@ def test_lru_is_a_registered_lru_cache():
         assert twice.cache_info().currsize == 0 and twice(3) == 6 and calls == [3, 3]
     finally:
         _tensor_cache._CLEARS.remove(twice.cache_clear)
+
+
+def test_owned_caches_of_copies_are_cleared_too():
+    """A deep copy of a module copies its cache dict; its next use makes the copy's cache known to clear_caches."""
+    import copy
+
+    rope = cpscope.RotaryEmbedding(8)
+    rope(16)
+    twin = copy.deepcopy(rope)
+    assert twin.__dict__["_tables"] and twin(8).shape == (8, 1, 1, 8)
+    cpscope.clear_caches()
+    assert not rope.__dict__["_tables"] and not twin.__dict__["_tables"]
