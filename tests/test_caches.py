@@ -219,6 +219,7 @@ def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 
 def _fill_mixers(tmp_path: Path, monkeypatch) -> Callable[[], int]:
+    pytest.importorskip("transformers")
     from cpscope.integrations.hf import mixers
 
     class Config:  # weakly referenceable, like transformers' configs
@@ -384,7 +385,12 @@ def test_scan_sees_a_new_bare_cache(tmp_path):
 
 def test_registered_clears_are_in_the_registry():
     """Each container's clear function is one that clear_caches calls."""
-    clears = {q: _get(fn) for q, fn in CLEARED_BY.items()}  # imported first: a module registers when imported
+    clears = {}
+    for q, fn in CLEARED_BY.items():  # imported first: a module registers when imported
+        try:
+            clears[q] = _get(fn)
+        except ImportError:  # core-only run: its optional package is hidden, so neither module nor cache exists
+            continue
     missing = sorted(q for q, fn in clears.items() if fn not in _tensor_cache.registered())
     assert not missing, f"clear functions not registered with register_clear: {missing}"
 
