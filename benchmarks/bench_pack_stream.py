@@ -8,8 +8,6 @@ counts). Rows per token count:
 
 * ``cpscope`` — ``context_parallel_attention(qkv_format="thd")`` at CP1, then ``cpscope_again``: the same packs a
   second time (new offsets tensors, the graph caches warm: what per-shape work costs is the difference);
-* ``cpscope_static`` (CUDA) — the stream once more after clearing the graph cache, every graph built static
-  (``KernelPolicy(kernel_cache=False)``): what cuDNN's kernel cache saves on new shapes;
 * ``varlen_attn`` — ``torch.nn.attention.varlen.varlen_attn`` (causal; GQA natively where it takes it, else k/v
   expanded to the query heads inside each timed step, as its user must);
 * ``flex`` — ``torch.compile(flex_attention)`` with a document-causal block mask built per pack
@@ -248,14 +246,6 @@ def run_tokens(args, dev: torch.device, dtype: torch.dtype, tokens: int, out: di
             if name == "cpscope":
                 rows[name]["cudnn_graphs"] = _graph_keys()
                 rows["cpscope_again"] = stream("cpscope_again", fn, x, packs, dev, keep_first=False)
-                if dev.type == "cuda" and not args.no_static_row:  # the same stream with every graph built static
-                    from cpscope.attention.kernels import cudnn_frontend
-                    from cpscope.attention.policy import use_kernel_policy
-
-                    cudnn_frontend.clear_cache()
-                    with use_kernel_policy(kernel_cache=False):
-                        rows["cpscope_static"] = stream("cpscope_static", fn, x, packs, dev, keep_first=False)
-                    rows["cpscope_static"]["cudnn_graphs"] = _graph_keys()
         attempt(res, name, go)
     # parity on the first pack: every method against cpscope's results (bf16 tolerance)
     ref = rows.get("cpscope", {}).get("_first")
@@ -430,9 +420,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--tol-pair", type=float, default=2e-2)
     ap.add_argument("--tol-ref", type=float, default=1e-2)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--no-static-row", action="store_true",
-                    help="skip the cpscope_static row (CUDA: the stream again, cache cleared, KernelPolicy("
-                         "kernel_cache=False): what cuDNN's kernel cache saves)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-packs", type=int, default=30)
     ap.add_argument("--hf-tokens", type=int, default=16384)

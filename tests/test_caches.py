@@ -76,8 +76,6 @@ PROBES = {
 # Containers and rebound names emptied by a function registered with register_clear: name -> that function.
 CLEARED_BY = {
     "cpscope.attention.kernels.cudnn_frontend._graphs": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
-    "cpscope.attention.kernels.cudnn_frontend._kernel_caches": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
-    "cpscope.attention.kernels.cudnn_frontend._static": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
     "cpscope.attention.kernels.cudnn_dense._consts": "cpscope.attention.kernels.cudnn_dense.clear_constants",
     "cpscope.attention.kernels.flex._compiled": "cpscope.attention.kernels.flex.clear_cache",
     "cpscope.attention.kernels.flex._dense_masks": "cpscope.attention.kernels.flex.clear_cache",
@@ -191,7 +189,6 @@ def _fake_cudnn(monkeypatch):
     monkeypatch.setattr(fe, "stream", lambda device: 0)
     monkeypatch.setattr(fe, "handle", lambda device: object())
     monkeypatch.setattr(fe, "available", lambda device: True)
-    return cudnn
 
 
 def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -203,28 +200,8 @@ def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     q = torch.randn(1, 32, 4, 16).bfloat16()
     k, v = (torch.randn(1, 16, 2, 16).bfloat16() for _ in range(2))
     cudnn_dense.forward(q, k, v, scale=0.25, causal=False, window=(7, 7))
-    assert fe._graphs and cudnn_dense._consts and fe._kernel_caches  # all filled
-    return lambda: len(fe._graphs) + len(cudnn_dense._consts) + len(fe._kernel_caches)
-
-
-def _fill_cudnn_static(tmp_path: Path, monkeypatch) -> Callable[[], int]:
-    """A dense block on a fake frontend that refuses dynamic-shape graphs: the family is remembered as static."""
-    from cpscope.attention.kernels import cudnn_dense, cudnn_frontend as fe
-
-    cudnn = _fake_cudnn(monkeypatch)
-    real = cudnn.pygraph
-
-    def pygraph(**kw):
-        if kw.get("is_dynamic_shape_enabled"):
-            raise RuntimeError("no dynamic shapes (fake)")
-        return real(**kw)
-
-    cudnn.pygraph = pygraph
-    q = torch.randn(1, 32, 4, 16).bfloat16()
-    k, v = (torch.randn(1, 16, 2, 16).bfloat16() for _ in range(2))
-    cudnn_dense.forward(q, k, v, scale=0.25, causal=False, window=(7, 7))
-    assert fe._static
-    return lambda: len(fe._static)
+    assert fe._graphs and cudnn_dense._consts  # both filled
+    return lambda: len(fe._graphs) + len(cudnn_dense._consts)
 
 
 def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -316,8 +293,6 @@ FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope._tensor_cache._BY_VALUE": _fill_tensor_cache,
     "cpscope.train.auto._load": _fill_comm_cost_load,
     "cpscope.attention.kernels.cudnn_frontend._graphs": _fill_cudnn,
-    "cpscope.attention.kernels.cudnn_frontend._kernel_caches": _fill_cudnn,
-    "cpscope.attention.kernels.cudnn_frontend._static": _fill_cudnn_static,
     "cpscope.attention.kernels.cudnn_dense._consts": _fill_cudnn,
     "cpscope.attention.kernels.flex._compiled": _fill_flex,
     "cpscope.attention.kernels.flex._dense_masks": _fill_flex,

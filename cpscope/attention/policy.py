@@ -46,10 +46,6 @@ class KernelPolicy:
         fixed_form: how graphs with host scalars (a softcap's constants) execute: ``"ordered"`` or ``"mapping"``.
         cudnn_constants: a score modifier's constants as pass-by-value host tensors (``"host"``) or the frontend's
             runtime scalars (``"runtime"``).
-        kernel_cache: cuDNN graphs are built as dynamic-shape graphs sharing one kernel cache per device, so that a
-            new pack shape binds the kernel compiled for an earlier shape of the same topology instead of compiling
-            its own (the per-shape cost of a stream of packs); a family the frontend refuses in that form is built
-            static from then on. ``False``: every graph static, as before.
         flex: FlexAttention's place in the router's table: ``"auto"`` (where its row lists it, on CUDA), ``"first"``
             (first in every row that lists it, on any device: the CPU runs its eager math — tests and benchmarks) or
             ``"off"``.
@@ -63,7 +59,6 @@ class KernelPolicy:
     ordered_execute: bool = True
     fixed_form: str = "ordered"
     cudnn_constants: str = "host"
-    kernel_cache: bool = True
     flex: str = "auto"
 
     def __post_init__(self) -> None:

@@ -103,13 +103,8 @@ class _Eval:
 
 
 class _Graph:
-    def __init__(self, cudnn, io_data_type, intermediate_data_type, compute_data_type, handle,
-                 is_dynamic_shape_enabled=False, kernel_cache=None):
+    def __init__(self, cudnn, io_data_type, intermediate_data_type, compute_data_type, handle):
         self.cudnn, self.io, self.ops, self._uid = cudnn, io_data_type, [], 0
-        self.dynamic, self.kernel_cache = is_dynamic_shape_enabled, kernel_cache
-        if kernel_cache is not None:
-            assert is_dynamic_shape_enabled, "cuDNN caches kernels of dynamic-shape graphs only"
-            kernel_cache.graphs += 1
 
     def next_uid(self):
         self._uid += 1
@@ -282,8 +277,7 @@ def fake_cudnn():
         diagonal_alignment=e(TOP_LEFT="top_left", BOTTOM_RIGHT="bottom_right"),
         scalar_type=e(COMPILE_TIME_CONST="const", RUNTIME_PARAM="runtime"),
         heur_mode=e(A="A", FALLBACK="FALLBACK"), backend_version=lambda: 91900,
-        create_handle=lambda: object(), set_stream=lambda handle, stream: None,
-        create_kernel_cache=lambda: types.SimpleNamespace(graphs=0))
+        create_handle=lambda: object(), set_stream=lambda handle, stream: None)
     m.pygraph = lambda **kw: _Graph(m, **kw)
     return m
 

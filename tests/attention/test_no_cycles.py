@@ -34,7 +34,7 @@ def _collector_off():
 
 
 def _holds_tensor(frame: types.FrameType) -> bool:
-    return any(isinstance(v, torch.Tensor) for v in frame.f_locals.values())
+    return any(type(v) not in weakref.ProxyTypes and isinstance(v, torch.Tensor) for v in frame.f_locals.values())
 
 
 def _cyclic_garbage() -> list[str]:
@@ -44,7 +44,8 @@ def _cyclic_garbage() -> list[str]:
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         gc.collect()
-        found = [o for o in gc.garbage if isinstance(o, torch.Tensor) or isinstance(o, types.FrameType) and (
+        live = [o for o in gc.garbage if type(o) not in weakref.ProxyTypes]  # a dead proxy raises on isinstance
+        found = [o for o in live if isinstance(o, torch.Tensor) or isinstance(o, types.FrameType) and (
             _holds_tensor(o))]
         gc.garbage.clear()
     finally:

@@ -1,8 +1,9 @@
 """A stream of new pack shapes on the GPU, the way a loader feeds CP1 (issue 31): every pack's forward and gradients
-against a float64 per-document reference — the packs after the first bind kernels that cuDNN's kernel cache compiled
-for an earlier shape (``KernelPolicy.kernel_cache``), so each new shape is checked, not only the first — and, with
-Python's cyclic collector off for the whole stream, nothing the calls allocated is still held afterwards (the
-cuDNN frontend's plan-search cycle once kept each new shape's tensors: 3.4 GiB over 100 packs of 16k tokens).
+against a float64 per-document reference — each new shape builds new graphs, so each is checked, not only the first
+(cuDNN's kernel cache with dynamic-shape graphs gave a relative error of 1.14 and NaN gradients on the second shape,
+then illegal memory accesses: H100, cuDNN 9.19, frontend 1.32; cpscope does not use it) — and, with Python's cyclic
+collector off for the whole stream, nothing the calls allocated is still held afterwards (the cuDNN frontend's
+plan-search cycle once kept each new shape's tensors: 3.4 GiB over 100 packs of 16k tokens).
 
 ``python -m pytest -m gpu tests/attention/test_pack_stream_gpu.py``
 """

@@ -153,8 +153,7 @@ def test_refused_graph_runs_the_next_route_and_warns_once(monkeypatch, caplog):
             out, lse = router.block_forward(q, k, v, scale=0.3, causal=True, varlen=vl, window=(3, 0))
     want = exact.forward(q, k, v, 0.3, True, vl, (3, 0), None)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    # built twice, once: as a dynamic-shape graph (KernelPolicy.kernel_cache), then static; never again
-    assert len(built) == 2 and len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+    assert len(built) == 1 and len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
     assert "Stats must be packed" in next(iter(router.fallbacks().values()))
     cudnn_frontend.clear_cache()
 

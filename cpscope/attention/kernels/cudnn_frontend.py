@@ -61,10 +61,6 @@ CACHE_SIZE = 256  # graphs; one microbatch shape needs ~6-8 (forward/backward x 
 _lock = threading.Lock()
 _graphs: "OrderedDict[tuple, Built]" = OrderedDict()
 _handles: dict = {}
-_kernel_caches: dict = {}  # device index -> the frontend's kernel cache (KernelPolicy.kernel_cache)
-_static: dict = {}  # graph family (a key's first item) -> why the frontend refused it as a dynamic-shape graph
-_build_lock = threading.Lock()  # one build at a time: the kernel caches and the builder thread's options
-_building = threading.local()  # on the builder thread: whether new_graph makes a dynamic-shape graph
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,8 +104,6 @@ def clear_cache() -> None:
     """Drop the cached cuDNN graphs (they are rebuilt on demand)."""
     with _lock:
         _graphs.clear()
-        _kernel_caches.clear()
-        _static.clear()
 
 
 def _release_at_exit() -> None:
@@ -117,13 +111,12 @@ def _release_at_exit() -> None:
     works, so that no frontend object is alive when its extension is torn down (nanobind prints "leaked instances"
     warnings for those). Does nothing in a process that never built a graph."""
     with _lock:
-        graphs, handles, caches = list(_graphs.values()), dict(_handles), list(_kernel_caches.values())
+        graphs, handles = list(_graphs.values()), dict(_handles)
         _graphs.clear()
         _handles.clear()
-        _kernel_caches.clear()
-    if not graphs and not handles and not caches:
+    if not graphs and not handles:
         return
-    del graphs, caches
+    del graphs
     gc.collect()  # graphs in reference cycles (a graph keeps its score modifier's Python callables)
     cudnn = module()
     for idx, h in handles.items():
@@ -223,25 +216,13 @@ class Spec(NamedTuple):
         return self.strides
 
 
-def _kernel_cache(device: torch.device) -> Any:
-    """The frontend's kernel cache of ``device`` (made on first use; under :data:`_build_lock`)."""
-    idx = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else -1)
-    kc = _kernel_caches.get(idx)
-    if kc is None:
-        kc = _kernel_caches[idx] = module().create_kernel_cache()
-    return kc
-
-
-def _build_apart(build: Callable[[], Built], device: Any, dynamic: bool) -> tuple[Optional[Built], Optional[str]]:
+def _build_apart(build: Callable[[], Built], device: Any) -> tuple[Optional[Built], Optional[str]]:
     """``(build(), None)``, or ``(None, why)`` if it raised — run on a thread of its own, so that any reference cycle
     the frontend leaves through its frames reaches the builder's frames only, never the caller's (whose locals are
-    the step's activations). The refusal comes back as text: the exception, its traceback cleared, stays behind.
-    ``dynamic``: :func:`new_graph` makes a dynamic-shape graph with the device's kernel cache."""
+    the step's activations). The refusal comes back as text: the exception, its traceback cleared, stays behind."""
     box: list = [None, None]
 
     def work() -> None:
-        _building.dynamic = dynamic
         try:
             if getattr(device, "type", None) == "cuda":
                 with torch.cuda.device(device):
@@ -272,17 +253,7 @@ def cached(key: tuple, build: Callable[[], Built], device: Optional[torch.device
             _graphs.move_to_end(key)
             return g
     t0 = time.perf_counter()
-    family = key[0] if key else None
-    with _build_lock:
-        dynamic = kernel_policy().kernel_cache and family not in _static
-        g, why = _build_apart(build, device, dynamic)
-        if why is not None and dynamic:  # refused as a dynamic-shape graph: this family is built static from now on
-            g, why_static = _build_apart(build, device, False)
-            if why_static is None:
-                _static[family] = why[:300]
-                log.info("cuDNN refused %r graphs with dynamic shapes (%s); they are built static from now on",
-                         family, why[:300])
-            why = why_static
+    g, why = _build_apart(build, device)
     if why is not None:
         raise GraphUnsupported(f"cuDNN graph {key[:1]} not built: {why}")
     log.debug("cuDNN attention graph %s built in %.0f ms", key[:8], 1e3 * (time.perf_counter() - t0))
@@ -301,14 +272,9 @@ def _takes_tensor_uids(graph: Any) -> bool:
 
 
 def new_graph(cudnn: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """An empty SDPA graph for ``dtype`` inputs (fp32 intermediates and compute) on ``device``'s handle; inside
-    :func:`cached`'s build with :attr:`~cpscope.attention.policy.KernelPolicy.kernel_cache`, a dynamic-shape graph
-    bound to the device's kernel cache (a new shape reuses the kernel compiled for an earlier one)."""
-    kw = {}
-    if getattr(_building, "dynamic", False):
-        kw = {"is_dynamic_shape_enabled": True, "kernel_cache": _kernel_cache(device)}
+    """An empty SDPA graph for ``dtype`` inputs (fp32 intermediates and compute) on ``device``'s handle."""
     return cudnn.pygraph(io_data_type=io_type(cudnn, dtype), intermediate_data_type=cudnn.data_type.FLOAT,
-                         compute_data_type=cudnn.data_type.FLOAT, handle=handle(device), **kw)
+                         compute_data_type=cudnn.data_type.FLOAT, handle=handle(device))
 
 
 def finish(cudnn: Any, graph: Any, named: dict, fixed: Optional[dict] = None) -> Built:
