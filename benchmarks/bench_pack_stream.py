@@ -8,7 +8,8 @@ counts). Rows per token count:
 
 * ``cpscope`` — ``context_parallel_attention(qkv_format="thd")`` at CP1, then ``cpscope_again``: the same packs a
   second time (new offsets tensors, the graph caches warm: what per-shape work costs is the difference);
-* ``varlen_attn`` — ``torch.nn.attention.varlen.varlen_attn`` (causal, GQA where it takes it);
+* ``varlen_attn`` — ``torch.nn.attention.varlen.varlen_attn`` (causal; GQA natively where it takes it, else k/v
+  expanded to the query heads inside each timed step, as its user must);
 * ``flex`` — ``torch.compile(flex_attention)`` with a document-causal block mask built per pack
   (``create_block_mask`` counted in the pack's time); its compile (one throw-away pack) on its own line.
 
@@ -117,13 +118,20 @@ def varlen_fn(dev: torch.device) -> Callable:
     call, how = _varlen_api()
     if call is None:
         raise RuntimeError(how)
-    if how != "enable_gqa":
-        raise RuntimeError("varlen_attn without enable_gqa: not compared (k/v would need expanding)")
+    expand = how != "enable_gqa"  # this torch's varlen_attn takes no GQA: k/v expanded inside the timed step, as a
+    # user of it must (its time and memory count; the gradients flow back to the grouped k/v)
+    if expand:
+        log.info("varlen_attn has no enable_gqa in torch %s: k/v expanded to the query heads inside each timed step",
+                 torch.__version__)
 
     def run(x: Inputs, cu: tuple[int, ...]):
         cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
         m = max(_lens(cu))
-        out = call(x.q, x.k, x.v, cu_t, cu_t, m, m)
+        k, v = x.k, x.v
+        if expand and x.q.shape[1] != k.shape[1]:
+            g = x.q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        out = call(x.q, k, v, cu_t, cu_t, m, m)
         return out, torch.autograd.grad(out, (x.q, x.k, x.v), x.dout)
 
     return run

@@ -25,7 +25,8 @@ Values are shared by every caller: treat them as read-only, and never hand one t
 :func:`clear_caches` (``cpscope.clear_caches``) drops this cache and calls every function registered with
 :func:`register_clear` (the cuDNN graph cache of packed attention registers itself). A function-level memo is
 written with :func:`lru` (``functools.lru_cache``, registered with :func:`clear_caches`), never with
-``functools.lru_cache`` directly: ``tests/test_caches.py`` scans the package for caches that :func:`clear_caches`
+``functools.lru_cache`` directly; a cache kept on an object (a module's tables) is made with :func:`owned`, which
+:func:`clear_caches` empties too. ``tests/test_caches.py`` scans the package for caches that :func:`clear_caches`
 cannot reach. Nothing cached is needed for correctness; clearing frees memory and costs a rebuild on next use.
 
 Example::
@@ -44,7 +45,7 @@ from typing import Any, Callable, Hashable, Optional, TypeVar
 import torch
 
 __all__ = [
-    "derived", "by_value", "lru", "register_clear", "registered", "clear_caches", "stats", "PER_TENSOR",
+    "derived", "by_value", "lru", "owned", "register_clear", "registered", "clear_caches", "stats", "PER_TENSOR",
     "VALUE_CACHE_SIZE",
 ]
 
@@ -56,6 +57,7 @@ VALUE_CACHE_SIZE = 64  # values kept for value keys (offsets given as Python seq
 _MISSING: Any = object()
 _LOCK = threading.Lock()
 _CLEARS: list[Callable[[], None]] = []
+_OWNED: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()  # object -> names of its caches
 
 
 class _Entry:
@@ -211,6 +213,25 @@ def lru(maxsize: Optional[int] = 128) -> Callable[[F], F]:
     return wrap
 
 
+def owned(owner: Any, name: str) -> dict:
+    """The dict ``owner.__dict__[name]`` (made on first use): a cache that lives and dies with ``owner`` — a module's
+    tables — and that :func:`clear_caches` empties too. Call it on every use: a copy of ``owner`` (``deepcopy``
+    copies its ``__dict__``) is then known as well.
+
+    Example::
+
+        tables = owned(self, "_cpscope_tables")       # in a module's forward
+    """
+    cache = owner.__dict__.get(name)
+    if cache is None:
+        cache = owner.__dict__[name] = {}
+    names = _OWNED.get(owner)
+    if names is None or name not in names:
+        with _LOCK:
+            _OWNED.setdefault(owner, set()).add(name)
+    return cache
+
+
 def registered() -> tuple[Callable[[], None], ...]:
     """The functions :func:`clear_caches` calls besides dropping this module's own caches (for tests)."""
     with _LOCK:
@@ -218,7 +239,8 @@ def registered() -> tuple[Callable[[], None], ...]:
 
 
 def clear_caches() -> None:
-    """Drop every cache cpscope keeps: per-tensor and per-value values and every registered cache.
+    """Drop every cache cpscope keeps: per-tensor and per-value values, the caches kept on objects (:func:`owned`)
+    and every registered cache.
 
     Nothing cached is needed for correctness (a pending backward keeps what it uses); clearing frees memory and
     costs a rebuild on next use.
@@ -231,6 +253,12 @@ def clear_caches() -> None:
         _BY_TENSOR.clear()
         _BY_VALUE.clear()
         clears = list(_CLEARS)
+        owned_now = [(owner, tuple(names)) for owner, names in _OWNED.items()]
+    for owner, names in owned_now:
+        for name in names:
+            cache = owner.__dict__.get(name)
+            if cache is not None:
+                cache.clear()
     for fn in clears:
         fn()
 

@@ -43,11 +43,11 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from .._tensor_cache import lru
 from ..attention.api import AttentionCall
 from ..scope import CPScope, capture_scope, scope_for
 from . import switch
@@ -291,7 +291,7 @@ def _outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _compiler_disabled(fn) if torch.compiler.is_compiling() else fn
 
 
-@functools.lru_cache(maxsize=None)
+@lru(maxsize=None)  # one wrapper per checked function (three); cpscope.clear_caches() drops them
 def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` excluded from torch.compile graphs (made once: the wrapper costs tens of µs per call, so the eager
     path calls ``fn`` directly)."""

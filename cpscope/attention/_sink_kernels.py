@@ -22,17 +22,18 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
+
+from .._tensor_cache import lru
 
 __all__ = ["merge_sinks_", "sink_terms"]
 
 _MAX_TILE = 4096  # elements of one program's [BLOCK_H, BLOCK_D] tile
 
 
-@functools.lru_cache(maxsize=1)
+@lru(maxsize=1)  # cpscope.clear_caches() drops the jitted kernels (Triton's disk cache stays)
 def _jitted() -> Optional[tuple]:
     """``(merge, terms)`` jitted kernels, or None without Triton."""
     try:

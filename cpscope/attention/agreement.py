@@ -57,6 +57,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .._tensor_cache import register_clear
 from .._variants import VARIANTS
 from ..backward_check import in_backward
 from .agreement_report import (DTYPES, FIELDS, FORMATS, KEEP_VALUES, LABELS, RanksDisagreeError, raise_gathered,
@@ -184,6 +185,11 @@ def _hook_optimizers() -> None:
 
 # group -> whether it reduces CPU tensors (the same on every member: a group's backends are made together)
 _CPU_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+@register_clear  # cpscope.clear_caches() drops the probes (asked again on the next call)
+def _forget_transports() -> None:
+    _CPU_OK.clear()
 
 
 def _transport(group: Any, hint: torch.device) -> torch.device:

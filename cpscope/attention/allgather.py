@@ -30,13 +30,13 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .._pack import pack_for
+from .._tensor_cache import lru
 from ..scope import CPScope
 from .kernels import Varlen, Window, acc_dtype, block_backward, block_forward
 from .comm import GroupCollectives, Pending
@@ -57,7 +57,7 @@ class _Block:
     back: bool  # the back-half Q rows only (else all local rows)
 
 
-@functools.lru_cache(maxsize=128)
+@lru(maxsize=128)  # device tensors: cpscope.clear_caches() drops them
 def _keys_index(cu: tuple[int, ...], cp: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
     """Rows of a gathered half-buffer (``[cp * t_half]``, rank-major) holding ranks ``lo .. hi-1``'s halves,
     grouped by document (the varlen key order)."""
@@ -70,7 +70,7 @@ def _keys_index(cu: tuple[int, ...], cp: int, lo: int, hi: int, device: torch.de
     return ((lo + j // cd) * int(half[-1]) + half[:-1][doc] + j % cd).to(device)
 
 
-@functools.lru_cache(maxsize=128)
+@lru(maxsize=128)
 def _block_varlen(cu: tuple[int, ...], cp: int, q_halves: int, k_halves: int, device: torch.device) -> Varlen:
     """Per document: ``q_halves`` half-chunks of queries against ``k_halves`` half-chunks of keys."""
     half = [x // (2 * cp) for x in cu]

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .._tensor_cache import register_clear
 from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
 from .kernels import Window
@@ -48,6 +49,13 @@ __all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hie
 _MAX_DEFAULT_INNER = 8
 _GROUPS: dict[tuple[int, int], tuple[Any, tuple[dist.ProcessGroup, dist.ProcessGroup]]] = {}  # verified pairs
 _LOCK = threading.Lock()
+
+
+@register_clear  # cpscope.clear_caches() drops the verified pairs (and the references to their process groups)
+def _forget_verified() -> None:
+    """Drop the (inner, outer) pairs checked so far: the next call looks each up and checks it again."""
+    with _LOCK:
+        _GROUPS.clear()
 
 
 def default_inner_size(cp: int, heads: int, kv_heads: int, replicate: bool = False) -> Optional[int]:

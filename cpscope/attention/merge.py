@@ -26,11 +26,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Optional, Union
 
 import torch
 
+from .._tensor_cache import lru
 from .policy import kernel_policy
 
 __all__ = ["merge_rows_", "rows_add_", "merge_sinks_", "sink_terms", "sinks_grad"]
@@ -42,7 +42,7 @@ _ADD_BLOCK = 2048  # elements of one rows_add_ program
 Rows = Union[None, slice, tuple[int, int], torch.Tensor]
 
 
-@functools.lru_cache(maxsize=1)
+@lru(maxsize=1)  # cpscope.clear_caches() drops the jitted kernels (Triton's disk cache stays)
 def _kernels() -> Optional[Any]:
     """The jitted kernels, or None when Triton is not importable."""
     try:

@@ -21,7 +21,6 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._pack import pack_for
+from .._tensor_cache import lru
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from .kernels import Window
@@ -83,7 +83,7 @@ def replicate_kv(k: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor
 # ``index_select`` of the received (sent) rows)
 
 
-@functools.lru_cache(maxsize=64)
+@lru(maxsize=64)  # device tensors: cpscope.clear_caches() drops them
 def _permutation(cu: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inv)``: ``perm[i]`` is where row ``i`` of the rank-major concatenation of the ``n`` zigzag shards
     sits in natural order; ``natural = rank_major[inv]`` and ``rank_major = natural[perm]``."""

@@ -22,11 +22,11 @@ Example::
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
 
+from .._tensor_cache import lru
 from ..attention.policy import kernel_policy
 
 __all__ = ["usable", "rope"]
@@ -34,7 +34,7 @@ __all__ = ["usable", "rope"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=1)
+@lru(maxsize=1)  # cpscope.clear_caches() drops the jitted kernels (Triton's disk cache stays)
 def _kernel() -> Optional[Any]:
     try:
         import triton

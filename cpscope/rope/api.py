@@ -31,6 +31,7 @@ import math
 import numbers
 import operator
 import threading
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -45,6 +46,7 @@ from .._checks import (
 from .. import _hooks
 from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
+from .._tensor_cache import owned, register_clear
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
 from ..scope import UNSET as _UNSET, resolve_scope
@@ -92,7 +94,14 @@ _compile_off: set[tuple[Any, ...]] = set()
 
 
 def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(fn, dynamic=True)
+    # a copy with a code object of its own: torch keeps compiled code per code object, so clearing drops that too
+    return torch.compile(types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__), dynamic=True)
+
+
+@register_clear  # cpscope.clear_caches() drops the compiled math (compiled again on next use)
+def _forget_compiled() -> None:
+    global _compiled
+    _compiled = None
 
 
 def _causes(e: Optional[BaseException]) -> Iterator[BaseException]:
@@ -405,20 +414,20 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.rot_dim = _size(rot_dim, "rot_dim", positive_even=True)
         self.base, self.interleaved = _check_base(base), bool(interleaved)
-        self._cache: dict[torch.device, tuple[torch.Tensor, int]] = {}  # device -> (table, its version when made)
 
     def forward(self, max_seqlen: int, device: Optional[Union[torch.device, str]] = None) -> torch.Tensor:
         max_seqlen = _size(max_seqlen, "max_seqlen")
         dev = torch.device("cpu") if device is None else torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        table, version = self._cache.get(dev, (None, -1))
+        cache = owned(self, "_tables")  # device -> (table, its version when made); cpscope.clear_caches() empties it
+        table, version = cache.get(dev, (None, -1))
         if table is None or table.shape[0] < max_seqlen or _version(table) != version:
             table = rotary_freqs(self.rot_dim, max_seqlen, base=self.base, interleaved=self.interleaved, device=dev)
             version = _version(table)
             if version is None:  # an inference-mode tensor has no version counter: never hand out the cache
                 return table
-            self._cache[dev] = (table, version)
+            cache[dev] = (table, version)
         return table[:max_seqlen]
 
     def extra_repr(self) -> str:

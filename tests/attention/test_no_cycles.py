@@ -33,12 +33,20 @@ def _collector_off():
         gc.enable()
 
 
+def _holds_tensor(frame: types.FrameType) -> bool:
+    return any(type(v) not in weakref.ProxyTypes and isinstance(v, torch.Tensor) for v in frame.f_locals.values())
+
+
 def _cyclic_garbage() -> list[str]:
-    """What ``gc.collect()`` frees that matters: tensors and frames (by name)."""
+    """What ``gc.collect()`` frees that matters: tensors and frames that hold one (by name). The cuDNN frontend's
+    own cycle (see ``_fake_cudnn``) may stay behind on cpscope's graph-builder thread, whose frames hold shapes only
+    and none of the call's frames."""
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         gc.collect()
-        found = [o for o in gc.garbage if isinstance(o, (torch.Tensor, types.FrameType))]
+        live = [o for o in gc.garbage if type(o) not in weakref.ProxyTypes]  # a dead proxy raises on isinstance
+        found = [o for o in live if isinstance(o, torch.Tensor) or isinstance(o, types.FrameType) and (
+            _holds_tensor(o))]
         gc.garbage.clear()
     finally:
         gc.set_debug(0)

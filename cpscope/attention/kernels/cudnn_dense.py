@@ -62,7 +62,7 @@ def _const(values: tuple, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _bhsd(t: torch.Tensor) -> tuple[list, list]:
+def _bhsd(t: "torch.Tensor | fe.Spec") -> tuple[list, list]:
     """cuDNN's logical ``[b, h, s, d]`` dims and strides of a ``[b, s, h, d]`` tensor (any strides, unit in d)."""
     b, s, h, d = t.shape
     sb, ss, sh, sd = t.stride()
@@ -110,12 +110,12 @@ def pieces(n_q: int, n_k: int, causal: bool, window: Any) -> list[Piece]:
     return [first, Piece(skip, skip + seen, k0, k0 + r, None if tl.left == -1 else Band(tl.left, -1))]
 
 
-def _input(g: Any, named: dict, name: str, t: torch.Tensor, dtype: Any) -> None:
+def _input(g: Any, named: dict, name: str, t: "torch.Tensor | fe.Spec", dtype: Any) -> None:
     dims, strides = _bhsd(t)
     named[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=dtype)
 
 
-def _output(named: dict, name: str, gt: Any, t: torch.Tensor) -> None:
+def _output(named: dict, name: str, gt: Any, t: "torch.Tensor | fe.Spec") -> None:
     dims, strides = _bhsd(t)
     gt.set_output(True).set_dim(dims).set_stride(strides)
     named[name] = gt
@@ -140,26 +140,26 @@ def _run_forward(q, k, v, out, stats, band, softcap, scale) -> None:
     b, rows, h, _ = q.shape
     key = ("dense-fwd", b, rows, k.shape[1], h, k.shape[2], q.shape[3], v.shape[3], q.stride(), k.stride(),
            v.stride(), out.stride(), stats.stride(), q.dtype, band, softcap, float(scale), dev)
-    extras: dict = {}
+    dtype, keys = q.dtype, k.shape[1]
+    spec = {n: fe.Spec.of(t) for n, t in (("q", q), ("k", k), ("v", v), ("o", out), ("stats", stats))}
 
-    def build() -> Any:
-        g = fe.new_graph(cudnn, q.dtype, dev)
-        io, named = fe.io_type(cudnn, q.dtype), {}
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _input(g, named, name, t, io)
-        opts, fixed, ex = _options(cudnn, g, named, band, softcap, rows, k.shape[1], b, dev, backward=False)
-        extras.update(ex)
+    def build() -> Any:  # reads shapes only (fe.Spec): a build holds no tensor of the call (see fe.cached)
+        g = fe.new_graph(cudnn, dtype, dev)
+        io, named = fe.io_type(cudnn, dtype), {}
+        for name in ("q", "k", "v"):
+            _input(g, named, name, spec[name], io)
+        opts, fixed, ex = _options(cudnn, g, named, band, softcap, rows, keys, b, dev, backward=False)
         o, st = g.sdpa(name="sdpa", q=named["q"], k=named["k"], v=named["v"], generate_stats=True,
                        attn_scale=float(scale), **opts)
-        _output(named, "o", o, out)
-        st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(list(stats.shape)).set_stride(
-            list(stats.stride()))
+        _output(named, "o", o, spec["o"])
+        st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(list(spec["stats"].shape)).set_stride(
+            list(spec["stats"].stride()))
         named["stats"] = st
         built = fe.finish(cudnn, g, named, fixed)
         built.extras = dict(ex)
         return built
 
-    built = fe.cached(key, build)
+    built = fe.cached(key, build, dev)
     built.run(dev, {"q": q, "k": k, "v": v, "o": out, "stats": stats, **built.extras})
 
 
@@ -171,24 +171,28 @@ def _run_backward(dout, q, k, v, out, stats, dq, dk, dv, band, softcap, scale) -
            v.stride(), out.stride(), dout.stride(), stats.stride(), dq.stride(), dk.stride(), q.dtype, band,
            softcap, float(scale), dev)
 
-    def build() -> Any:
-        g = fe.new_graph(cudnn, q.dtype, dev)
-        io, named = fe.io_type(cudnn, q.dtype), {}
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout)):
-            _input(g, named, name, t, io)
-        named["stats"] = g.tensor(name="stats", dim=list(stats.shape), stride=list(stats.stride()),
+    dtype, keys = q.dtype, k.shape[1]
+    spec = {n: fe.Spec.of(t) for n, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("stats", stats),
+                                          ("dq", dq), ("dk", dk), ("dv", dv))}
+
+    def build() -> Any:  # reads shapes only (fe.Spec): a build holds no tensor of the call (see fe.cached)
+        g = fe.new_graph(cudnn, dtype, dev)
+        io, named = fe.io_type(cudnn, dtype), {}
+        for name in ("q", "k", "v", "o", "do"):
+            _input(g, named, name, spec[name], io)
+        named["stats"] = g.tensor(name="stats", dim=list(spec["stats"].shape), stride=list(spec["stats"].stride()),
                                   data_type=cudnn.data_type.FLOAT)
-        opts, fixed, ex = _options(cudnn, g, named, band, softcap, rows, k.shape[1], b, dev, backward=True)
+        opts, fixed, ex = _options(cudnn, g, named, band, softcap, rows, keys, b, dev, backward=True)
         gq, gk, gv = g.sdpa_backward(name="sdpa_backward", q=named["q"], k=named["k"], v=named["v"],
                                      o=named["o"], dO=named["do"], stats=named["stats"], attn_scale=float(scale),
                                      **opts)
-        for name, gt, t in (("dq", gq, dq), ("dk", gk, dk), ("dv", gv, dv)):
-            _output(named, name, gt, t)
+        for name, gt in (("dq", gq), ("dk", gk), ("dv", gv)):
+            _output(named, name, gt, spec[name])
         built = fe.finish(cudnn, g, named, fixed)
         built.extras = dict(ex)
         return built
 
-    built = fe.cached(key, build)
+    built = fe.cached(key, build, dev)
     built.run(dev, {"q": q, "k": k, "v": v, "o": out, "do": dout, "stats": stats, "dq": dq, "dk": dk, "dv": dv,
                     **built.extras})
 

@@ -146,19 +146,19 @@ def _masked_rows(meta: dict, band: Optional[Band], device: torch.device) -> Opti
     return meta["derived"][key]
 
 
-def _options(cudnn: Any, g: Any, named: dict, meta: dict, band: Optional[Band], softcap: Optional[float],
-             extras: dict, backward: bool) -> tuple[dict, dict]:
-    """The sdpa options of a packed block (padding mask or score modifier, band) and the host tensors to bind;
-    declares ``extras`` in ``named``."""
+def _options(cudnn: Any, g: Any, named: dict, b: int, square: bool, band: Optional[Band], softcap: Optional[float],
+             extras: tuple, backward: bool) -> tuple[dict, dict]:
+    """The sdpa options of a packed block of ``b`` sequences (padding mask or score modifier, band) and the host
+    tensors to bind; declares the ``extras`` (names of :func:`_band_extras`' columns) in ``named``."""
     for n in extras:
-        named[n] = fe.column(g, len(meta["host_q"]) - 1, cudnn.data_type.FLOAT, n)
+        named[n] = fe.column(g, b, cudnn.data_type.FLOAT, n)
     bounds = (named["wl"], named["hi"]) if "wl" in extras else None
     mask_lens = (named["seq_qf"], named["seq_kf"]) if "seq_qf" in extras else None
-    return sdpa_options(cudnn, g, named, band, softcap, meta["square"], lens=(named["seq_q"], named["seq_k"]),
+    return sdpa_options(cudnn, g, named, band, softcap, square, lens=(named["seq_q"], named["seq_k"]),
                               bounds=bounds, backward=backward, mask_lens=mask_lens)
 
 
-def _dims(t: torch.Tensor, b: int, s: int) -> tuple[list, list]:
+def _dims(t: "torch.Tensor | fe.Spec", b: int, s: int) -> tuple[list, list]:
     """Logical [B, h, S, d] dims and strides of a packed [t, h, d] tensor (batch stride unused with ragged offsets)."""
     st, sh, sd = t.stride()
     return [b, t.shape[1], s, t.shape[2]], [s * st, sh, st, sd]
@@ -185,19 +185,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
     key = ("fwd", b, s_q, s_k, h, k.shape[1], d, v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype, band,
            softcap, meta["square"], float(scale), dev)
 
-    def build() -> fe.Built:
-        g = fe.new_graph(cudnn, q.dtype, dev)
-        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, q.dtype)
+    dtype, sq, sk, sv, so = q.dtype, *(fe.Spec.of(t) for t in (q, k, v, out))
+    square, names = meta["square"], tuple(extras)
+
+    def build() -> fe.Built:  # reads shapes only (fe.Spec): a build holds no tensor of the call (see fe.cached)
+        g = fe.new_graph(cudnn, dtype, dev)
+        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, dtype)
         named = {n: fe.column(g, b + 1, i64, n) for n in ("off_q", "off_k", "off_v", "off_o", "off_s")}
         named["seq_q"] = fe.column(g, b, i32, "seq_q")
         named["seq_k"] = fe.column(g, b, i32, "seq_k")
-        named["q"] = fe.tensor(g, *_dims(q, b, s_q), io, named["off_q"], "q")
-        named["k"] = fe.tensor(g, *_dims(k, b, s_k), io, named["off_k"], "k")
-        named["v"] = fe.tensor(g, *_dims(v, b, s_k), io, named["off_v"], "v")
-        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=False)
+        named["q"] = fe.tensor(g, *_dims(sq, b, s_q), io, named["off_q"], "q")
+        named["k"] = fe.tensor(g, *_dims(sk, b, s_k), io, named["off_k"], "k")
+        named["v"] = fe.tensor(g, *_dims(sv, b, s_k), io, named["off_v"], "v")
+        opts, fixed = _options(cudnn, g, named, b, square, band, softcap, names, backward=False)
         o, st = g.sdpa(name="sdpa", q=named["q"], k=named["k"], v=named["v"], generate_stats=True,
                        attn_scale=float(scale), **opts)
-        o.set_output(True).set_dim(_dims(out, b, s_q)[0]).set_stride(_dims(out, b, s_q)[1])
+        o.set_output(True).set_dim(_dims(so, b, s_q)[0]).set_stride(_dims(so, b, s_q)[1])
         o.set_ragged_offset(named["off_o"])
         st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim([b, h, s_q, 1]).set_stride(
             [s_q * h, 1, h, 1])
@@ -205,7 +208,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
         named["o"], named["stats"] = o, st
         return fe.finish(cudnn, g, named, fixed)
 
-    built = fe.cached(key, build)
+    built = fe.cached(key, build, dev)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "stats": stats, "seq_q": meta["seq_q"], "seq_k": meta["seq_k"],
         "off_q": _offsets(meta, "q", q.stride(0)), "off_k": _offsets(meta, "k", k.stride(0)),
@@ -242,31 +245,35 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     extras = _band_extras(meta, band, softcap, dev)
     key = ("bwd", b, s_q, s_k, fe.pow2(t_q), fe.pow2(t_k), h, k.shape[1], d, v.shape[2], q.stride(), k.stride(),
            v.stride(), out.stride(), dout.stride(), q.dtype, band, softcap, meta["square"], float(scale), dev)
+    dtype, square, names = q.dtype, meta["square"], tuple(extras)
+    spec = {n: fe.Spec.of(t) for n, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
+                                          ("dk", dk), ("dv", dv))}
 
-    def build() -> fe.Built:
-        g = fe.new_graph(cudnn, q.dtype, dev)
-        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, q.dtype)
+    def build() -> fe.Built:  # reads shapes only (fe.Spec): a build holds no tensor of the call (see fe.cached)
+        g = fe.new_graph(cudnn, dtype, dev)
+        i64, i32, io = cudnn.data_type.INT64, cudnn.data_type.INT32, fe.io_type(cudnn, dtype)
         roles = ("off_q", "off_k", "off_v", "off_o", "off_do", "off_dq", "off_dk", "off_dv", "off_s")
         named = {n: fe.column(g, b + 1, i64, n) for n in roles}
         named["seq_q"] = fe.column(g, b, i32, "seq_q")
         named["seq_k"] = fe.column(g, b, i32, "seq_k")
-        for name, t, s in (("q", q, s_q), ("k", k, s_k), ("v", v, s_k), ("o", out, s_q), ("do", dout, s_q)):
+        for name, s in (("q", s_q), ("k", s_k), ("v", s_k), ("o", s_q), ("do", s_q)):
+            t = spec[name]
             named[name] = fe.tensor(g, *_dims(t, b, s), io, named["off_" + name], name)
         named["stats"] = fe.tensor(g, [b, h, s_q, 1], [s_q * h, 1, h, 1], cudnn.data_type.FLOAT,
                                  named["off_s"], "stats")
-        opts, fixed = _options(cudnn, g, named, meta, band, softcap, extras, backward=True)
+        opts, fixed = _options(cudnn, g, named, b, square, band, softcap, names, backward=True)
         gq, gk, gv = g.sdpa_backward(
             name="sdpa_backward", q=named["q"], k=named["k"], v=named["v"], o=named["o"], dO=named["do"],
             stats=named["stats"], attn_scale=float(scale), max_total_seq_len_q=fe.pow2(t_q),
             max_total_seq_len_kv=fe.pow2(t_k), **opts)
-        for name, gt, ref, s in (("dq", gq, dq, s_q), ("dk", gk, dk, s_k), ("dv", gv, dv, s_k)):
-            dims, strides = _dims(ref, b, s)
+        for name, gt, s in (("dq", gq, s_q), ("dk", gk, s_k), ("dv", gv, s_k)):
+            dims, strides = _dims(spec[name], b, s)
             gt.set_output(True).set_dim(dims).set_stride(strides)
             gt.set_ragged_offset(named["off_" + name])
             named[name] = gt
         return fe.finish(cudnn, g, named, fixed)
 
-    built = fe.cached(key, build)
+    built = fe.cached(key, build, dev)
     off = functools.partial(_offsets, meta)
     built.run(dev, {
         "q": q, "k": k, "v": v, "o": out, "do": dout, "stats": stats, "dq": dq, "dk": dk, "dv": dv,

@@ -79,11 +79,12 @@ if tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) < (5,
 
 from ... import _hooks
 from ..._checks import check_cu_seqlens, check_divisible_seq
+from ..._tensor_cache import derived
 from ...attention import context_parallel_attention
 from ...scope import UNSET as _UNSET, CPScope, resolve_scope
 from ...sharding import zigzag_positions, zigzag_shard
 from . import batch_scope
-from .inputs import _PerTensor, _check_mask, _packed_offsets, _unsupported
+from .inputs import _check_mask, _packed_offsets, _unsupported
 from .mixers import refuse_unbound_mixers
 from .options import attention_options, longest_sequence
 from .recompute import (
@@ -118,10 +119,6 @@ logger = logging.getLogger(__name__)
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "labels", "position_ids", "token_type_ids")
 
 
-_CHECKED_POSITIONS = _PerTensor()  # position_ids found in the zigzag layout of (cp size, rank, local length)
-_HOST_INTS = _PerTensor()  # 0-D tensors (max_length_q/k given as tensors) as Python ints
-
-
 def cpscope_attention_mask(
     batch_size: int,
     q_length: int,
@@ -152,9 +149,11 @@ def _check_position_ids(position_ids: torch.Tensor, scope: CPScope, local_len: i
     One host sync per ``position_ids`` tensor (and scope): every layer gets the same tensor, so layers after the
     first find the result remembered.
     """
-    key = (scope.size, scope.rank, local_len)
-    if _CHECKED_POSITIONS.get(position_ids, key) is not _PerTensor.MISS:
-        return
+    derived(position_ids, ("hf-zigzag-positions", scope.size, scope.rank, local_len),
+            lambda: _zigzag_positions_or_raise(position_ids, scope, local_len))
+
+
+def _zigzag_positions_or_raise(position_ids: torch.Tensor, scope: CPScope, local_len: int) -> bool:
     pid = position_ids.reshape(-1, position_ids.shape[-1])
     if pid.shape[-1] != local_len:
         raise ValueError(
@@ -174,18 +173,14 @@ def _check_position_ids(position_ids: torch.Tensor, scope: CPScope, local_len: i
             f"{int(expected[col]) + offset}. Packed documents need global cu_seq_lens_q/cu_seq_lens_k, and inputs "
             "must be sharded: use cpscope.integrations.hf.shard_batch"
         )
-    _CHECKED_POSITIONS.put(position_ids, key, True)
+    return True
 
 
 def _host_int(value: Any) -> Optional[int]:
     """``max_length_q/k`` as a Python int; a tensor is read once (remembered per tensor), not once per layer."""
     if value is None or not isinstance(value, torch.Tensor):
         return None if value is None else int(value)
-    hit = _HOST_INTS.get(value, None)
-    if hit is _PerTensor.MISS:
-        hit = int(value)
-        _HOST_INTS.put(value, None, hit)
-    return hit
+    return derived(value, ("host-int",), lambda: int(value))
 
 
 def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float) -> None:

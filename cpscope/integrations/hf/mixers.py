@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from ..._tensor_cache import register_clear
+
 __all__ = ["BOUND_ATTRIBUTE", "MIXER_LAYER_TYPES", "is_bound", "mixer_layer_types", "refuse_unbound_mixers"]
 
 # ``config.layer_types`` entries whose layers mix tokens outside attention (transformers 5 names them so; the last
@@ -34,6 +36,11 @@ MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "ma
 BOUND_ATTRIBUTE = "_cpscope_runtime_bound"
 
 _VERDICTS: dict[int, tuple[weakref.ref, list[str]]] = {}
+
+
+@register_clear  # cpscope.clear_caches() drops the remembered verdicts (recomputed from the config on next use)
+def _forget_verdicts() -> None:
+    _VERDICTS.clear()
 
 
 def _text_config(config: Any) -> Any:

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..._checks import check_rope_table_dtype
+from ..._tensor_cache import owned
 from ...scope import CPScope, capture_scope
 from ...sharding import zigzag_positions
 from .._swap import call_with_attributes, signature_without_self
@@ -80,7 +81,7 @@ class RotaryTableMixin:
             self.inv_freq = self.inv_freq.to(target)  # type: ignore[attr-defined]
         cp = 1 if packed_seq else scope.size
         key = (max_seq_len, offset, cp, scope.rank if cp > 1 else 0, self.inv_freq.device)  # type: ignore[attr-defined]
-        cache = self.__dict__.setdefault("_cpscope_tables", {})
+        cache = owned(self, "_cpscope_tables")  # cpscope.clear_caches() empties it
         table = cache.get(key)
         if table is None:
             table = self._cpscope_table(max_seq_len, offset)
@@ -112,7 +113,7 @@ class AttentionRopeMixin:
         return {"_cpscope_psp_index": params.index("packed_seq_params") if "packed_seq_params" in params else None}
 
     def _cpscope_collection(self, scope: CPScope, static: Any) -> Any:
-        cache = self.__dict__.setdefault("_cpscope_collections", {})
+        cache = owned(self, "_cpscope_collections")  # (holds groups: cpscope.clear_caches() empties it)
         coll = cache.get(scope)
         if coll is None:
             coll = copy.copy(static)
