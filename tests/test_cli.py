@@ -169,6 +169,20 @@ def test_dataset_offline_is_a_clear_error(capsys):
         assert "from the local cache" in err, err
 
 
+def test_dataset_stays_offline_after_datasets_was_imported(capsys, monkeypatch):
+    """datasets reads HF_*_OFFLINE once, at import: the loader must switch the imported module offline too (it
+    once went to the network and waited for its timeout, 23 s) and leave the user's settings as they were."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    before = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE)
+    assert main(["plan", "--dataset", "no-such-org/no-such-dataset-xyz"]) == 2
+    err = capsys.readouterr().err
+    assert "OfflineModeIsEnabled" in err, err  # refused offline, not a network attempt
+    assert (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE) == before
+    assert "HF_HUB_OFFLINE" not in os.environ and "HF_DATASETS_OFFLINE" not in os.environ
+
+
 def test_plot_without_matplotlib_is_a_clear_error(capsys, tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         pytest.skip("matplotlib is installed")

@@ -22,12 +22,15 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -229,6 +232,38 @@ def from_file(path: str, column: Optional[str] = None, *, seed: int = 0, shuffle
     return Pool(readers[ext](), f"{path}" + (f" [{column}]" if column else ""), seed, shuffle)
 
 
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """datasets / huggingface_hub offline for the block, also where they were imported before (they read the
+    ``HF_*_OFFLINE`` variables once, at import: setting the variables alone let an earlier import go to the network
+    and wait for its timeout); the settings are restored afterwards."""
+    saved: list[tuple[Any, str, Any]] = []
+    for modname, attrs in (("datasets.config", ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")),
+                           ("huggingface_hub.constants", ("HF_HUB_OFFLINE",))):
+        mod = sys.modules.get(modname)
+        if mod is None:
+            try:
+                mod = importlib.import_module(modname)
+            except ImportError:
+                continue
+        for attr in attrs:
+            if hasattr(mod, attr):
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, True)
+    env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update({k: "1" for k in env})
+    try:
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def from_dataset(name: str, *, split: str = "train", column: Optional[str] = None, tokenizer: Optional[str] = None,
                  config: Optional[str] = None, max_docs: Optional[int] = None, seed: int = 0,
                  shuffle: bool = True) -> Pool:
@@ -239,14 +274,13 @@ def from_dataset(name: str, *, split: str = "train", column: Optional[str] = Non
         ValueError: datasets / transformers not installed, the dataset or tokenizer not in the local cache, a
             missing column, text without a tokenizer.
     """
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
         raise ValueError("--dataset needs the datasets package (pip install datasets)") from None
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        with _offline():
+            ds = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # noqa: BLE001 - any loading failure: report it as bad input, with its reason
         raise ValueError(f"could not load dataset {name!r} (split {split!r}) from the local cache (offline: nothing "
                          f"is downloaded): {type(err).__name__}: {str(err)[:300]}") from None
