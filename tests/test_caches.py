@@ -42,7 +42,8 @@ NOT_CACHES = {
                                       "cleared registry would make new groups inside a forward)",
     "cpscope.groups.registry._LAST_REPORT": "the report of the last group creation (what it made, for users)",
     "cpscope.integrations._swap._CLASSES": "one swapped class per (base, mixins): identity (isinstance, pickle)",
-    "cpscope.rope.api._compile_off": "memory of torch.compile failures per case (clearing repeats a failing compile)",
+    "cpscope.rope._torch_math._compile_off": "memory of torch.compile failures per case (clearing repeats a failing "
+                                             "compile)",
     "cpscope.integrations.hf.batch_scope._CUT_FOR": "which scope each batch tensor was sharded for (a check's state)",
     "cpscope.integrations.hf.trainer.hybrid_cp_trainer": "one trainer class per class: identity (isinstance)",
     "cpscope._sentinel.switch._STACK": "the sentinels switched on (state)",
@@ -83,7 +84,7 @@ CLEARED_BY = {
     "cpscope.attention.hierarchical._GROUPS": "cpscope.attention.hierarchical._forget_verified",
     "cpscope.attention.agreement._CPU_OK": "cpscope.attention.agreement._forget_transports",
     "cpscope.integrations.hf.mixers._VERDICTS": "cpscope.integrations.hf.mixers._forget_verdicts",
-    "cpscope.rope.api._compiled": "cpscope.rope.api._forget_compiled",
+    "cpscope.rope._torch_math._compiled": "cpscope.rope._torch_math._forget_compiled",
 }
 
 _MEMO_DECORATORS = {"lru_cache", "cache"}
@@ -233,13 +234,13 @@ def _fill_mixers(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 def _fill_rope_compiled(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     """The compiled RoPE path, with the compiler stood in for (a real compile costs tens of seconds on a CPU)."""
-    from cpscope.rope import api
+    from cpscope.rope import _torch_math
 
-    monkeypatch.setattr(api, "_compile_off", set())
-    monkeypatch.setattr(api, "_compile", lambda fn: fn)
+    monkeypatch.setattr(_torch_math, "_compile_off", set())
+    monkeypatch.setattr(_torch_math, "_compile", lambda fn: fn)
     t = torch.randn(1, 8, 2, 16)
-    api.apply_rotary_pos_emb(t, cpscope.rotary_freqs(16, 8), qkv_format="bshd", group=None, impl="compiled")
-    return lambda: int(api._compiled is not None)
+    cpscope.apply_rotary_pos_emb(t, cpscope.rotary_freqs(16, 8), qkv_format="bshd", group=None, impl="compiled")
+    return lambda: int(_torch_math._compiled is not None)
 
 
 def _fill_owned(tmp_path: Path, monkeypatch) -> Callable[[], int]:
@@ -298,7 +299,7 @@ FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope.attention.kernels.flex._dense_masks": _fill_flex,
     "cpscope.attention.kernels.flex._score_mods": _fill_flex,
     "cpscope.integrations.hf.mixers._VERDICTS": _fill_mixers,
-    "cpscope.rope.api._compiled": _fill_rope_compiled,
+    "cpscope.rope._torch_math._compiled": _fill_rope_compiled,
     "cpscope._tensor_cache._OWNED": _fill_owned,
     "cpscope._sentinel.core._compiler_disabled": _fill_sentinel_wrapper,
     "cpscope.attention.merge._kernels": _fill_triton("cpscope.attention.merge._kernels"),
@@ -424,13 +425,13 @@ def test_every_registered_memo_is_cleared_by_clear_caches():
 def test_rope_compile_has_its_own_code():
     """The compiled RoPE math is a copy with a code object of its own: torch keeps what it compiled per code object,
     so clearing the copy drops the compiled code too (not only the wrapper)."""
-    from cpscope.rope import api
+    from cpscope.rope import _torch_math
 
-    compiled = api._compile(api._rope_math)  # torch.compile is lazy: nothing is compiled here
+    compiled = _torch_math._compile(_torch_math.rope_math)  # torch.compile is lazy: nothing is compiled here
     orig = getattr(compiled, "_torchdynamo_orig_callable", None)
     if orig is None:
         pytest.skip("this torch.compile wrapper does not expose its function")
-    assert orig.__code__ is not api._rope_math.__code__ and orig.__code__ == api._rope_math.__code__
+    assert orig.__code__ is not _torch_math.rope_math.__code__ and orig.__code__ == _torch_math.rope_math.__code__
 
 
 def test_lru_is_a_registered_lru_cache():

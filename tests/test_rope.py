@@ -234,13 +234,14 @@ def test_rotary_embedding_table_written_in_place_changes_no_later_table():
 
 @pytest.fixture
 def compile_state(monkeypatch):
-    """A clean compiled-path state; returns the list of calls the (fake) compiled kernel received."""
-    from cpscope.rope import api
+    """A clean compiled-path state; returns the module that keeps it and the list of calls the (fake) compiled kernel
+    received."""
+    from cpscope.rope import _torch_math
 
     calls = []
-    monkeypatch.setattr(api, "_compile_off", set())
-    monkeypatch.setattr(api, "_compiled", None)
-    return api, calls
+    monkeypatch.setattr(_torch_math, "_compile_off", set())
+    monkeypatch.setattr(_torch_math, "_compiled", None)
+    return _torch_math, calls
 
 
 def _rope_inputs(dtype=torch.float32):
@@ -252,13 +253,13 @@ def _rope_inputs(dtype=torch.float32):
 
 
 def _fake_compiled(calls, failure=None):
-    from cpscope.rope import api
+    from cpscope.rope._torch_math import rope_math
 
     def compiled(t, angles, interleaved):
         calls.append(t.dtype)
         if failure is not None and t.dtype == torch.float32:
             raise failure
-        return api._rope_math(t, angles, interleaved)
+        return rope_math(t, angles, interleaved)
 
     return lambda fn: compiled
 
@@ -309,7 +310,7 @@ def test_compile_error_turns_compilation_off_for_that_case_only(compile_state, m
 
     monkeypatch.setattr(api, "_compile", compile_fn)
     t, freqs, ref = _rope_inputs()
-    with caplog.at_level("WARNING", logger="cpscope.rope.api"):
+    with caplog.at_level("WARNING", logger="cpscope.rope._torch_math"):
         for _ in range(3):
             out = apply_rotary_pos_emb(t, freqs, qkv_format="bshd", group=None, impl="compiled")
             torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)  # the eager path, same rows

@@ -2,8 +2,10 @@
 
 * :mod:`~cpscope.rope.api` — :func:`apply_rotary_pos_emb`, :class:`RotaryEmbedding`, :func:`rotary_freqs`.
 * :mod:`~cpscope.rope._kernel` — the Triton kernel used on CUDA; :mod:`~cpscope.rope._te` — TransformerEngine's
-  fused RoPE, used when TE is importable (optional, imported only then). ``checked_rope_inputs``, ``te_rope`` and
-  ``call_te_rope`` are shared with :mod:`cpscope.integrations.te` (not part of the public API).
+  fused RoPE, used when TE is importable (optional, imported only then); :mod:`~cpscope.rope._torch_math` — the plain
+  torch math, eager (CPU, inside a user's ``torch.compile``) or ``torch.compile``-d (CUDA without Triton or TE).
+  ``checked_rope_inputs``, ``te_rope`` and ``call_te_rope`` are shared with :mod:`cpscope.integrations.te` (not part
+  of the public API).
 
 Example::
 

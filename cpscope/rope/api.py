@@ -12,8 +12,9 @@ Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(
 
 Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope.rope._kernel`: one launch, angles read from the table by
 position, ~25 µs of host time), else TE's fused kernel when TransformerEngine is importable, else plain torch math
-``torch.compile``-d (inside a user's ``torch.compile`` the math joins that graph; a failure of the compiler itself
-turns compilation off for that case only, logged once; an out-of-memory error propagates); on CPU plain torch math.
+``torch.compile``-d (:mod:`cpscope.rope._torch_math`: inside a user's ``torch.compile`` the math joins that graph; a
+failure of the compiler itself turns compilation off for that case only, logged once; an out-of-memory error
+propagates); on CPU plain torch math.
 Everything derived from the offsets (validation, positions) is cached per pack (:mod:`cpscope._pack`), so a call
 costs the same host time whatever the number of documents.
 
@@ -26,13 +27,10 @@ Example::
 """
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import operator
-import threading
-import types
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -46,106 +44,20 @@ from .._checks import (
 from .. import _hooks
 from . import _kernel as _rope_kernel
 from .._pack import Pack, dense_pack, pack_for
-from .._tensor_cache import owned, register_clear
+from .._tensor_cache import owned
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
+from ._torch_math import rope_math, rope_math_compiled
 from ..scope import UNSET as _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
-
-logger = logging.getLogger(__name__)
 
 _IMPLS = ("auto", "triton", "te", "compiled", "eager")
 _TRACED_IMPLS = ("auto", "compiled", "eager")  # under torch.compile: torch math in the caller's graph
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pure math
-
-
-def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """The 90° partner of each channel: non-interleaved ``[-x2, x1]`` (halves); interleaved ``(-x1, x0)`` per pair."""
-    if interleaved:
-        pairs = x.unflatten(-1, (-1, 2))  # [..., rot_dim/2, 2]
-        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate the first ``rot_dim`` channels of ``t`` by ``angles`` (broadcastable ``[..., rot_dim]``), in ≥ fp32."""
-    rot_dim = angles.shape[-1]
-    compute = torch.promote_types(t.dtype, torch.float32)
-    x = t[..., :rot_dim].to(compute)
-    a = angles.to(compute)
-    y = x * torch.cos(a) + _rotate(x, interleaved) * torch.sin(a)
-    if rot_dim == t.shape[-1]:
-        return y.to(t.dtype)
-    return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
-
-
-# torch.compile-d math. A failure of the compiler itself (TorchDynamo / Inductor: no working C++ compiler or Triton,
-# a lowering bug) turns compilation off for that case only — (device type, dtype, rank, interleaved, autograd) —
-# and is logged once per case; anything else (an out-of-memory error, also one wrapped by the compiler, or an error
-# the math would raise eagerly as well) propagates and compilation stays on.
-_compiled_lock = threading.Lock()
-_compiled: Optional[Callable[..., torch.Tensor]] = None
-_compile_off: set[tuple[Any, ...]] = set()
-
-
-def _compile(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    # a copy with a code object of its own: torch keeps compiled code per code object, so clearing drops that too
-    return torch.compile(types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__), dynamic=True)
-
-
-@register_clear  # cpscope.clear_caches() drops the compiled math (compiled again on next use)
-def _forget_compiled() -> None:
-    global _compiled
-    _compiled = None
-
-
-def _causes(e: Optional[BaseException]) -> Iterator[BaseException]:
-    """``e`` and what it wraps (``inner_exception`` of the compiler's errors, ``__cause__``, ``__context__``)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
-
-
-def _is_compile_failure(e: BaseException) -> bool:
-    """Whether ``e`` is the compiler failing (not the kernel: no out-of-memory anywhere in what it wraps)."""
-    from torch._dynamo.exc import TorchDynamoException  # imported only when something failed
-
-    if not isinstance(e, TorchDynamoException):
-        return False
-    return not any(isinstance(c, torch.OutOfMemoryError) or "out of memory" in str(c) for c in _causes(e))
-
-
-def _rope_math_compiled(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``_rope_math`` as one fused ``torch.compile`` kernel (created on first use); see the comment above."""
-    global _compiled
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: its graph takes the math as it is
-        return _rope_math(t, angles, interleaved)
-    case = (t.device.type, t.dtype, t.dim(), bool(interleaved), torch.is_grad_enabled() and t.requires_grad)
-    if case in _compile_off:
-        return _rope_math(t, angles, interleaved)
-    with _compiled_lock:
-        if _compiled is None:
-            _compiled = _compile(_rope_math)
-        compiled = _compiled
-    try:
-        return compiled(t, angles, interleaved)
-    except Exception as e:
-        if not _is_compile_failure(e):
-            raise
-        with _compiled_lock:
-            first = case not in _compile_off
-            _compile_off.add(case)
-        if first:
-            logger.warning("cpscope RoPE: torch.compile failed for %s (%s: %s); using the eager path for it",
-                           case, type(e).__name__, e)
-    return _rope_math(t, angles, interleaved)
+# Validation
 
 
 def checked_rope_inputs(
@@ -231,7 +143,7 @@ def apply_rotary_pos_emb(
     """
     if torch.compiler.is_compiling():
         if impl in _TRACED_IMPLS:  # the host side gives the angles (an op, else an eager island); the math is traced
-            return _rope_math(t, _compiled_angles(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded),
+            return rope_math(t, _compiled_angles(t, freqs, qkv_format, cu_seqlens, group, cu_seqlens_padded),
                               interleaved)
         # a fused kernel asked for by name: the whole call is the island
         return _rope_island(t, freqs, qkv_format=qkv_format, cu_seqlens=cu_seqlens, interleaved=interleaved,
@@ -258,8 +170,8 @@ def apply_rotary_pos_emb(
                             rank=rank, interleaved=interleaved, fused=True)
     angles = _angles(freqs, pack, qkv_format).to(t.device)
     if impl == "compiled" or (impl == "auto" and t.is_cuda):
-        return _rope_math_compiled(t, angles, interleaved)
-    return _rope_math(t, angles, interleaved)
+        return rope_math_compiled(t, angles, interleaved)
+    return rope_math(t, angles, interleaved)
 
 
 def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
