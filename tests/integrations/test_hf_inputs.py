@@ -12,16 +12,16 @@ pytest.importorskip("transformers")
 import cpscope  # noqa: E402
 from cpscope import _tensor_cache  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
-from cpscope.integrations.hf.inputs import _check_mask  # noqa: E402
+from cpscope.integrations.hf.inputs import check_mask  # noqa: E402
 from cpscope.scope import resolve_scope  # noqa: E402
 
 
 def test_a_checked_mask_is_remembered_and_cleared():
     cpscope.clear_caches()
     mask = torch.ones(2, 8, dtype=torch.int64)
-    _check_mask(mask)
+    check_mask(mask)
     assert _tensor_cache.stats()["derived"] == 1  # remembered: later layers read no mask
-    _check_mask(mask)
+    check_mask(mask)
     assert _tensor_cache.stats()["derived"] == 1
     cpscope.clear_caches()
     assert _tensor_cache.stats()["derived"] == 0
@@ -32,12 +32,12 @@ def test_a_mask_written_behind_torchs_back_is_checked_again():
     waved through by what was remembered for the old content."""
     buf = np.ones((2, 8), dtype=np.int64)
     mask = torch.from_numpy(buf)
-    _check_mask(mask)
+    check_mask(mask)
     buf[1, :3] = 0
     with pytest.raises(ValueError, match=r"3 zeros \(padding\)"):
-        _check_mask(mask)
+        check_mask(mask)
     mask[1, :3] = 1  # through torch: fine again
-    _check_mask(mask)
+    check_mask(mask)
 
 
 def test_position_ids_and_host_ints_are_remembered_per_tensor():

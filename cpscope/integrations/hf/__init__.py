@@ -84,7 +84,7 @@ from ...attention import context_parallel_attention
 from ...scope import UNSET as _UNSET, CPScope, resolve_scope
 from ...sharding import zigzag_positions, zigzag_shard
 from . import batch_scope
-from .inputs import _check_mask, _packed_offsets, _unsupported
+from .inputs import check_mask, packed_offsets, unsupported
 from .mixers import refuse_unbound_mixers
 from .options import attention_options, longest_sequence
 from .recompute import (
@@ -139,7 +139,7 @@ def cpscope_attention_mask(
         cpscope_attention_mask(2, 8, 8, attention_mask=torch.ones(2, 8))    # None: the ring masks itself
         cpscope_attention_mask(2, 8, 8, attention_mask=torch.tensor([[1] * 6 + [0] * 2] * 2))  # ValueError
     """
-    _check_mask(attention_mask)
+    check_mask(attention_mask)
     return None
 
 
@@ -186,9 +186,9 @@ def _host_int(value: Any) -> Optional[int]:
 def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float) -> None:
     """``ValueError`` for what the ring cannot honour: masks with padding / 4-D, dropout, KV caches."""
     if attention_mask is not None:
-        _check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
+        check_mask(attention_mask)  # a 4-D mask or padding: refuse; an all-ones 2-D mask is harmless
     if dropout:
-        raise _unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
+        raise unsupported(f"attention dropout={dropout} (set config.attention_dropout=0)")
     if query.shape[2] != key.shape[2]:
         if resolve_scope().size > 1:
             raise ValueError(
@@ -196,7 +196,7 @@ def _refuse_unsupported(query: torch.Tensor, key: torch.Tensor, attention_mask: 
                 f"{query.shape[2]} != key length {key.shape[2]}) under CP > 1; generate outside every "
                 "cpscope.runtime_cp scope, with another attn_implementation"
             )
-        raise _unsupported(
+        raise unsupported(
             f"query length {query.shape[2]} != key length {key.shape[2]} (KV cache / generation); use another "
             "attn_implementation for generation"
         )
@@ -242,7 +242,7 @@ def cpscope_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = getattr(module, "is_causal", True)
-    cu, cu_list = _packed_offsets(kwargs)
+    cu, cu_list = packed_offsets(kwargs)
     options = attention_options(kwargs, causal=causal, longest=longest_sequence(query.shape[2], scope.size, cu_list))
     if torch.is_autocast_enabled(query.device.type):  # like SDPA under autocast (RoPE leaves q/k in fp32)
         dtype = torch.get_autocast_dtype(query.device.type)
@@ -257,7 +257,7 @@ def cpscope_attention_forward(
         )
         return out, None
     if q.shape[0] != 1:
-        raise _unsupported(f"packed documents (cu_seq_lens) with batch size {q.shape[0]}; pack into one row")
+        raise unsupported(f"packed documents (cu_seq_lens) with batch size {q.shape[0]}; pack into one row")
     max_len = kwargs.get("max_length_q")
     if max_len is None:  # (not ``a or b``: a tensor's truth value would be a host sync)
         max_len = kwargs.get("max_length_k")
@@ -316,7 +316,7 @@ def shard_batch(
     if tokens is None:
         raise ValueError(f"shard_batch needs input_ids or inputs_embeds, got keys {sorted(batch)}")
     b, seqlen = tokens.shape[0], tokens.shape[1]
-    _check_mask(batch.get("attention_mask"))
+    check_mask(batch.get("attention_mask"))
     for name, value in batch.items():
         if (
             name not in _SEQ_KEYS and name != "attention_mask" and isinstance(value, torch.Tensor)

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...linear import causal_conv1d, gated_delta_rule, mamba2_scan
 from ...scope import CPScope, resolve_scope
-from .inputs import _check_mask, _packed_offsets
+from .inputs import check_mask, packed_offsets
 
 __all__ = ["GatedDeltaNetCP", "KimiDeltaAttentionCP", "Mamba2MixerCP", "ShortConvCP", "MIXINS"]
 
@@ -68,8 +68,8 @@ class _BoundMixer:
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask,  # type: ignore[misc]
                                    **{k: v for k, v in kwargs.items() if k not in _CACHE_KEYS})
         if attention_mask is not None:
-            _check_mask(attention_mask)  # padding cannot be honoured (packed rows carry documents instead)
-        cu, _ = _packed_offsets(kwargs)
+            check_mask(attention_mask)  # padding cannot be honoured (packed rows carry documents instead)
+        cu, _ = packed_offsets(kwargs)
         if cu is not None and hidden_states.shape[0] != 1:
             raise ValueError(f"{type(self).__name__}: packed documents (cu_seq_lens) with batch size "
                              f"{hidden_states.shape[0]}; pack into one row")
