@@ -27,14 +27,15 @@ from typing import Callable, Optional
 import torch
 
 from ..attention.agreement import STAND_DOWN, check_call, raise_differ
-from ..attention.api import AttentionCall, run_call
+from ..attention import api as attention_api
+from ..attention.api import AttentionCall
 from ..scope import CPScope
 from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
 from .cuts import cut_mismatch
-from .comm import collective_device, exchange, exchange_objects
+from .comm import collective_device, exchange, exchange_objects, wait_for
 from .report import Mismatch, logger
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
 from .tracker import Tracker
@@ -89,9 +90,9 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
         return run(call)
     differ = _gate(t, call, mb)
     if differ is None:  # peers that do not sample this call: run it as they do, no collective of ours
-        return run_call(call)
+        return attention_api.run_call(call)
     if scope.size > 1:
-        run = run_call  # agreed already (or reported below)
+        run = attention_api.run_call  # agreed already (or reported below); looked up now: tests plant bugs there
     due, mb.due = mb.due, []
     for fn in due:  # the unit's handshake and the loop's pack checks (every member samples this unit)
         fn()
@@ -137,7 +138,8 @@ def _gate(t: Tracker, call: AttentionCall, mb: Microbatch) -> Optional[tuple]:
     """
     if call.scope.size == 1:
         return ()
-    differ = check_call(call, sentinel=1)
+    differ = check_call(call, sentinel=1, wait=lambda work, group: wait_for(
+        work, group, "all_reduce (agreement digest of the core)", t.opts.timeout))
     if differ is not STAND_DOWN:
         return differ
     mb.sampled, mb.due = False, []

@@ -7,7 +7,9 @@ returns wrong rows on every rank (other ``cu_seqlens`` with the same total) or e
 
 1. **digest, on the host** (:data:`FIELDS`): the resolved variant, the global length, the rows (documents in
    ``thd``), a hash of the global offsets (kept on the pack: O(1) per layer), layout, ``causal``, dtype, heads,
-   head dims, window, softcap, sinks — all from metadata the call already holds on the host (no tensor is read);
+   head dims, window, softcap, sinks — all from metadata the call already holds on the host (no tensor is read) —
+   and ``sentinel``: 1 when ``cpscope.sentinel`` samples the call (it calls :func:`check_call` itself, first, and
+   always reads the verdict, so its own collectives run only once every rank was seen sampling the call), else 0;
 2. **one tiny collective, the same on every call of every rank**: a ``MAX`` all-reduce of ``[d, r, -d, -r]``
    (``2·(len(FIELDS) + 1)`` int64; ``r`` = "this rank reads the verdict now"). Field *i* agrees iff
    ``max(d_i) == min(d_i)``. Its op and size never depend on the inputs or on any per-rank state, so it cannot
@@ -52,7 +54,7 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -209,13 +211,18 @@ def _transport(group: Any, hint: torch.device) -> torch.device:
     return torch.device("cpu") if ok else hint  # NCCL: the device of the call's tensors
 
 
-def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device) -> torch.Tensor:
-    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call."""
+def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device,
+              wait: Optional[Callable[[Any, Any], None]] = None) -> torch.Tensor:
+    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call. ``wait``
+    (an observer's bounded wait: ``wait(work, group)``) waits for it instead of the group's own timeout."""
     row = list(digest) + [int(read)]
     buf = torch.tensor(row + [-x for x in row], dtype=torch.int64)
     if device.type == "cuda":  # pinned + non-blocking: no host wait for the copy
         buf = buf.pin_memory().to(device, non_blocking=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    if wait is None:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    else:
+        wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), group)
     return buf
 
 
@@ -232,7 +239,8 @@ class _StandDown:
 STAND_DOWN = _StandDown()
 
 
-def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0) -> Any:
+def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0,
+               wait: Optional[Callable[[Any, Any], None]] = None) -> Any:
     """Agree ``call``'s digest over its CP group (CP > 1; ``group`` overrides ``call.scope.group``, e.g. for a
     benchmark of the check on one process), before any exchange of its variant.
 
@@ -241,7 +249,8 @@ def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0) -
 
     ``sentinel`` is the digest's last field: 1 when an observer samples this call (it will run collectives of its
     own on the group right after), 0 otherwise. A sampling rank always reads the verdict, so its collectives run
-    only after every rank was seen to sample the call too.
+    only after every rank was seen to sample the call too; ``wait(work, group)`` bounds its wait for the
+    all-reduce (the sentinel's ``timeout``).
 
     Returns:
         ``()`` when the ranks agree (or the verdict is deferred, as without an observer). For ``sentinel=1``: the
@@ -264,7 +273,7 @@ def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0) -
     if mem is None:
         mem = state.agreed[group] = OrderedDict()
     read = bool(sentinel) or digest not in mem  # a sampling observer's collectives follow: always read
-    buf = _exchange(digest, read, group, _transport(group, getattr(call.q, "device", torch.device("cpu"))))
+    buf = _exchange(digest, read, group, _transport(group, getattr(call.q, "device", torch.device("cpu"))), wait)
     n = len(FIELDS)
     if not read:  # compared on the device; read at the step boundary
         mem.move_to_end(digest)
