@@ -213,13 +213,16 @@ def test_a_rank_with_new_offsets_beside_one_repeating_an_agreed_call_raises_at_t
 
 @contextlib.contextmanager
 def _verdict_reads():
-    """Counts the host reads of the agreement's verdict (``tolist`` of its int64 vector: 2 x (14 fields + 1), plus
-    14 pending flags when some are kept)."""
+    """Counts the host reads of the agreement's verdict (``tolist`` of its int64 vector: 2 x (fields + 1), plus
+    one pending flag per field when some are kept)."""
+    from cpscope.attention.agreement import FIELDS
+
+    n = len(FIELDS)
     reads: list[int] = []
     saved = torch.Tensor.tolist
 
     def counted(t):
-        if t.dtype == torch.int64 and t.dim() == 1 and t.numel() in (30, 44):
+        if t.dtype == torch.int64 and t.dim() == 1 and t.numel() in (2 * (n + 1), 3 * n + 2):
             reads.append(t.numel())
         return saved(t)
 

@@ -5,6 +5,10 @@ its ``scale``, ``pack``, ``variant``, or the ``error`` of inputs that failed val
 it. On a sampled call (forward only):
 
 1. local checks: the scope the call runs under against the active one, RoPE's offsets against attention's;
+0. **the core's digest first** (:func:`cpscope.attention.agreement.check_call` with its ``sentinel`` field set): a
+   rank that does not sample the call (sentinel off there, switched on later, counters drifted) is named on every
+   rank by :class:`cpscope.RanksDisagreeError` before any collective of the sentinel; then the unit's own
+   collectives that waited for it (the handshake, the loop's pack checks);
 2. **agreement**: one fixed-size digest per rank, all-gathered over the group (:mod:`.agree`): a rank whose inputs
    are invalid raises its ``ValueError``, the others learn it here and raise too, instead of waiting in the ring;
 3. the numeric check (:mod:`.attention_numeric`): the output and the gradients against the reference.
@@ -22,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..attention.agreement import STAND_DOWN, check_call, raise_differ
+from ..attention import api as attention_api
 from ..attention.api import AttentionCall
 from ..scope import CPScope
 from . import recompute
@@ -29,8 +35,8 @@ from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
 from .cuts import cut_mismatch
-from .comm import collective_device, exchange, exchange_objects
-from .report import Mismatch
+from .comm import collective_device, exchange, exchange_objects, wait_for
+from .report import Mismatch, logger
 from .state import Microbatch, describe, group_of, in_backward, me, same_scope
 from .tracker import Tracker
 
@@ -65,7 +71,13 @@ def signature(call: AttentionCall) -> tuple:
 
 
 def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionCall], torch.Tensor]) -> torch.Tensor:
-    """Run the prepared attention ``call`` (``run(call)``), checked when this call is sampled."""
+    """Run the prepared attention ``call`` (``run(call)``), checked when this call is sampled.
+
+    Under CP > 1, ``run`` agrees the call's digest over the group (the core's default check) and runs it. A sampled
+    call agrees that digest first itself, with "this call is sampled" in it (:func:`_gate`), and runs every
+    collective of the sentinel only after every member was seen sampling it too; then it runs the call without a
+    second agreement (``run_call``).
+    """
     scope = call.scope
     if in_backward():
         if call.error is None:
@@ -76,6 +88,14 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     mb.calls += 1
     if not mb.sampled:
         return run(call)
+    differ = _gate(t, call, mb)
+    if differ is None:  # peers that do not sample this call: run it as they do, no collective of ours
+        return attention_api.run_call(call)
+    if scope.size > 1:
+        run = attention_api.run_call  # agreed already (or reported below); looked up now: tests plant bugs there
+    due, mb.due = mb.due, []
+    for fn in due:  # the unit's handshake and the loop's pack checks (every member samples this unit)
+        fn()
     cu: Optional[list] = list(call.pack.cu) if call.error is None and call.qkv_format == "thd" else None
     expected = t.expected_scope(mb)
     vscope = expected or scope  # the group that runs this microbatch: where the verdict is agreed
@@ -95,6 +115,8 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
         raise call.error
     else:
         t.verdicts.raise_pending()
+    if differ:  # the core's digest differs and the sentinel's report did not raise (a policy that only logs)
+        raise_differ(call, differ)
     if not (ok and scope_ok and t.opts.attention):
         return run(call)
     if not _reference_covers(call):
@@ -103,6 +125,30 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     # more local rows than the sentinel checks: sampled rows against a streamed reference; else every row, exactly
     check = sampled_numeric if canonical_rows(call) > t.opts.rows else numeric
     return check(t, call, run, cu, signature(call), mb.where(index))
+
+
+def _gate(t: Tracker, call: AttentionCall, mb: Microbatch) -> Optional[tuple]:
+    """The core's agreement digest of a sampled CP > 1 call, with its ``sentinel`` field set: ``()`` when every
+    member samples the call and agrees, the fields that differ while every member samples it (reported by
+    :func:`_agree` first), ``None`` when members that do not sample it run it unchecked (this rank stands down).
+
+    A member whose sentinel is off, or that does not sample this call, has the field 0: every rank raises
+    :class:`cpscope.RanksDisagreeError` naming it, before any collective of the sentinel — or, when those members
+    repeat a call they saw agreed (no host read there), every rank raises it at the step boundary.
+    """
+    if call.scope.size == 1:
+        return ()
+    differ = check_call(call, sentinel=1, wait=lambda work, group: wait_for(
+        work, group, "all_reduce (agreement digest of the core)", t.opts.timeout))
+    if differ is not STAND_DOWN:
+        return differ
+    mb.sampled, mb.due = False, []
+    t.stood_down = True
+    t.verdicts.count("stood down: peers not sampling")
+    logger.error("cpscope sentinel: the other ranks of %s do not sample this call (sentinel off there, or another "
+                 "microbatch count): this rank runs it unchecked; every rank raises RanksDisagreeError at the step "
+                 "boundary", describe(call.scope))
+    return None
 
 
 def canonical_rows(call: AttentionCall) -> int:

@@ -23,7 +23,7 @@ from ..scope import CPScope
 from ..sharding import zigzag_indices
 
 __all__ = ["collective_device", "exchange", "exchange_objects", "gather_zigzag", "all_gather_list", "all_reduce",
-           "CollectiveTimeout", "DEFAULT_TIMEOUT_S"]
+           "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "wait_for"]
 
 DEFAULT_TIMEOUT_S = 300.0  # the sentinel's default bound on any of its collectives (seconds)
 
@@ -83,7 +83,7 @@ def all_gather_list(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, time
                     what: str = "all_gather") -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape on every rank), in group order; waits at most ``timeout`` seconds."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(parts, t, group=group, async_op=True), group, f"all_gather ({what})", timeout)
+    wait_for(dist.all_gather(parts, t, group=group, async_op=True), group, f"all_gather ({what})", timeout)
     return parts
 
 
@@ -91,10 +91,10 @@ def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], *, timeout: 
                what: str = "all_reduce", op: Any = None) -> None:
     """Reduce ``t`` over ``group`` in place (``op``: default the sum); waits at most ``timeout`` seconds."""
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-    _wait(work, group, f"all_reduce ({what})", timeout)
+    wait_for(work, group, f"all_reduce ({what})", timeout)
 
 
-def _wait(work: Any, group: Optional[dist.ProcessGroup], name: str, timeout: Optional[float]) -> None:
+def wait_for(work: Any, group: Optional[dist.ProcessGroup], name: str, timeout: Optional[float]) -> None:
     """Wait for ``work``; past ``timeout`` seconds raise :class:`CollectiveTimeout` naming the collective."""
     limit = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     try:

@@ -2,8 +2,9 @@
 
 For every microbatch the loop runs, :func:`watch` marks it (so sampling follows microbatches of each group). On a
 sampled microbatch of a CP group it first checks, with one small collective, that the members agree on the pack
-(CP size, members, offsets, local length, the documents, the microbatch index) — before the forward, so a
-disagreement is named instead of hanging the ring — then that the **labels are the next tokens** once the group's
+(CP size, members, offsets, local length, the documents, the microbatch index) — at the microbatch's first
+attention call, once the core's agreement digest showed every member sampling it (so a member without the sentinel
+never leaves another inside this collective), before that call's exchange — then that the **labels are the next tokens** once the group's
 tokens are put back in zigzag order: a microbatch sharded by another scheme (a contiguous split), or labels shifted
 after sharding, breaks that. On sampled steps it checks **loss normalisation**: the world-sum of the targets the
 loss uses (labels ≠ ``ignore_index``) must equal ``num_targets`` on every rank.
@@ -40,8 +41,8 @@ def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator
         scope = scope_for(getattr(mb, "group", None))
         state = t.begin_microbatch(scope, step=step)
         try:
-            if state.sampled:
-                check_microbatch(t, mb, scope, state)
+            if state.sampled:  # its collectives: at the first attention call, after the core's digest
+                state.due.append(lambda mb=mb, scope=scope, state=state: check_microbatch(t, mb, scope, state))
             if step_sampled:
                 labels = mb.labels
                 used += int((labels != t.opts.ignore_index).sum())
@@ -55,7 +56,7 @@ def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator
             t.end_microbatch(state, flush=False)
             raise
         t.end_microbatch(state)
-    if step_sampled:
+    if step_sampled and not t.stood_down:  # (stood down: the step boundary raises on every rank)
         check_loss(t, used, num_targets, device, step)
 
 

@@ -64,13 +64,16 @@ def fingerprint(t: torch.Tensor) -> tuple:
 class Microbatch:
     """What the sentinel knows about the microbatch being run: its group, index, whether it is sampled."""
 
-    __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified")
+    __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified", "due")
 
     def __init__(self, scope: CPScope, index: int, sampled: bool, step: Optional[int], marked: bool) -> None:
         self.scope, self.index, self.sampled, self.step, self.marked = scope, index, sampled, step, marked
         self.calls = 0  # attention calls so far (forward): the next call's index = the layer
         self.rope_layouts: list = []  # offsets RoPE used since the last attention call (sampled only)
         self.unverified = 0  # local-only checks since the last group verdict (RoPE / positions after attention)
+        # the unit's own collectives (handshake, the loop's pack checks): run at its first sampled attention call,
+        # once the core's agreement digest showed every rank sampling it (:mod:`.attention_check`)
+        self.due: list = []
 
     def where(self, call: Optional[int]) -> dict:
         """Where-fields of a report; without markers the unit is one call: its index among calls of its kind."""

@@ -41,15 +41,18 @@ class Tracker:
         self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.handshake`)
         self.armed = 0  # recomputes of sampled calls due: checked meanwhile (:mod:`.recompute`)
         self.taps_due = 0  # gradient taps of sampled calls not yet run (a sampled backward is due)
+        # a sampled call found peers that do not sample it (:func:`.attention_check.stand_down`): the step boundary
+        # raises RanksDisagreeError on every rank; until then this rank runs no collective of its own
+        self.stood_down = False
 
     def begin_microbatch(self, scope: CPScope, *, step: Optional[int] = None) -> Microbatch:
         """A marked microbatch of ``scope``'s group begins (``run_microbatches``, :meth:`cpscope.sentinel.microbatch`)."""
         index, sampled = self.sampler.microbatch(scope.group)
-        if sampled:
-            self.agree_options(scope)
-        elif not self.taps_due:  # no sampled backward due: an unsampled microbatch's recomputes go unchecked
+        if not sampled and not self.taps_due:  # no sampled backward due: an unsampled microbatch's recomputes go unchecked
             self.armed = 0
         mb = Microbatch(scope, index, sampled, step, marked=True)
+        if sampled:  # at its first attention call, after the core's digest showed every rank sampling it
+            mb.due.append(lambda: self.agree_options(scope))
         self.mb = mb
         self.verdicts.drop_pending()  # (left by a microbatch that failed: already logged)
         self.verdicts.summary.microbatches += 1
@@ -73,13 +76,16 @@ class Tracker:
             return mb
         unit = self.expected_scope(None) or scope
         index, sampled = self.sampler.call(kind, unit.group)
-        if sampled:
-            self.agree_options(unit)
-        return Microbatch(unit, index, sampled, None, marked=False)
+        mb = Microbatch(unit, index, sampled, None, marked=False)
+        if sampled and kind == "attention":  # (other kinds run no collective of their own)
+            mb.due.append(lambda: self.agree_options(unit))
+        return mb
 
     def agree_options(self, scope: CPScope) -> None:
         """At the first sampled unit of ``scope``'s group: its members agree on how this sentinel runs (on, every,
-        policy, checks, steps so far), or every member that got here raises the same error (:mod:`.handshake`)."""
+        policy, checks, steps so far), or every member that got here raises the same error (:mod:`.handshake`).
+        Run at the unit's first attention call, after the core's agreement digest showed every member sampling it
+        (a member without the sentinel is named there, on every rank, before anyone waits here)."""
         if scope.size == 1 or scope.group in self._agreed:
             return
         handshake(scope, {**options_code(self.opts), "steps": self.sampler.steps}, timeout=self.opts.timeout)

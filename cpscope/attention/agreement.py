@@ -7,7 +7,9 @@ returns wrong rows on every rank (other ``cu_seqlens`` with the same total) or e
 
 1. **digest, on the host** (:data:`FIELDS`): the resolved variant, the global length, the rows (documents in
    ``thd``), a hash of the global offsets (kept on the pack: O(1) per layer), layout, ``causal``, dtype, heads,
-   head dims, window, softcap, sinks — all from metadata the call already holds on the host (no tensor is read);
+   head dims, window, softcap, sinks — all from metadata the call already holds on the host (no tensor is read) —
+   and ``sentinel``: 1 when ``cpscope.sentinel`` samples the call (it calls :func:`check_call` itself, first, and
+   always reads the verdict, so its own collectives run only once every rank was seen sampling the call), else 0;
 2. **one tiny collective, the same on every call of every rank**: a ``MAX`` all-reduce of ``[d, r, -d, -r]``
    (``2·(len(FIELDS) + 1)`` int64; ``r`` = "this rank reads the verdict now"). Field *i* agrees iff
    ``max(d_i) == min(d_i)``. Its op and size never depend on the inputs or on any per-rank state, so it cannot
@@ -52,7 +54,7 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +66,7 @@ from .agreement_report import (DTYPES, FIELDS, FORMATS, KEEP_VALUES, LABELS, Ran
                                raise_pending, raise_ranges)
 
 AttentionCall = Any  # cpscope.attention.api.AttentionCall (not imported: api imports this module)
-__all__ = ["RanksDisagreeError", "check_call", "verify_agreement", "FIELDS", "LABELS"]
+__all__ = ["RanksDisagreeError", "check_call", "raise_differ", "STAND_DOWN", "verify_agreement", "FIELDS", "LABELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +95,11 @@ def _comm_code(name: str, inner: Optional[int]) -> int:
     return VARIANTS.index(name) + 1 + 1000 * (inner or 0)
 
 
-def _values(call: "AttentionCall") -> tuple:
-    """This rank's readable value of every field of :data:`FIELDS` (host metadata only)."""
+def _values(call: "AttentionCall", sentinel: int = 0) -> tuple:
+    """This rank's readable value of every field of :data:`FIELDS` (host metadata only). A call whose inputs failed
+    validation has none but its ``sentinel`` field (its other fields then read ``None``, their codes 0)."""
+    if call.error is not None:
+        return (None,) * (len(FIELDS) - 1) + (int(sentinel),)
     q, k, v, variant, pack = call.q, call.k, call.v, call.variant, call.pack
     if call.qkv_format == "thd":
         global_len, rows = pack.total, len(pack.lens)
@@ -103,17 +108,23 @@ def _values(call: "AttentionCall") -> tuple:
         global_len, rows = s * call.scope.size, b
     offsets = None if pack is None else (pack.cu, pack.real)  # not the pack: kept values must not keep it alive
     return ((variant.name, variant.inner), global_len, rows, offsets, call.qkv_format, bool(call.causal), q.dtype,
-            q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], call.window, call.softcap, call.sinks is not None)
+            q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], call.window, call.softcap, call.sinks is not None,
+            int(sentinel))
 
 
 def _digest(values: tuple, pack: Any) -> tuple[int, ...]:
     """The int codes of ``values`` (in ``[0, 2^62)``); the offsets' hash is computed once per pack."""
-    (name, inner), global_len, rows, offsets, fmt, causal, dtype, h, hk, d, dv, window, softcap, sinks = values
+    (name_inner, global_len, rows, offsets, fmt, causal, dtype, h, hk, d, dv, window, softcap, sinks,
+     sentinel) = values
+    if name_inner is None:  # inputs that failed validation: only the sentinel field is known
+        return (0,) * (len(FIELDS) - 1) + (sentinel,)
+    name, inner = name_inner
     offsets_hash = 0 if pack is None else pack.memo(_HASH_KEY, lambda: _hash(offsets))
     return (_comm_code(name, inner), global_len, rows, offsets_hash, FORMATS.index(fmt) + 1, int(causal),
             DTYPES.index(dtype) + 1 if dtype in DTYPES else _hash(str(dtype)), h, hk, d, dv,
             0 if window is None else _hash(tuple(window)),
-            0 if softcap is None else struct.unpack("<q", struct.pack("<d", softcap))[0] & _MASK62, int(sinks))
+            0 if softcap is None else struct.unpack("<q", struct.pack("<d", softcap))[0] & _MASK62, int(sinks),
+            sentinel)
 
 
 # ---- per-group state ------------------------------------------------------------------------------------------------
@@ -200,48 +211,77 @@ def _transport(group: Any, hint: torch.device) -> torch.device:
     return torch.device("cpu") if ok else hint  # NCCL: the device of the call's tensors
 
 
-def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device) -> torch.Tensor:
-    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call."""
+def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device,
+              wait: Optional[Callable[[Any, Any], None]] = None) -> torch.Tensor:
+    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call. ``wait``
+    (an observer's bounded wait: ``wait(work, group)``) waits for it instead of the group's own timeout."""
     row = list(digest) + [int(read)]
     buf = torch.tensor(row + [-x for x in row], dtype=torch.int64)
     if device.type == "cuda":  # pinned + non-blocking: no host wait for the copy
         buf = buf.pin_memory().to(device, non_blocking=True)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    if wait is None:
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    else:
+        wait(dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True), group)
     return buf
 
 
 # ---- the check ------------------------------------------------------------------------------------------------------
 
 
-def check_call(call: "AttentionCall", group: Any = None) -> None:
+class _StandDown:
+    """:func:`check_call`'s answer to a sampling observer whose peers do not sample the call (see there)."""
+
+    def __repr__(self) -> str:
+        return "STAND_DOWN"
+
+
+STAND_DOWN = _StandDown()
+
+
+def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0,
+               wait: Optional[Callable[[Any, Any], None]] = None) -> Any:
     """Agree ``call``'s digest over its CP group (CP > 1; ``group`` overrides ``call.scope.group``, e.g. for a
     benchmark of the check on one process), before any exchange of its variant.
 
-    Every member of the group calls this for the same attention call (the core does, on every CP > 1 call).
+    Every member of the group calls this for the same attention call (the core does, on every CP > 1 call; a
+    sampling observer — :class:`cpscope.sentinel` — calls it itself, first, with ``sentinel=1``).
+
+    ``sentinel`` is the digest's last field: 1 when an observer samples this call (it will run collectives of its
+    own on the group right after), 0 otherwise. A sampling rank always reads the verdict, so its collectives run
+    only after every rank was seen to sample the call too; ``wait(work, group)`` bounds its wait for the
+    all-reduce (the sentinel's ``timeout``).
+
+    Returns:
+        ``()`` when the ranks agree (or the verdict is deferred, as without an observer). For ``sentinel=1``: the
+        fields that differ while every rank samples the call (the observer reports them with its own richer
+        collective, then :func:`raise_differ`), or :data:`STAND_DOWN` when ranks that did not read the verdict
+        (not sampling: no observer collectives there) run the call as their peers do — the observer must then run
+        it without any collective of its own; every rank raises at the step boundary.
 
     Raises:
         RanksDisagreeError: the ranks differ in a field of :data:`FIELDS` (at once when every rank reads the
             verdict now), or a deferred verdict found that they did.
     """
     if not _ENABLED or in_backward():  # an activation recompute repeats a forward call agreed already
-        return
+        return ()
     group = call.scope.group if group is None else group
-    values = _values(call)
+    values = _values(call, sentinel)
     digest = _digest(values, call.pack)
     state = _state()
     mem = state.agreed.get(group)
     if mem is None:
         mem = state.agreed[group] = OrderedDict()
-    read = digest not in mem
-    buf = _exchange(digest, read, group, _transport(group, call.q.device))
+    read = bool(sentinel) or digest not in mem  # a sampling observer's collectives follow: always read
+    buf = _exchange(digest, read, group, _transport(group, getattr(call.q, "device", torch.device("cpu"))), wait)
     n = len(FIELDS)
     if not read:  # compared on the device; read at the step boundary
         mem.move_to_end(digest)
         _defer(state, group, buf.view(2, n + 1).sum(0)[:n], values)  # max - min per field: > 0 where they differ
-        return
+        return ()
     pend = state.pending.get(group)
     row = buf if pend is None else torch.cat([buf, pend.flags.to(buf.device, torch.int64)])
-    out = row.tolist()  # the one host read: a digest not seen agreed (layer 0; a new pack)
+    out = row.tolist()  # the one host read: a digest not seen agreed (layer 0; a new pack), or a sampled call
     high, low = out[:n], [-x for x in out[n + 1:2 * n + 1]]
     everyone = -out[2 * n + 1] == 1  # min over the ranks of "reads now"
     differ = [FIELDS[i] for i in range(n) if high[i] != low[i]]
@@ -254,13 +294,25 @@ def check_call(call: "AttentionCall", group: Any = None) -> None:
             flagged = [FIELDS[i] for i, x in enumerate(out[2 * n + 2:]) if x]
             if everyone and flagged:
                 raise_pending({group: flagged}, {group: state.pending.pop(group).values})
-        return
+        return ()
     if everyone:
+        if sentinel and "sentinel" not in differ:  # every rank samples: the observer's richer report comes first
+            return tuple(differ)
         raise_gathered(group, differ, values)
-    if set(differ) <= _NEUTRAL and call.window is None:  # same exchanges on every rank: raise at the step boundary
+    # Not every rank reads: those that do not repeat an agreed call and do not sample it (a sampling rank reads).
+    if set(differ) <= _NEUTRAL | {"sentinel"} and call.window is None and call.error is None:
+        # same exchanges on every rank once a sampling rank stands down: raise at the step boundary
         _defer(state, group, buf.view(2, n + 1).sum(0)[:n], values)
-        return
+        return STAND_DOWN if sentinel else ()
     raise_ranges(group, differ, values, high, low)
+    return ()  # (not reached)
+
+
+def raise_differ(call: "AttentionCall", differ: Sequence[str], *, sentinel: int = 1, group: Any = None) -> None:
+    """Raise :class:`RanksDisagreeError` on every rank for the fields ``differ`` that :func:`check_call` returned
+    (every rank holds the same ``differ`` and calls this at the same point: one ``all_gather_object``)."""
+    group = call.scope.group if group is None else group
+    raise_gathered(group, list(differ), _values(call, sentinel))
 
 
 # ---- step boundary --------------------------------------------------------------------------------------------------

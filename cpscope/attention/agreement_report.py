@@ -22,14 +22,14 @@ import torch.distributed as dist
 from .._variants import VARIANTS
 from ..groups import group_ranks
 
-__all__ = ["RanksDisagreeError", "FIELDS", "LABELS", "FORMATS", "DTYPES", "raise_gathered", "raise_ranges",
-           "raise_pending"]
+__all__ = ["RanksDisagreeError", "FIELDS", "LABELS", "FORMATS", "DTYPES", "SENTINEL_STATES", "raise_gathered",
+           "raise_ranges", "raise_pending"]
 
 KEEP_VALUES = 1024  # readable values kept per group between two verdicts, for the report
 FORMATS = ("bshd", "sbhd", "thd")
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 FIELDS: tuple[str, ...] = ("comm", "global_len", "rows", "cu_seqlens", "qkv_format", "causal", "dtype", "heads",
-                           "kv_heads", "head_dim", "v_head_dim", "window", "softcap", "sinks")
+                           "kv_heads", "head_dim", "v_head_dim", "window", "softcap", "sinks", "sentinel")
 LABELS = {
     "comm": "communication variant (comm)",
     "global_len": "global length (tokens per sequence; thd: the packed total)",
@@ -45,13 +45,18 @@ LABELS = {
     "window": "window",
     "softcap": "softcap",
     "sinks": "sinks given",
+    "sentinel": "cpscope.sentinel sampling this call",
 }
+SENTINEL_STATES = ("no (sentinel off, or this call not sampled)", "yes (sentinel on, sampled call)")
 _HINTS = {
     "comm": "pass the same comm= (or runtime_cp(..., comm=)) on every rank; comm='auto' needs the same chooser and "
             "calibration on every rank",
     "cu_seqlens": "every rank passes the whole microbatch's global offsets (the same cu_seqlens), not its own",
     "global_len": "every rank holds its zigzag shard (zigzag_shard) of the same global sequences",
     "rows": "every rank holds its zigzag shard of the same batch / documents",
+    "sentinel": "switch cpscope.sentinel on at the same point on every rank (e.g. before the training loop), with "
+                "the same every=, and mark the same microbatches: a sampled call runs the sentinel's collectives, "
+                "which a rank that does not sample it would never enter",
 }
 _READABLE = {"global_len", "rows", "heads", "kv_heads", "head_dim", "v_head_dim", "causal", "sinks"}  # ints as is
 
@@ -83,6 +88,10 @@ class RanksDisagreeError(ValueError):
 
 def _show(field: str, value: Any) -> Any:
     """A readable form of one field's value (for messages and ``RanksDisagreeError.values``)."""
+    if field == "sentinel":
+        return SENTINEL_STATES[int(bool(value))]
+    if value is None:  # a call whose inputs failed validation (only its sentinel field is known)
+        return None
     if field == "comm":
         name, inner = value
         return name if inner is None else f"{name}:{inner}"
@@ -98,7 +107,11 @@ def _show(field: str, value: Any) -> Any:
 
 def _decode(field: str, code: int) -> Any:
     """A digest code back to a readable value, where the code is not a hash."""
+    if field == "sentinel":
+        return SENTINEL_STATES[int(bool(code))]
     if field == "comm":
+        if not code:
+            return None  # a call whose inputs failed validation
         name, inner = VARIANTS[code % 1000 - 1], code // 1000
         return name if not inner else f"{name}:{inner}"
     if field == "qkv_format":
