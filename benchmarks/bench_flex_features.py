@@ -11,6 +11,18 @@ CUDA-event medians), per length of ``--seqlens``:
   ``ratio = cpscope_ms / flex_ms``; at the first length also ``cpscope_exact_ms``, the same call with FlexAttention
   off in the router (what ran before it: the exact tiled math where cuDNN refuses);
 * ``thd``: the same on a packed batch of documents (the document mask in both);
+* what each timed step holds: the call and its backward, nothing else on either side — both block masks are built
+  before the timed steps (cpscope keeps its mask with the pack, as it would for a loader that repeats a pack shape;
+  ``flex_ms``'s is built once per row); a stream of new packs, where each pack builds its own, is
+  ``bench_pack_stream.py``'s business;
+* compile states (what made cpscope 1.19x flex at 16k but 1.0x at 64k before the fix, issue 31): ``flex_ms``'s
+  ``torch.compile(flex_attention)`` shares one compile cache over the rows, so it runs a **static** graph at the
+  first length and a **dynamic** one (dynamo's automatic dynamic shapes) from the second; cpscope's compiled call
+  has seen ``--check-len`` tokens in the reference check first, so it is dynamic at every length. A dynamic graph
+  cannot prove the lengths divisible by 128 and FlexAttention's kernels then bound-check every load
+  (``IS_DIVISIBLE=False``); cpscope now tells them where the lengths divide. ``--dynamic-rows`` adds, at the first
+  length, ``flex_dynamic_ms`` (direct FlexAttention compiled ``dynamic=True``: what cpscope ran before) and
+  ``flex_dynamic_divisible_ms`` (the same with ``kernel_options={"IS_DIVISIBLE": True}``: what it runs now);
 * ``parity``: cpscope's output and gradients against FlexAttention's (relative errors), and at ``--check-len``
   tokens against a float64 reference written here.
 
@@ -25,6 +37,7 @@ itself runs forward only on CPU; Gemma 2 checked against ``attn_implementation="
 ``tests/test_bench_flex_features.py``.
 
     python benchmarks/bench_flex_features.py --out benchmarks/results --json flex_features_h200.json
+    python benchmarks/bench_flex_features.py --hf-seqlens --dynamic-rows --json flex_features_h100.json
 """
 from __future__ import annotations
 
@@ -37,6 +50,7 @@ import math
 import os
 import sys
 import time
+import types
 from typing import Any, Optional
 
 import torch
@@ -64,6 +78,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hf-kv-heads", type=int, default=8)
     p.add_argument("--hf-vocab", type=int, default=32000)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--dynamic-rows", action="store_true",
+                   help="at the first length: direct FlexAttention compiled dynamic=True, with and without "
+                        "IS_DIVISIBLE (two more compiles per layout)")
     p.add_argument("--tiny", action="store_true", help="CPU crash test on tiny shapes")
     p.add_argument("--out", default="/tmp/cpscope-bench")
     p.add_argument("--json", default="flex_features.json")
@@ -88,9 +105,22 @@ def _doc_lens(n: int, docs: int) -> list[int]:
     return lens
 
 
-def _flex_direct(args, n: int, dev: torch.device, cu: Optional[list[int]]):
-    """``fn(q4, k4, v4)`` -> out: compiled FlexAttention, a causal sliding window (and documents) block mask, the
-    softcap as its score modifier."""
+def _direct_call(flex_fn, q4, k4, v4, score_mod, block_mask, gqa, options):
+    """FlexAttention called plainly (what the ``--dynamic-rows`` compile, each in a code object of its own)."""
+    return flex_fn(q4, k4, v4, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, kernel_options=options)
+
+
+def _fresh_compile(tag: str, **kw):
+    """``_direct_call`` compiled with its own compile cache (``kw``: ``torch.compile``'s), shared with no row."""
+    code = _direct_call.__code__.replace(co_name=f"_direct_call_{tag}")
+    return torch.compile(types.FunctionType(code, _direct_call.__globals__, code.co_name), **kw)
+
+
+def _flex_direct(args, n: int, dev: torch.device, cu: Optional[list[int]], compiled: Any = None,
+                 options: Optional[dict] = None):
+    """``fn(q4, k4, v4)`` -> out: compiled FlexAttention, a causal sliding-window (and documents) block mask, the
+    softcap as its score modifier (``compiled``: a :func:`_fresh_compile` to call instead of the shared
+    ``torch.compile(flex_attention)``; ``options``: its kernel options)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     w, cap = args.window, args.softcap
@@ -107,6 +137,9 @@ def _flex_direct(args, n: int, dev: torch.device, cu: Optional[list[int]]):
         return cap * torch.tanh(score / cap)
 
     bm = create_block_mask(mask, None, None, n, n, device=dev)
+    if compiled is not None:
+        return lambda q4, k4, v4: compiled(flex_attention, q4, k4, v4, capped, bm, q4.shape[1] != k4.shape[1],
+                                           options)
     fn = flex_attention if dev.type == "cpu" else torch.compile(flex_attention)
     return lambda q4, k4, v4: fn(q4, k4, v4, score_mod=capped, block_mask=bm, enable_gqa=q4.shape[1] != k4.shape[1])
 
@@ -215,6 +248,13 @@ def attention_row(args, n: int, layout: str, dev: torch.device, dtype: torch.dty
             row["flex_fwd_ms"] = attempt(row, "flex", lambda: round(timer.median_ms(step(theirs, True)), 3))
     if row.get("cpscope_ms") and row.get("flex_ms"):
         row["ratio"] = round(row["cpscope_ms"] / row["flex_ms"], 3)
+    if first and train and args.dynamic_rows:  # direct FlexAttention in cpscope's compile state, before / after
+        for name, options in (("flex_dynamic_ms", None), ("flex_dynamic_divisible_ms", {"IS_DIVISIBLE": True})):
+            if options is not None and n % 128:
+                continue
+            fn = _flex_direct(args, n, dev, cu, _DYNAMIC.setdefault(name, _fresh_compile(name, dynamic=True)),
+                              options)
+            row[name] = attempt(row, name, lambda fn=fn: round(timer.median_ms(step(fn, True)), 3))
     if first and layout == "bshd":  # before: FlexAttention off in the router
         def exact():
             with use_kernel_policy(flex="off"):
@@ -222,6 +262,9 @@ def attention_row(args, n: int, layout: str, dev: torch.device, dtype: torch.dty
                                                            packed, cu, dev), False)), 3)
         row["cpscope_exact_ms"] = attempt(row, "cpscope_exact", exact)
     return row
+
+
+_DYNAMIC: dict[str, Any] = {}  # the --dynamic-rows' compiled calls (one compile cache each, over the layouts)
 
 
 def reference_check(args, dev: torch.device, dtype: torch.dtype) -> dict:
@@ -350,6 +393,9 @@ def _run(args, dev: torch.device, dtype: torch.dtype, timer: Timer, calls: dict)
             log.info("%s %6d: cpscope %s ms, flex %s ms (ratio %s), before %s ms, parity %s", layout, n,
                      row.get("cpscope_ms"), row.get("flex_ms", row.get("flex_fwd_ms")), row.get("ratio"),
                      row.get("cpscope_exact_ms"), row.get("parity_vs_flex"))
+            if "flex_dynamic_ms" in row:
+                log.info("%s %6d: flex compiled dynamic=True %s ms, dynamic + IS_DIVISIBLE %s ms", layout, n,
+                         row.get("flex_dynamic_ms"), row.get("flex_dynamic_divisible_ms"))
     if args.hf_seqlens and importlib.util.find_spec("transformers") is None:
         res["skipped"] = {"gemma2": "transformers is not installed (pip install transformers)"}
         log.warning("Gemma 2 rows skipped: %s", res["skipped"]["gemma2"])

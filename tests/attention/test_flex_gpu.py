@@ -5,7 +5,8 @@
   forward and backward from merged statistics;
 * the router sends window + softcap blocks to flex when cuDNN refuses their graph (and never to the exact math);
 * a whole CP1 call (``bshd`` and ``thd``, window + softcap) through flex's own autograd;
-* a stream of packs with new document lengths compiles at most twice per configuration (static, then dynamic);
+* a stream of packs with new document lengths compiles at most twice per configuration (static, then dynamic) and
+  class of totals (multiples of 128 or not);
 * no ``[h, s, s]`` score or mask tensor is materialised.
 
 ``python -m pytest -m gpu tests/attention/test_flex_gpu.py``
@@ -122,9 +123,37 @@ def test_cp1_call_through_flex_autograd(fmt, with_sinks, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_dynamic_divisible_lengths_match_reference():
+    """Whole calls at a first length, then new lengths (a dynamic graph): where both lengths divide by 128 the
+    kernels skip their bounds checks (``IS_DIVISIBLE``), elsewhere not — forward and gradients against float64."""
+    import cpscope
+    from cpscope.attention.kernels import flex
+    from cpscope.attention.policy import use_kernel_policy
+    from tests.attention._reference import reference_attention
+
+    dev = _dev()
+    flex.clear_cache()
+    g = torch.Generator(device=dev).manual_seed(11)
+    for n in (1024, 2560, 1920, 1000, 1400):
+        q, k, v, do = (torch.randn(1, n, h, 64, device=dev, dtype=torch.float64, generator=g) for h in (8, 2, 2, 8))
+        ref = [x[0].clone().requires_grad_(True) for x in (q, k, v)]
+        want = reference_attention(*ref, causal=True, cu=None, window=(255, 0), softcap=30.0)
+        want.backward(do[0])
+        loc = [x.bfloat16().requires_grad_(True) for x in (q, k, v)]
+        with use_kernel_policy(flex="first"):
+            out = cpscope.context_parallel_attention(*loc, qkv_format="bshd", window=(255, 0), softcap=30.0,
+                                                     group=None)
+        out.backward(do.bfloat16())
+        for got, exp in zip([out, *(x.grad for x in loc)], [want, *(x.grad for x in ref)]):
+            assert rel(got.reshape(exp.shape), exp) < REL_TOL, n
+    assert {key[-1] for key in flex._compiled} == {True, False}
+
+
+@pytest.mark.gpu
 def test_new_packs_compile_at_most_twice():
     """Packs with new document lengths (and totals) reuse the compiled kernel: the first shape compiles a static
-    graph, the first new one a dynamic graph, later ones nothing."""
+    graph, the first new one a dynamic graph, later ones nothing — per class of totals: multiples of the 128-row
+    tile (whose kernels skip the bounds checks) and the rest."""
     from torch._dynamo.utils import counters
 
     from cpscope.attention.kernels import Varlen, flex
@@ -132,7 +161,7 @@ def test_new_packs_compile_at_most_twice():
     dev = _dev()
     flex.clear_cache()
     g = torch.Generator().manual_seed(0)
-    before = counters["stats"]["unique_graphs"]
+    before, classes = counters["stats"]["unique_graphs"], set()
     for i in range(6):
         lens = torch.randint(200, 1500, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
         cu = [0]
@@ -143,7 +172,8 @@ def test_new_packs_compile_at_most_twice():
         q, k, v = (torch.randn(cu[-1], h, 128, device=dev, dtype=torch.bfloat16) for h in (8, 2, 2))
         out, lse = flex.forward(q, k, v, 128 ** -0.5, True, vl, (255, 0), 50.0)
         assert torch.isfinite(out).all()
-    assert counters["stats"]["unique_graphs"] - before <= 2
+        classes.add(cu[-1] % flex.TILE == 0)
+    assert counters["stats"]["unique_graphs"] - before <= 2 * len(classes)
 
 
 @pytest.mark.gpu
