@@ -33,8 +33,18 @@ def _collector_off():
         gc.enable()
 
 
+def _real(o) -> bool:
+    """A tensor with memory of its own: not a proxy, not a meta tensor, not one of torch.compile's fake tensors (a
+    first compiled call — FlexAttention's — leaves tracing garbage behind that holds no device memory)."""
+    if type(o) in weakref.ProxyTypes or not isinstance(o, torch.Tensor):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(o, FakeTensor) and o.device.type != "meta"
+
+
 def _holds_tensor(frame: types.FrameType) -> bool:
-    return any(type(v) not in weakref.ProxyTypes and isinstance(v, torch.Tensor) for v in frame.f_locals.values())
+    return any(_real(v) for v in frame.f_locals.values())
 
 
 def _cyclic_garbage() -> list[str]:
@@ -45,8 +55,7 @@ def _cyclic_garbage() -> list[str]:
     try:
         gc.collect()
         live = [o for o in gc.garbage if type(o) not in weakref.ProxyTypes]  # a dead proxy raises on isinstance
-        found = [o for o in live if isinstance(o, torch.Tensor) or isinstance(o, types.FrameType) and (
-            _holds_tensor(o))]
+        found = [o for o in live if _real(o) or isinstance(o, types.FrameType) and _holds_tensor(o)]
         gc.garbage.clear()
     finally:
         gc.set_debug(0)
