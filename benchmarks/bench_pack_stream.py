@@ -8,6 +8,10 @@ counts). Rows per token count:
 
 * ``cpscope`` — ``context_parallel_attention(qkv_format="thd")`` at CP1, then ``cpscope_again``: the same packs a
   second time (new offsets tensors, the graph caches warm: what per-shape work costs is the difference);
+* ``cpscope_defer`` — the same packs with ``use_kernel_policy(defer_builds=True)`` after the graph cache and the
+  keys seen were cleared: a new cuDNN graph key runs on flash-attention-2 once and is built on its second sighting;
+  then ``cpscope_defer_again`` (every key seen once: the recurring shapes build now). The row reports the graphs
+  built and the keys seen once (``deferred_keys``);
 * ``varlen_attn`` — ``torch.nn.attention.varlen.varlen_attn`` (causal; GQA natively where it takes it, else k/v
   expanded to the query heads inside each timed step, as its user must);
 * ``flex`` — ``torch.compile(flex_attention)`` with a document-causal block mask built per pack
@@ -110,6 +114,33 @@ def cpscope_fn(dev: torch.device) -> Callable:
         return out, torch.autograd.grad(out, (x.q, x.k, x.v), x.dout)
 
     return run
+
+
+def cpscope_defer_fn(dev: torch.device) -> Callable:
+    """:func:`cpscope_fn` with the kernel policy's ``defer_builds`` on for each call."""
+    from cpscope.attention.policy import use_kernel_policy
+
+    inner = cpscope_fn(dev)
+
+    def run(x: Inputs, cu: tuple[int, ...]):
+        with use_kernel_policy(defer_builds=True):
+            return inner(x, cu)
+
+    return run
+
+
+def _fresh_kernel_caches() -> None:
+    """No cuDNN graph built and no graph key seen (the ``cpscope_defer`` row starts as a fresh process would)."""
+    from cpscope.attention.kernels import cudnn_frontend, deferral
+
+    cudnn_frontend.clear_cache()
+    deferral.clear_seen()
+
+
+def _deferred_keys() -> int:
+    from cpscope.attention.kernels import deferral
+
+    return len(deferral.seen_keys())
 
 
 def varlen_fn(dev: torch.device) -> Callable:
@@ -228,7 +259,8 @@ def run_tokens(args, dev: torch.device, dtype: torch.dtype, tokens: int, out: di
     res: dict[str, Any] = {"tokens": tokens, "docs": [len(p) - 1 for p in packs], "rows": {}, "errors": {}}
     out["streams"].append(res)
     rows = res["rows"]
-    methods = [("cpscope", lambda: cpscope_fn(dev)), ("varlen_attn", lambda: varlen_fn(dev))]
+    methods = [("cpscope", lambda: cpscope_fn(dev)), ("cpscope_defer", lambda: cpscope_defer_fn(dev)),
+               ("varlen_attn", lambda: varlen_fn(dev))]
     if not args.no_flex:
         methods.append(("flex", lambda: flex_fn(dev, compiled=dev.type == "cuda")))
     for name, make in methods:
@@ -242,10 +274,16 @@ def run_tokens(args, dev: torch.device, dtype: torch.dtype, tokens: int, out: di
                 _sync(dev)
                 res["flex_compile_ms"] = (time.perf_counter() - t0) * 1e3
                 del o, g
+            if name == "cpscope_defer":
+                _fresh_kernel_caches()
             rows[name] = stream(name, fn, x, packs, dev)
-            if name == "cpscope":
+            if name in ("cpscope", "cpscope_defer"):
                 rows[name]["cudnn_graphs"] = _graph_keys()
-                rows["cpscope_again"] = stream("cpscope_again", fn, x, packs, dev, keep_first=False)
+                if name == "cpscope_defer":
+                    rows[name]["deferred_keys"] = _deferred_keys()
+                again = name + "_again"
+                rows[again] = stream(again, fn, x, packs, dev, keep_first=False)
+                rows[again]["cudnn_graphs"] = _graph_keys()
         attempt(res, name, go)
     # parity on the first pack: every method against cpscope's results (bf16 tolerance)
     ref = rows.get("cpscope", {}).get("_first")
@@ -294,7 +332,8 @@ def check_small(args, dev: torch.device, dtype: torch.dtype) -> dict:
     x = Inputs(tokens, args.heads, args.kv_heads, args.dim, dev, dtype, seed=3)
     ref = reference(x, cu)
     res: dict[str, Any] = {"tokens": tokens, "cu": list(cu), "errors": {}}
-    methods = {"cpscope": lambda: cpscope_fn(dev), "varlen_attn": lambda: varlen_fn(dev)}
+    methods = {"cpscope": lambda: cpscope_fn(dev), "cpscope_defer": lambda: cpscope_defer_fn(dev),
+               "varlen_attn": lambda: varlen_fn(dev)}
     if not args.no_flex:
         methods["flex"] = lambda: flex_fn(dev, compiled=dev.type == "cuda")
     for name, make in methods.items():

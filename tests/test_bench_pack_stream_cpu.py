@@ -21,9 +21,11 @@ def test_tiny_run(tmp_path):
     out = bps.main(["--tiny", "--out", str(tmp_path)])
     assert out["ok"], out
     rows = out["streams"][0]["rows"]
-    assert {"cpscope", "cpscope_again", "flex"} <= set(rows)
+    assert {"cpscope", "cpscope_again", "cpscope_defer", "cpscope_defer_again", "flex"} <= set(rows)
+    assert rows["cpscope_defer"]["packs"] == 6 and "deferred_keys" in rows["cpscope_defer"]
     assert rows["cpscope"]["packs"] == 6 and rows["cpscope"]["total_ms"] > 0
-    assert out["check_small"]["cpscope"]["ok"]
+    assert out["check_small"]["cpscope"]["ok"] and out["check_small"]["cpscope_defer"]["ok"]
+    assert out["streams"][0]["parity_first_pack"]["cpscope_defer"]["ok"]
     if importlib.util.find_spec("transformers") is not None:  # the Llama rows need transformers (an extra)
         assert out["llama"]["parity"]["cpscope"]["ok"]
     else:

@@ -78,6 +78,7 @@ PROBES = {
 CLEARED_BY = {
     "cpscope.attention.kernels.cudnn_frontend._graphs": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
     "cpscope.attention.kernels.cudnn_dense._consts": "cpscope.attention.kernels.cudnn_dense.clear_constants",
+    "cpscope.attention.kernels.deferral._seen": "cpscope.attention.kernels.deferral.clear_seen",
     "cpscope.attention.kernels.flex._compiled": "cpscope.attention.kernels.flex.clear_cache",
     "cpscope.attention.kernels.flex._dense_masks": "cpscope.attention.kernels.flex.clear_cache",
     "cpscope.attention.kernels.flex._score_mods": "cpscope.attention.kernels.flex.clear_cache",
@@ -205,6 +206,20 @@ def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     return lambda: len(fe._graphs) + len(cudnn_dense._consts)
 
 
+def _fill_deferral(tmp_path: Path, monkeypatch) -> Callable[[], int]:
+    """A packed graph key seen once with deferred builds (``KernelPolicy.defer_builds``): remembered, not built."""
+    from cpscope.attention.kernels import Varlen, cudnn_frontend as fe, cudnn_thd, deferral
+
+    _fake_cudnn(monkeypatch)
+    q = torch.randn(16, 2, 8).bfloat16()
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    with pytest.raises(deferral.BuildDeferred):  # what the router asks under the policy's defer_builds
+        cudnn_thd.forward(q, q, q, Varlen(cu, cu, 10, 10, (0, 6, 16), (0, 6, 16)), scale=0.3, causal=True,
+                          defer=True)
+    assert deferral._seen and not fe._graphs
+    return lambda: len(deferral._seen)
+
+
 def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     """A dense softcapped block through FlexAttention's eager CPU math (a block mask, a score modifier) and the
     compiled function of a CUDA configuration (made, not run: torch.compile is lazy)."""
@@ -295,6 +310,7 @@ FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope.train.auto._load": _fill_comm_cost_load,
     "cpscope.attention.kernels.cudnn_frontend._graphs": _fill_cudnn,
     "cpscope.attention.kernels.cudnn_dense._consts": _fill_cudnn,
+    "cpscope.attention.kernels.deferral._seen": _fill_deferral,
     "cpscope.attention.kernels.flex._compiled": _fill_flex,
     "cpscope.attention.kernels.flex._dense_masks": _fill_flex,
     "cpscope.attention.kernels.flex._score_mods": _fill_flex,

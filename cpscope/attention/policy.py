@@ -49,6 +49,15 @@ class KernelPolicy:
         flex: FlexAttention's place in the router's table: ``"auto"`` (where its row lists it, on CUDA), ``"first"``
             (first in every row that lists it, on any device: the CPU runs its eager math — tests and benchmarks) or
             ``"off"``.
+        defer_builds: a packed block whose cuDNN graph is not built and whose graph key was not seen before runs on
+            the next route of its row for this call (flash-attention-2, where it takes the block's dtype; never
+            FlexAttention nor the exact math) and its key is remembered; the second block with that key builds the
+            graph and runs on cuDNN. Recurring pack shapes get cuDNN, one-off shapes never pay a build (tens of
+            ms each). Forward and backward decide apart (their graphs differ); only under ``varlen="auto"``.
+            **Off by default: its speed over a stream of new packs has not been measured on a GPU yet** (CPU
+            tests prove the routing and the numbers; ``benchmarks/bench_pack_stream.py`` has the
+            ``cpscope_defer`` row for the next GPU run). :mod:`cpscope.attention.kernels.deferral` keeps the
+            keys seen.
     """
 
     dense_cudnn: bool = True
@@ -60,6 +69,7 @@ class KernelPolicy:
     fixed_form: str = "ordered"
     cudnn_constants: str = "host"
     flex: str = "auto"
+    defer_builds: bool = False
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("varlen", self.varlen, _VARLEN), ("fixed_form", self.fixed_form, _FIXED_FORMS),

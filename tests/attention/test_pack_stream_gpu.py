@@ -5,6 +5,9 @@ then illegal memory accesses: H100, cuDNN 9.19, frontend 1.32; cpscope does not 
 collector off for the whole stream, nothing the calls allocated is still held afterwards (the cuDNN frontend's
 plan-search cycle once kept each new shape's tensors: 3.4 GiB over 100 packs of 16k tokens).
 
+With ``KernelPolicy.defer_builds`` on, a new graph key runs on flash-attention-2 once and is built on its second
+sighting: every call is checked too, on both kernels and where forward and backward ran on different ones.
+
 ``python -m pytest -m gpu tests/attention/test_pack_stream_gpu.py``
 """
 from __future__ import annotations
@@ -16,7 +19,8 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import cudnn_frontend
+from cpscope.attention.kernels import cudnn_frontend, deferral
+from cpscope.attention.policy import use_kernel_policy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -95,3 +99,26 @@ def test_a_stream_of_new_shapes_holds_nothing_with_the_collector_off():
     finally:
         gc.enable()
     assert held <= 1 << 20, f"{held / 2**20:.1f} MiB held after 8 new pack shapes with the cyclic collector off"
+
+
+def test_deferred_builds_over_a_stream_of_new_shapes_match_float64():
+    """Each new pack twice with deferred builds: the first call of a new graph key on flash-attention-2 (nothing
+    built), the second on cuDNN (built then) — forward and gradients against float64 on every call."""
+    dev = torch.device("cuda")
+    if not cudnn_frontend.available(dev):
+        pytest.skip("no cuDNN frontend here: packed blocks run on flash-attention-2 anyway")
+    cpscope.clear_caches()  # the graphs and the keys seen
+    g = torch.Generator(device=dev).manual_seed(3)
+    with use_kernel_policy(defer_builds=True):
+        for i, cu in enumerate(_packs(10, 4096, seed=3)):
+            for sighting in range(2):
+                t = cu[-1]
+                q, k, v = (torch.randn(t, h, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                           for h in (H, H_KV, H_KV))
+                dout = torch.randn(t, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+                got, want = _call(q, k, v, dout, cu), _reference(q, k, v, dout, cu)
+                errs = [_rel(a, b) for a, b in zip(got, want)]
+                assert max(errs) < 2e-2, f"pack {i} call {sighting}: out/dq/dk/dv relative errors {errs}"
+                if i == 0 and sighting == 0:  # a fresh process state: the first sighting builds nothing
+                    assert cudnn_frontend.cached_graphs() == [] and len(deferral.seen_keys()) == 2
+        assert len(cudnn_frontend.cached_graphs()) >= 2  # second sightings built their graphs

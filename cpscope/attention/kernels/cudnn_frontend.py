@@ -54,7 +54,7 @@ from ..policy import kernel_policy
 log = logging.getLogger(__name__)
 
 __all__ = ["module", "available", "version", "clear_cache", "handle", "stream", "GraphUnsupported", "Built", "Spec", "cached",
-           "cached_graphs", "new_graph", "finish", "io_type", "tensor", "column", "pow2"]
+           "cached_graphs", "has_graph", "new_graph", "finish", "io_type", "tensor", "column", "pow2"]
 
 MIN_CUDNN = 90600
 CACHE_SIZE = 256  # graphs; one microbatch shape needs ~6-8 (forward/backward x diagonal pieces, half blocks)
@@ -134,6 +134,12 @@ def cached_graphs() -> list[tuple]:
     """The keys of the cached graphs, oldest first (tests and benchmarks count them)."""
     with _lock:
         return list(_graphs)
+
+
+def has_graph(key: tuple) -> bool:
+    """Whether a graph is cached under ``key`` (nothing is built; :mod:`.deferral` asks)."""
+    with _lock:
+        return key in _graphs
 
 
 def pow2(n: int, lo: int = 64) -> int:

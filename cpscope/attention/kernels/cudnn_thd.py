@@ -22,6 +22,9 @@ Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, 
 are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
 pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
 
+With the policy's :attr:`~cpscope.attention.policy.KernelPolicy.defer_builds`, a new key is built only when it
+comes a second time (:mod:`.deferral`; the router runs the first block elsewhere).
+
 The number of sequences is rounded up with empty ones where the policy says so
 (:attr:`~cpscope.attention.policy.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
 cache, building, executing) is :mod:`.cudnn_frontend`'s; the router (:mod:`.router`) decides which blocks come here.
@@ -41,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..mods import Band
-from . import cudnn_frontend as fe
+from . import cudnn_frontend as fe, deferral
 from .cudnn_mods import sdpa_options
 from ..policy import kernel_policy
 
@@ -96,6 +99,14 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a packed contiguous ``[t, h, d]`` tensor (a copy only if it is a view such as a head slice: cuDNN's
     ragged kernels assume packed rows — a head-sliced view faulted with an illegal instruction on H200)."""
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _stride(t: torch.Tensor) -> tuple:
+    """The strides of :func:`_packed` ``(t)``, without the copy (graph keys are made before anything is copied)."""
+    if t.is_contiguous():
+        return t.stride()
+    _, h, d = t.shape
+    return (h * d, d, 1)
 
 
 def _pad_batch(cu: tuple) -> tuple:
@@ -165,25 +176,29 @@ def _dims(t: "torch.Tensor | fe.Spec", b: int, s: int) -> tuple[list, list]:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale: float, causal: bool,
-            window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None
+            window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None, defer: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed block: ``(out [t_q, h, d_v] contiguous, lse [h, t_q] fp32)``, like the flash block; ``lse`` is a
-    transposed view of cuDNN's token-major statistics (the backward reads it back without a copy)."""
+    transposed view of cuDNN's token-major statistics (the backward reads it back without a copy). ``defer``: a
+    graph not built yet whose key is new raises :class:`~.deferral.BuildDeferred` before anything is allocated
+    (see :mod:`.deferral`)."""
     cudnn = fe.module()
     dev = q.device
     meta = _meta(vl, dev)
     _check(q, k, v)
     fe.io_type(cudnn, q.dtype)  # a dtype cuDNN cannot take is the caller's error, raised before any graph is built
     band, softcap = Band.of(causal, window), None if softcap is None else float(softcap)
-    q, k, v = _packed(q), _packed(k), _packed(v)
     b = len(meta["host_q"]) - 1
     s_q, s_k = fe.pow2(vl.max_q), fe.pow2(vl.max_k)
     t_q, h, d = q.shape
+    key = ("fwd", b, s_q, s_k, h, k.shape[1], d, v.shape[2], _stride(q), _stride(k), _stride(v), q.dtype, band,
+           softcap, meta["square"], float(scale), dev)
+    if defer:
+        deferral.check(key)
+    q, k, v = _packed(q), _packed(k), _packed(v)
     out = torch.empty((t_q, h, v.shape[2]), dtype=q.dtype, device=dev)
     stats = torch.empty((t_q, h), dtype=torch.float32, device=dev)
     extras = _band_extras(meta, band, softcap, dev)
-    key = ("fwd", b, s_q, s_k, h, k.shape[1], d, v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype, band,
-           softcap, meta["square"], float(scale), dev)
 
     dtype, sq, sk, sv, so = q.dtype, *(fe.Spec.of(t) for t in (q, k, v, out))
     square, names = meta["square"], tuple(extras)
@@ -224,8 +239,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vl: Any, *, scale
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, vl: Any, *, scale: float, causal: bool, window: Optional[tuple[int, int]] = None,
-             softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one packed block given the merged ``out`` and ``lse`` ([h, t_q] fp32); contiguous results."""
+             softcap: Optional[float] = None, defer: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one packed block given the merged ``out`` and ``lse`` ([h, t_q] fp32: cuDNN's forward view or a
+    contiguous one, e.g. flash's); contiguous results. ``defer`` as :func:`forward`'s."""
     cudnn = fe.module()
     dev = q.device
     meta = _meta(vl, dev)
@@ -233,18 +249,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _check(dout, out, out)
     fe.io_type(cudnn, q.dtype)
     band, softcap = Band.of(causal, window), None if softcap is None else float(softcap)
-    q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     b = len(meta["host_q"]) - 1
     s_q, s_k = fe.pow2(vl.max_q), fe.pow2(vl.max_k)
     t_q, h, d = q.shape
     t_k = k.shape[0]
+    key = ("bwd", b, s_q, s_k, fe.pow2(t_q), fe.pow2(t_k), h, k.shape[1], d, v.shape[2], _stride(q), _stride(k),
+           _stride(v), _stride(out), _stride(dout), q.dtype, band, softcap, meta["square"], float(scale), dev)
+    if defer:
+        deferral.check(key)
+    q, k, v, out, dout = (_packed(x) for x in (q, k, v, out, dout))
     stats = lse.t().contiguous()  # [t, h] token-major, as the forward wrote it (a no-op for the forward's view)
     if band is not None:  # a row with no key anywhere (lse -inf) gets no gradient: exp(s - inf) = 0
         stats = stats.masked_fill(stats == float("-inf"), float("inf"))
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     extras = _band_extras(meta, band, softcap, dev)
-    key = ("bwd", b, s_q, s_k, fe.pow2(t_q), fe.pow2(t_k), h, k.shape[1], d, v.shape[2], q.stride(), k.stride(),
-           v.stride(), out.stride(), dout.stride(), q.dtype, band, softcap, meta["square"], float(scale), dev)
     dtype, square, names = q.dtype, meta["square"], tuple(extras)
     spec = {n: fe.Spec.of(t) for n, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
                                           ("dk", dk), ("dv", dv))}

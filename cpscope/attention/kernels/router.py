@@ -29,6 +29,10 @@ FlexAttention cannot compile (:class:`~cpscope.attention.kernels.flex.FlexUnsupp
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
 warning; :func:`fallbacks` lists what fell back and why.
 
+**Deferred builds** (the policy's ``defer_builds``, off by default): a packed block whose cuDNN graph is new runs on
+its row's next route where that is flash-attention-2, for this call only and with no refusal recorded; the graph
+is built when its key comes back (:mod:`.deferral`).
+
 :func:`run_whole` runs a call that is one block (CP1, nothing to merge) through the chosen kernel's own autograd
 where it has one (``flex``): the kernel's forward and backward, nothing recomputed.
 
@@ -55,7 +59,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..mods import Band
-from . import aten, cudnn_dense, cudnn_frontend, cudnn_thd, exact, flex
+from . import aten, cudnn_dense, cudnn_frontend, cudnn_thd, deferral, exact, flex
 from .aten import Kernel
 from .block import Placeholders, Varlen, Window
 from ..policy import KernelPolicy, kernel_policy
@@ -86,14 +90,20 @@ _CUDNN_DENSE = Kernel("cuDNN frontend dense graph",
                                                                                softcap=sc),
                       lambda do, q, k, v, o, l, s, c, vl, w, sc, ph: cudnn_dense.backward(
                           do, q, k, v, o, l, scale=s, causal=c, window=w, softcap=sc))
-_CUDNN_THD = Kernel("cuDNN frontend ragged graph",
-                    lambda q, k, v, s, c, vl, w, sc, ph: cudnn_thd.forward(q, k, v, vl, scale=s, causal=c, window=w,
-                                                                           softcap=sc),
-                    lambda do, q, k, v, o, l, s, c, vl, w, sc, ph: cudnn_thd.backward(
-                        do, q, k, v, o, l, vl, scale=s, causal=c, window=w, softcap=sc))
+
+
+def _thd(defer: bool) -> Kernel:  # defer: a new graph key raises deferral.BuildDeferred instead of building
+    return Kernel("cuDNN frontend ragged graph",
+                  lambda q, k, v, s, c, vl, w, sc, ph: cudnn_thd.forward(q, k, v, vl, scale=s, causal=c, window=w,
+                                                                         softcap=sc, defer=defer),
+                  lambda do, q, k, v, o, l, s, c, vl, w, sc, ph: cudnn_thd.backward(
+                      do, q, k, v, o, l, vl, scale=s, causal=c, window=w, softcap=sc, defer=defer))
+
+
+_CUDNN_THD, _CUDNN_THD_DEFERRING = _thd(False), _thd(True)
 _FLEX = Kernel("FlexAttention (compiled, block mask + score modifier)", lambda *a: flex.forward(*a[:8]),
                lambda *a: flex.backward(*a[:11]))
-_REFUSABLE = (_CUDNN_DENSE, _CUDNN_THD, _FLEX)  # kernels that may refuse a block before running it
+_REFUSABLE = (_CUDNN_DENSE, _CUDNN_THD, _CUDNN_THD_DEFERRING, _FLEX)  # may refuse a block before running it
 
 
 def _kernel(route: str, kind: str) -> Kernel:
@@ -271,17 +281,27 @@ def _choose(kind: str, direction: str, q, k, v, caps: Caps) -> str:
 def _run(direction: str, args: tuple, q, k, v, causal, varlen, window, softcap, scale, placeholders):
     kind = kind_of(q, k, v, causal=causal, varlen=varlen, window=window, softcap=softcap)
     caps = caps_of(q.device)
+    rest = (scale, causal, varlen, window, softcap, placeholders)
     while True:
         route = _choose(kind, direction, q, k, v, caps)
         kern = _kernel(route, kind)
-        fn = kern.forward if direction == "forward" else kern.backward
+        later = None  # where the block runs if its graph's build is deferred (the policy's defer_builds)
+        if kern is _CUDNN_THD and (pol := kernel_policy()).defer_builds and pol.varlen == "auto":
+            later = deferral.target([r for r in routes_for(kind, caps, q.dtype, pol)
+                                     if _refusal_key(r, kind, direction, q, k, v) not in _REFUSED])
+            kern = _CUDNN_THD_DEFERRING if later is not None else kern
         try:
-            return fn(*args, scale, causal, varlen, window, softcap, placeholders)
+            return (kern.forward if direction == "forward" else kern.backward)(*args, *rest)
+        except deferral.BuildDeferred as e:  # a new graph key: this call only on the next route, no refusal
+            _drop_frames(e)
         except (cudnn_frontend.GraphUnsupported, flex.FlexUnsupported) as e:
             if kern not in _REFUSABLE:
                 raise
             _refuse(_refusal_key(route, kind, direction, q, k, v), e)
             _drop_frames(e)
+            continue
+        kern = _kernel(later, kind)
+        return (kern.forward if direction == "forward" else kern.backward)(*args, *rest)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
