@@ -35,7 +35,7 @@ import torch
 
 from .._tensor_cache import register_clear
 
-__all__ = ["rope_math", "rope_math_compiled"]
+__all__ = ["rope_math", "rope_math_cos_sin", "rope_math_compiled"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,18 @@ def rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch
     x = t[..., :rot_dim].to(compute)
     a = angles.to(compute)
     y = x * torch.cos(a) + _rotate(x, interleaved) * torch.sin(a)
+    if rot_dim == t.shape[-1]:
+        return y.to(t.dtype)
+    return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
+
+
+def rope_math_cos_sin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """:func:`rope_math` with ``cos`` / ``sin`` of the angles given, already in the compute dtype (``≥ fp32``, as
+    :func:`rope_math` makes them): the same numbers, without the per-call ``cos`` / ``sin`` (the eager path caches
+    them per pack, see :func:`cpscope.rope.api.apply_rotary_pos_emb`)."""
+    rot_dim = cos.shape[-1]
+    x = t[..., :rot_dim].to(cos.dtype)
+    y = x * cos + _rotate(x, interleaved) * sin
     if rot_dim == t.shape[-1]:
         return y.to(t.dtype)
     return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)

@@ -47,7 +47,7 @@ from .._pack import Pack, dense_pack, pack_for
 from .._tensor_cache import owned
 from ._te import call_te_rope
 from ._te import te_rope_if_available as _te_apply
-from ._torch_math import rope_math, rope_math_compiled
+from ._torch_math import rope_math, rope_math_compiled, rope_math_cos_sin
 from ..scope import UNSET as _UNSET, resolve_scope
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]
@@ -168,10 +168,12 @@ def apply_rotary_pos_emb(
         layout = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         return call_te_rope(te_apply, t, freqs, qkv_format=qkv_format, cu_seqlens=layout, cu=list(pack.cu), cp=cp,
                             rank=rank, interleaved=interleaved, fused=True)
-    angles = _angles(freqs, pack, qkv_format).to(t.device)
     if impl == "compiled" or (impl == "auto" and t.is_cuda):
-        return rope_math_compiled(t, angles, interleaved)
-    return rope_math(t, angles, interleaved)
+        return rope_math_compiled(t, _angles(freqs, pack, qkv_format).to(t.device), interleaved)
+    cos_sin = _cached_cos_sin(t, freqs, pack, qkv_format)
+    if cos_sin is not None:  # later layers of a pack: the same numbers without the gather and cos / sin
+        return rope_math_cos_sin(t, *cos_sin, interleaved)
+    return rope_math(t, _angles(freqs, pack, qkv_format).to(t.device), interleaved)
 
 
 def _scoped_pack(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str, cu_seqlens: Any, group: Any,
@@ -251,6 +253,42 @@ def _angles(freqs: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:
     table = freqs.reshape(freqs.shape[0], freqs.shape[-1])  # [max_seqlen, rot_dim]
     angles = table.index_select(0, pos).to(torch.promote_types(freqs.dtype, torch.float32))  # [n_local, rot_dim]
     return _broadcast_angles(angles, qkv_format)
+
+
+_COS_SIN_TABLES = 4  # freqs tables whose cos / sin a pack keeps (per device and compute dtype), newest first
+
+
+def _cached_cos_sin(t: torch.Tensor, freqs: torch.Tensor, pack: Pack,
+                    qkv_format: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The eager path's ``cos`` / ``sin`` of the local tokens' angles, computed as :func:`rope_math` computes them
+    and kept on the pack (``thd``: the pack lives as long as its offsets tensor, one microbatch), so every layer
+    after the first skips the table gather and the ``cos`` / ``sin`` — what the benchmarks' plain-PyTorch floor
+    does once per pack. ``None`` (compute them per call, as before) where a cache could be wrong or leak: a table
+    that requires grad (its gradient flows through the gather), inference mode (its tensors cannot be saved for a
+    later backward), a table without a version counter, ``bshd`` / ``sbhd`` (their packs sit in a by-value LRU).
+
+    An entry is used only for the very same table — the same base tensor (it is held, so its memory cannot be
+    reused), view (offset, shape, strides, dtype, data pointer) and in-place version (views share their base's
+    counter, so a write through torch to any view misses). As for a CUDA offsets tensor (:mod:`cpscope._tensor_cache`),
+    a table written behind torch's back (through NumPy or DLPack) must be a new tensor, or call
+    :func:`cpscope.clear_caches`. Up to :data:`_COS_SIN_TABLES` tables per pack (alternating local / global RoPE)."""
+    if qkv_format != "thd" or freqs.requires_grad or torch.is_inference_mode_enabled():
+        return None
+    try:
+        stamp = (freqs._version, freqs.data_ptr(), freqs.storage_offset(), freqs.shape, freqs.stride(), freqs.dtype)
+    except RuntimeError:  # an inference tensor (no version counter), a tensor without storage
+        return None
+    base = freqs if freqs._base is None else freqs._base
+    compute = torch.promote_types(t.dtype, torch.float32)  # rope_math's compute dtype
+    tables = pack.memo(("rope_cos_sin", t.device, compute), list)
+    for held, held_stamp, cos, sin in tables:
+        if held is base and held_stamp == stamp:
+            return cos, sin
+    a = _angles(freqs, pack, qkv_format).to(t.device).to(compute)
+    cos, sin = torch.cos(a), torch.sin(a)
+    tables.insert(0, (base, stamp, cos, sin))
+    del tables[_COS_SIN_TABLES:]
+    return cos, sin
 
 
 def _broadcast_angles(angles: torch.Tensor, qkv_format: str) -> torch.Tensor:
