@@ -289,7 +289,6 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, sinks_grad(dout, out, lse, sinks, ctx.needs_input_grad[3]), None, None
 
 
-@torch.compiler.disable  # point-to-point collectives and a custom Function: always eager
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, group: Optional[dist.ProcessGroup],
     sinks: Optional[torch.Tensor] = None,
@@ -300,6 +299,8 @@ def ring_attention(
     ``plan.size == 1``. ``sinks`` (``[h]``) get the gradient of this rank's rows. Use
     :func:`cpscope.context_parallel_attention` rather than calling this directly.
     """
+    if torch.compiler.is_compiling():  # point-to-point collectives and a custom Function: always eager (an island)
+        return _ring_attention_island(q, k, v, plan=plan, group=group, sinks=sinks)
     if plan.size == 1 and plan.pad_rows is None and not plan.compact:
         # CP1 is one block: where the router picks a kernel with its own autograd (FlexAttention), run it as is
         st = plan.step(0)
@@ -308,3 +309,7 @@ def ring_attention(
         if out is not None:
             return out
     return _RingAttention.apply(q, k, v, sinks, plan, group)
+
+
+# Eager calls do not pass through the disable wrapper (a frame-callback swap per call: host time of every layer).
+_ring_attention_island = torch.compiler.disable(ring_attention)

@@ -351,6 +351,8 @@ def run_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
             ...                                      # the ring's Function around block_forward / block_backward
     """
     kind = kind_of(q, k, v, causal=causal, varlen=varlen, window=window, softcap=softcap)
+    if "flex" not in _row(kind, kernel_policy()):  # plain blocks: no row offers flex (host time, every CP1 call)
+        return None
     caps = caps_of(q.device)
     if any(_choose(kind, d, q, k, v, caps) != "flex" for d in ("forward", "backward")):
         return None
