@@ -270,3 +270,25 @@ def test_error_pickles_with_its_values():
     e = cpscope.RanksDisagreeError("x differs", {"comm": {0: "p2p", 1: "a2a"}})
     back = pickle.loads(pickle.dumps(e))
     assert isinstance(back, ValueError) and back.values == e.values and str(back) == "x differs"
+
+
+def _kept_rows() -> tuple[int, bool, int]:
+    """An agreed digest keeps its reduce row; the later calls reduce copies of it (the kept row stays as built)."""
+    from cpscope.attention import agreement
+
+    group = _group()
+    cu = [0, 8, 24]
+    q, k, v = _local(cu, "thd", group)
+    with _verdict_reads() as reads:
+        for _ in range(4):
+            _attend(q, k, v, group, "thd", cu)
+    kept = agreement._state().agreed[group]
+    (digest, row), = kept.items()
+    same = torch.equal(row, agreement._row(digest, False, torch.device("cpu")))
+    cpscope.verify_agreement()
+    return len(kept), same, len(reads)
+
+
+def test_an_agreed_digest_keeps_its_row_and_later_calls_reduce_copies():
+    for n, same, reads in run_ranks(2, _kept_rows, timeout=_TIMEOUT):
+        assert n == 1 and same and reads == 1, (n, same, reads)

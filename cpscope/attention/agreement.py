@@ -148,12 +148,12 @@ class _Pending:
 
 class _State:
     """Per context (thread / asyncio task, like the scope itself): per group, the digests seen agreed (the one input
-    to "read the verdict now?") and the verdicts not read yet."""
+    to "read the verdict now?"; each with its reduce row, copied by the later calls) and the verdicts not read yet."""
 
     __slots__ = ("agreed", "pending")
 
     def __init__(self) -> None:  # weakly keyed: no destroyed group is kept alive here
-        self.agreed: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple, None]]" = weakref.WeakKeyDictionary()
+        self.agreed: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
         self.pending: "weakref.WeakKeyDictionary[Any, _Pending]" = weakref.WeakKeyDictionary()
 
 
@@ -211,14 +211,22 @@ def _transport(group: Any, hint: torch.device) -> torch.device:
     return torch.device("cpu") if ok else hint  # NCCL: the device of the call's tensors
 
 
-def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device,
-              wait: Optional[Callable[[Any, Any], None]] = None) -> torch.Tensor:
-    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call. ``wait``
-    (an observer's bounded wait: ``wait(work, group)``) waits for it instead of the group's own timeout."""
+def _row(digest: Sequence[int], read: bool, device: torch.device) -> torch.Tensor:
+    """``[d, r, -d, -r]`` as an int64 tensor on ``device`` (what :func:`_exchange` reduces)."""
     row = list(digest) + [int(read)]
     buf = torch.tensor(row + [-x for x in row], dtype=torch.int64)
     if device.type == "cuda":  # pinned + non-blocking: no host wait for the copy
         buf = buf.pin_memory().to(device, non_blocking=True)
+    return buf
+
+
+def _exchange(digest: Sequence[int], read: bool, group: Any, device: torch.device,
+              wait: Optional[Callable[[Any, Any], None]] = None, row: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[max d, max r, max -d, max -r]`` over ``group``: the one collective, identical on every call. ``wait``
+    (an observer's bounded wait: ``wait(work, group)``) waits for it instead of the group's own timeout. ``row``:
+    this digest's ``[d, r, -d, -r]`` made earlier on ``device`` (kept with an agreed digest): a copy of it is
+    reduced instead of a new one built on the host (and, on CUDA, pinned and copied to the device)."""
+    buf = _row(digest, read, device) if row is None or row.device != device else row.clone()
     if wait is None:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     else:
@@ -273,7 +281,8 @@ def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0,
     if mem is None:
         mem = state.agreed[group] = OrderedDict()
     read = bool(sentinel) or digest not in mem  # a sampling observer's collectives follow: always read
-    buf = _exchange(digest, read, group, _transport(group, getattr(call.q, "device", torch.device("cpu"))), wait)
+    device = _transport(group, getattr(call.q, "device", torch.device("cpu")))
+    buf = _exchange(digest, read, group, device, wait, row=None if read else mem[digest])
     n = len(FIELDS)
     if not read:  # compared on the device; read at the step boundary
         mem.move_to_end(digest)
@@ -286,7 +295,7 @@ def check_call(call: "AttentionCall", group: Any = None, *, sentinel: int = 0,
     everyone = -out[2 * n + 1] == 1  # min over the ranks of "reads now"
     differ = [FIELDS[i] for i in range(n) if high[i] != low[i]]
     if not differ:
-        mem[digest] = None
+        mem[digest] = _row(digest, False, device)  # what the later calls of this digest reduce (copies of it)
         while len(mem) > _MEMORY_SIZE:
             mem.popitem(last=False)
         if pend is not None:
