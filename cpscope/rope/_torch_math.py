@@ -71,9 +71,10 @@ def rope_math_cos_sin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int
     :func:`rope_math` makes them): the same numbers, without the per-call ``cos`` / ``sin`` (the eager path caches
     them per pack, see :func:`cpscope.rope.api.apply_rotary_pos_emb`)."""
     rot_dim = cos.shape[-1]
-    x = t[..., :rot_dim].to(cos.dtype)
+    whole = rot_dim == t.shape[-1]
+    x = (t if whole else t[..., :rot_dim]).to(cos.dtype)  # no slice view (an autograd node) when it is all of t
     y = x * cos + _rotate(x, interleaved) * sin
-    if rot_dim == t.shape[-1]:
+    if whole:
         return y.to(t.dtype)
     return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
 
