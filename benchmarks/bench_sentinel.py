@@ -46,7 +46,7 @@ def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
 
     import cpscope
     from cpscope import _hooks
-    from cpscope.attention.api import prepare_call
+    from cpscope.attention._api import prepare_call
     from cpscope.scope import CP1
 
     q = torch.randn(8, 2, 8)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cpscope's public surface, read from the source: public modules, their ``__all__``, and the counts.
 
-A module is *public* when no part of its dotted name starts with an underscore (``cpscope.attention.ring`` is,
+A module is *public* when no part of its dotted name starts with an underscore (``cpscope.attention._ring`` is,
 ``cpscope.attention._kernels`` and everything under ``cpscope._sentinel`` are not). A public module's *public names*
 are its ``__all__``; a public module without ``__all__`` exports every module-level name without a leading underscore
 (what ``from m import *`` would take) and is listed as lacking it. Also counted: *private names imported across

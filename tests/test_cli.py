@@ -60,7 +60,7 @@ def test_env_missing_package_reads_not_installed():
 def test_routes_follow_the_router(monkeypatch, available):
     import torch
 
-    from cpscope.attention.kernels import cudnn_frontend, routing_table
+    from cpscope.attention._kernels import cudnn_frontend, routing_table
 
     monkeypatch.setattr(cudnn_frontend, "available", lambda device: available)
     dev = torch.device("cuda", 0)

@@ -269,7 +269,7 @@ def test_single_process_cp1_checks_pass_and_a_planted_kernel_bug_is_reported(mon
     with cpscope.sentinel(every=1) as s:
         model(ids, cu_seqlens=cu, max_seqlen=16).sum().backward()
     assert s.reports == [] and s.summary().checks["attention"] == 2 and s.summary().checks["attention-grad"] == 2
-    import cpscope.attention.api as attn
+    import cpscope.attention._api as attn
 
     orig = attn.ring_attention
     monkeypatch.setattr(attn, "ring_attention", lambda q, k, v, *, plan, group: orig(q, k, v, plan=plan, group=group) * 1.01)
@@ -532,7 +532,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _planted(bug, layout):
-    import cpscope.attention.api as attn
+    import cpscope.attention._api as attn
 
     groups = cpscope.new_cp_groups([1, 2])
     orig = attn.ring_attention
@@ -599,7 +599,7 @@ def test_member_order_disagreeing_with_cp_rank_is_caught_before_the_ring():
 
 def _with_window(windows):
     """A prepared call carrying a sliding window (a feature the reference does not implement), per rank."""
-    from cpscope.attention.api import prepare_call, run_call
+    from cpscope.attention._api import prepare_call, run_call
 
     groups = cpscope.new_cp_groups([1, 2])
     with cpscope.runtime_cp(groups[2]):

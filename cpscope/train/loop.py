@@ -59,7 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
-from ..attention.agreement import verify_agreement
+from ..attention._agreement import verify_agreement
 from ..groups import group_ranks
 from ..scope import runtime_cp
 from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within

@@ -302,7 +302,7 @@ def test_split_lengths() -> None:
 
 
 # -- the hook for cpscope.attention's comm="auto" ----------------------------------------------------------
-class Query:  # the fields of cpscope.attention.variants.VariantQuery that the chooser reads
+class Query:  # the fields of cpscope.attention._variants.VariantQuery that the chooser reads
     def __init__(self, cp, heads, kv_heads, head_dim=128, causal=True, seq_lens=(), dtype="bfloat16"):
         self.cp, self.heads, self.kv_heads, self.head_dim = cp, heads, kv_heads, head_dim
         self.causal, self.seq_lens, self.dtype = causal, seq_lens, dtype
@@ -328,7 +328,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
-    dispatch = pytest.importorskip("cpscope.attention.variants")
+    dispatch = pytest.importorskip("cpscope.attention._variants")
     from cpscope.train.auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
@@ -349,7 +349,7 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
 def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path) -> None:
     import torch
 
-    from cpscope.attention import variants as dispatch
+    from cpscope.attention import _variants as dispatch
     from cpscope.train.auto import use_calibration
 
     with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):
@@ -390,8 +390,8 @@ def test_load_or_calibrate_reuses_the_cache_on_every_rank(tmp_path) -> None:
 @pytest.mark.parametrize("cp", [3, 5, 6, 9, 10, 12, 24])
 @pytest.mark.parametrize("heads_kv", [(12, 12), (12, 4), (30, 10), (24, 6), (18, 3), (36, 12), (8, 8)])
 def test_variant_rules_match_the_attention_at_any_cp_size(cp: int, heads_kv: tuple[int, int]) -> None:
-    from cpscope.attention.hierarchical import check_inner_size, default_inner_size
-    from cpscope.attention.ulysses import check_heads
+    from cpscope.attention._hierarchical import check_inner_size, default_inner_size
+    from cpscope.attention._ulysses import check_heads
 
     h, g = heads_kv
     assert default_inner(cp, h, g) == default_inner_size(cp, h, g)

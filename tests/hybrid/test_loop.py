@@ -350,7 +350,7 @@ def test_examples_run_on_the_rank_pool(name, world):
 
 
 def _planned_variant_is_bound(comm: str):
-    from cpscope.attention import variants as _dispatch
+    from cpscope.attention import _variants as _dispatch
 
     cfg = th.TrainConfig(mode="hybrid", **SMALL)
     rank, world = dist.get_rank(), dist.get_world_size()

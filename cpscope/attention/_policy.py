@@ -56,7 +56,7 @@ class KernelPolicy:
             ms each). Forward and backward decide apart (their graphs differ); only under ``varlen="auto"``.
             **Off by default: its speed over a stream of new packs has not been measured on a GPU yet** (CPU
             tests prove the routing and the numbers; ``benchmarks/bench_pack_stream.py`` has the
-            ``cpscope_defer`` row for the next GPU run). :mod:`cpscope.attention.kernels.deferral` keeps the
+            ``cpscope_defer`` row for the next GPU run). :mod:`cpscope.attention._kernels.deferral` keeps the
             keys seen.
     """
 

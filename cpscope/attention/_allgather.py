@@ -9,7 +9,7 @@ mask the local rows need:
 * **A[r+1:]**, **B[r+1:]** — the back-half Q against both halves of ranks ``> r`` (chunks ``r+1 .. 2cp-2-r``, all
   before chunk ``2cp-1-r``), no mask.
 
-These are the blocks of the zigzag ring (:mod:`cpscope.attention.ring`) with all sources at once, so the kernels run
+These are the blocks of the zigzag ring (:mod:`cpscope.attention._ring`) with all sources at once, so the kernels run
 the same two shapes as there: causal blocks only with ``n_q == n_k`` and unmasked blocks otherwise. The key sets are
 contiguous ranges of the gathered buffers (views) for one sequence; for several packed documents they are gathered
 per document (one ``index_select``). Without a mask: all Q against all of A, then all of B.
@@ -38,13 +38,13 @@ import torch
 from .._pack import pack_for
 from .._tensor_cache import lru
 from ..scope import CPScope
-from .kernels import Varlen, Window, acc_dtype, block_backward, block_forward
-from .comm import GroupCollectives, Pending
-from .halo import halo_attention
-from .halo_plan import halo_plan_for
-from .layout import Packed
-from .merge import merge_rows_, merge_sinks_, sinks_grad
-from .ring_plan import DiagPart, RingPlan
+from ._kernels import Varlen, Window, acc_dtype, block_backward, block_forward
+from ._comm import GroupCollectives, Pending
+from ._halo import halo_attention
+from ._halo_plan import halo_plan_for
+from ._layout import Packed
+from ._merge import merge_rows_, merge_sinks_, sinks_grad
+from ._ring_plan import DiagPart, RingPlan
 
 __all__ = ["AllGatherPlan", "all_gather_attention"]
 
@@ -264,9 +264,9 @@ def all_gather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
     window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention.layout`).
+    """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention._layout`).
 
-    With a ``window`` the gathered K/V feed the window's blocks only (:mod:`cpscope.attention.halo`, its
+    With a ``window`` the gathered K/V feed the window's blocks only (:mod:`cpscope.attention._halo`, its
     ``"gather"`` exchange). Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than
     calling this directly.
     """

@@ -17,7 +17,7 @@ dense and packed blocks, with a window and with a v head dim of its own.
   (and padded back from) the block API's layout.
 
 The dense SDPA kernels' backward takes placeholder outputs of their forward; they travel in the call's
-:class:`~cpscope.attention.kernels.block.Placeholders`. No softcap here: blocks with one run elsewhere
+:class:`~cpscope.attention._kernels.block.Placeholders`. No softcap here: blocks with one run elsewhere
 (:mod:`.router`).
 
 Example::
@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..mods import Band
+from .._mods import Band
 from .block import Placeholders, Varlen, Window
 
 __all__ = ["Kernel", "SDPA_CUDNN", "SDPA_FLASH", "FLASH_VARLEN", "FLASH", "EFFICIENT"]

@@ -10,8 +10,8 @@ together holds chunks ``o*inner .. (o+1)*inner - 1`` and their mirror images —
 shard for a ring of size ``outer`` (chunks ``o`` and ``2*outer-1-o`` of ``2*outer`` super-chunks). And inside that
 shard, inner rank ``i`` holds sub-chunks ``i`` and ``2*inner-1-i``: the zigzag layout of the shard over ``inner``
 ranks. So the Ulysses exchange over the inner group, with the outer-local offsets ``cu // outer``, delivers each rank
-the outer ring's local layout for ``h/inner`` heads; the ring (:mod:`cpscope.attention.ring`) runs across the outer
-group; the reverse exchange brings the rows home. One autograd function (:mod:`cpscope.attention.ulysses`) does all.
+the outer ring's local layout for ``h/inner`` heads; the ring (:mod:`cpscope.attention._ring`) runs across the outer
+group; the reverse exchange brings the rows home. One autograd function (:mod:`cpscope.attention._ulysses`) does all.
 
 Groups: :func:`hierarchical_groups` returns ``(inner, outer)`` process groups for a CP group, looked up in the
 registry — never created here: a group made inside a forward would run a collective there, possibly during a
@@ -39,10 +39,10 @@ import torch.distributed as dist
 from .._tensor_cache import register_clear
 from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
-from .kernels import Window
-from .comm import GroupCollectives
-from .layout import Packed
-from .ulysses import UlyssesPlan, check_heads, run
+from ._kernels import Window
+from ._comm import GroupCollectives
+from ._layout import Packed
+from ._ulysses import UlyssesPlan, check_heads, run
 
 __all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hierarchical_attention"]
 
@@ -152,7 +152,7 @@ def hierarchical_attention(
     """``a2a+p2p`` attention on validated packed ``[t, h, d]`` tensors (``inner`` checked by
     :func:`check_inner_size`). Use :func:`cpscope.context_parallel_attention` with ``comm="a2a+p2p"``.
 
-    With a ``window`` the ring across the outer groups is the halo exchange (:mod:`cpscope.attention.halo`)."""
+    With a ``window`` the ring across the outer groups is the halo exchange (:mod:`cpscope.attention._halo`)."""
     inner_g, outer_g = hierarchical_groups(scope.group, inner)
     o, i = divmod(scope.rank, inner)
     outer = scope.size // inner

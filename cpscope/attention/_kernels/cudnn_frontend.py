@@ -19,8 +19,8 @@ frontend still works (no nanobind leak warnings).
 
 Executing: the frontend's mapping form of ``execute`` validates every binding in Python on every call; its ordered
 form (``tensor_uids=``, frontend >= 1.30) caches that per graph and is used where available
-(:attr:`~cpscope.attention.policy.KernelPolicy.ordered_execute`), also with host scalars
-(:attr:`~cpscope.attention.policy.KernelPolicy.fixed_form`).
+(:attr:`~cpscope.attention._policy.KernelPolicy.ordered_execute`), also with host scalars
+(:attr:`~cpscope.attention._policy.KernelPolicy.fixed_form`).
 
 Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
 and an sm90+ GPU; :func:`available` says whether this process has them.
@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..._tensor_cache import register_clear
-from ..policy import kernel_policy
+from .._policy import kernel_policy
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def io_type(cudnn: Any, dtype: torch.dtype) -> Any:
 
 class GraphUnsupported(RuntimeError):
     """cuDNN (or its frontend) refused to build a graph; raised before any kernel ran, so another kernel may take
-    the block (see :mod:`cpscope.attention.kernels.router`)."""
+    the block (see :mod:`cpscope.attention._kernels.router`)."""
 
 
 class Built:

@@ -20,7 +20,7 @@ import torch
 __all__ = ["Varlen", "Window", "acc_dtype", "Placeholders"]
 
 # (left, right) around the block's bottom-right-aligned diagonal, -1 unbounded; None: no window. A
-# :class:`cpscope.attention.mods.Band` is such a pair.
+# :class:`cpscope.attention._mods.Band` is such a pair.
 Window = Optional[tuple[int, int]]
 
 
@@ -28,7 +28,7 @@ Window = Optional[tuple[int, int]]
 class Varlen:
     """Packed-sequence description of one varlen block (flash's ``cu_seqlens_q/k``, ``max_seqlen_q/k``).
 
-    Built once per pack (see :class:`cpscope.attention.ring_plan.RingGeometry`) and reused by every layer; kernels
+    Built once per pack (see :class:`cpscope.attention._ring_plan.RingGeometry`) and reused by every layer; kernels
     keep what they derive from it (e.g. cuDNN's device offsets) in :attr:`memo`, so it lives exactly as long as the
     pack.
     """

@@ -35,9 +35,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack
-from .kernels import Varlen, Window
-from .mods import Band
-from .merge import rows_add_
+from ._kernels import Varlen, Window
+from ._mods import Band
+from ._merge import rows_add_
 
 __all__ = ["effective_window", "Rows", "HaloBlock", "HaloGeometry", "HaloPlan", "halo_plan_for"]
 
@@ -83,7 +83,7 @@ class Rows(NamedTuple):
         return lse.index_select(-1, self.index)
 
     def spec(self) -> Union[tuple[int, int], torch.Tensor]:
-        """The rows as :func:`~cpscope.attention.merge.merge_rows_` takes them."""
+        """The rows as :func:`~cpscope.attention._merge.merge_rows_` takes them."""
         return (self.start, self.length) if self.index is None else self.index
 
     def add_(self, acc: torch.Tensor, val: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """Zigzag ring attention: the autograd Function, the forward ring and the backward ring; the scope lives on ``ctx``.
 
 Which block each step computes, and which Q and K/V rows it reads, is the ring's plan
-(:mod:`cpscope.attention.ring_plan`); this module runs it. Partial outputs are merged through their log-sum-exp in
-fp32, by the fused row kernels of :mod:`cpscope.attention.merge` (which also replace ``index_add_`` in backward).
+(:mod:`cpscope.attention._ring_plan`); this module runs it. Partial outputs are merged through their log-sum-exp in
+fp32, by the fused row kernels of :mod:`cpscope.attention._merge` (which also replace ``index_add_`` in backward).
 
 Backward runs its own ring: K/V travel as in forward; each remote step's dK/dV contribution joins a buffer that
 travels with them in the inputs' dtype (fp32/fp64 inputs keep their precision; bf16 rounds once per hop, which for
@@ -28,10 +28,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .kernels import acc_dtype, block_backward, block_forward, run_whole
-from .comm import RingComm, is_dense
-from .merge import merge_rows_, merge_sinks_, sinks_grad
-from .ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
+from ._kernels import acc_dtype, block_backward, block_forward, run_whole
+from ._comm import RingComm, is_dense
+from ._merge import merge_rows_, merge_sinks_, sinks_grad
+from ._ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
 
 __all__ = ["RingGeometry", "RingPlan", "ring_attention", "ring_forward", "ring_backward"]
 
@@ -43,7 +43,7 @@ def ring_forward(
     """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype; ``sinks``
     (``[h]``, optional) are merged into both (what :func:`ring_backward` then takes).
 
-    ``k`` / ``v`` are the send buffers (dense: gap-free, see :class:`~cpscope.attention.comm.RingComm`). Merges run
+    ``k`` / ``v`` are the send buffers (dense: gap-free, see :class:`~cpscope.attention._comm.RingComm`). Merges run
     in fp32 (fp64) through :func:`merge_rows_`. With CP2 there is exactly one merge, so the remote block merges
     straight into the diagonal block's output (q's dtype, rounded once): the same numbers as an fp32 accumulator
     cast at the end, without the upcast and the cast. Larger rings keep an fp32 accumulator.
@@ -264,7 +264,7 @@ def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tenso
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its elements fill one block of memory in some dimension order (e.g. the ``[b, s, h, d]``
     view of an ``sbhd`` tensor), else a contiguous copy: such tensors can be sent as they are (see
-    :class:`~cpscope.attention.comm.RingComm`) and the kernels read their strides."""
+    :class:`~cpscope.attention._comm.RingComm`) and the kernels read their strides."""
     return t if is_dense(t) else t.contiguous()
 
 

@@ -22,16 +22,16 @@ Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, 
 are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
 pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
 
-With the policy's :attr:`~cpscope.attention.policy.KernelPolicy.defer_builds`, a new key is built only when it
+With the policy's :attr:`~cpscope.attention._policy.KernelPolicy.defer_builds`, a new key is built only when it
 comes a second time (:mod:`.deferral`; the router runs the first block elsewhere).
 
 The number of sequences is rounded up with empty ones where the policy says so
-(:attr:`~cpscope.attention.policy.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
+(:attr:`~cpscope.attention._policy.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
 cache, building, executing) is :mod:`.cudnn_frontend`'s; the router (:mod:`.router`) decides which blocks come here.
 
 Example::
 
-    from cpscope.attention.kernels import cudnn_frontend, cudnn_thd
+    from cpscope.attention._kernels import cudnn_frontend, cudnn_thd
     if cudnn_frontend.available(q.device):
         out, lse = cudnn_thd.forward(q, k, v, vl, scale=d ** -0.5, causal=True)   # lse [h, t] fp32
         dq, dk, dv = cudnn_thd.backward(dout, q, k, v, out, lse, vl, scale=d ** -0.5, causal=True)
@@ -43,16 +43,16 @@ from typing import Any, Optional
 
 import torch
 
-from ..mods import Band
+from .._mods import Band
 from . import cudnn_frontend as fe, deferral
 from .cudnn_mods import sdpa_options
-from ..policy import kernel_policy
+from .._policy import kernel_policy
 
 __all__ = ["forward", "backward"]
 
 
 def _meta(vl: Any, device: torch.device) -> dict:
-    """What the graphs need of one packing, kept on the :class:`~cpscope.attention.kernels.block.Varlen` itself (so it
+    """What the graphs need of one packing, kept on the :class:`~cpscope.attention._kernels.block.Varlen` itself (so it
     lives as long as the pack): host offsets (bucketed), sequence lengths ``[B,1,1,1]`` int32, offsets ``cu`` int64,
     scaled offsets by (role, multiplier), whether every sequence has as many queries as keys, and what bands derive
     from the packing (``derived``: score-modifier bounds, rows that see no key)."""

@@ -1,4 +1,4 @@
-"""Windowed CP attention over a :class:`~cpscope.attention.halo_plan.HaloPlan`: only the blocks and the K/V rows the
+"""Windowed CP attention over a :class:`~cpscope.attention._halo_plan.HaloPlan`: only the blocks and the K/V rows the
 window leaves, computed and moved.
 
 Forward: post the exchange of K/V, compute this rank's local blocks, then each source's blocks as its rows arrive,
@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..groups import group_ranks
-from .kernels import acc_dtype, block_backward, block_forward
-from .comm import GroupCollectives
-from .halo_plan import HaloBlock, HaloGeometry, HaloPlan, Rows
-from .merge import merge_rows_, merge_sinks_, sinks_grad
+from ._kernels import acc_dtype, block_backward, block_forward
+from ._comm import GroupCollectives
+from ._halo_plan import HaloBlock, HaloGeometry, HaloPlan, Rows
+from ._merge import merge_rows_, merge_sinks_, sinks_grad
 
 __all__ = ["HaloExchange", "GatherExchange", "halo_forward", "halo_backward", "halo_attention"]
 

@@ -3,11 +3,11 @@ mask built from the block's visible key intervals and a score modifier for the s
 
 Every mask a block has (documents, causal, a window relative to each sequence's bottom-right-aligned diagonal) gives
 each query row one contiguous interval of visible keys, ``lo[i] <= j < hi[i]`` in packed key indices (the exact
-math's :func:`~cpscope.attention.kernels.exact.key_bounds`). One mask function serves every block, every layout and
+math's :func:`~cpscope.attention._kernels.exact.key_bounds`). One mask function serves every block, every layout and
 every band under CP: it reads the two interval tensors, so a new pack changes tensors, never the compiled code. The
 block-sparse structure (which 128 x 128 tiles are visible, which of them entirely) is built from the same intervals
 with a few tensor operations — no mask is evaluated over the whole grid, nothing is compiled per pack — and kept
-with the pack (:attr:`~cpscope.attention.kernels.block.Varlen.memo`; dense shapes in a small LRU that
+with the pack (:attr:`~cpscope.attention._kernels.block.Varlen.memo`; dense shapes in a small LRU that
 :func:`cpscope.clear_caches` empties).
 
 The compiled function is kept per configuration that its compiled code depends on (device, dtype, heads, head dims,
@@ -267,7 +267,7 @@ def _empty(q: torch.Tensor, k: torch.Tensor, vl: Optional[Varlen]) -> bool:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, vl: Optional[Varlen],
             window: Window = None, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block through FlexAttention; ``lse`` fp32 (fp64 for fp64 inputs), ``-inf`` (and
-    ``out`` 0) on rows that see no key. Layouts and masks as :func:`cpscope.attention.kernels.block_forward`."""
+    ``out`` 0) on rows that see no key. Layouts and masks as :func:`cpscope.attention._kernels.block_forward`."""
     if _empty(q, k, vl):  # no query or no key: nothing for a kernel to do
         return exact.forward(q, k, v, scale, causal, vl, window, softcap)
     bm = _mask_for(q, k, causal, vl, window)

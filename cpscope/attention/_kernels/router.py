@@ -20,12 +20,12 @@ kind                              routes, in order                             w
 ================================  ===========================================  =========================================
 
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
-graphs, the cuDNN frontend, and the :class:`~cpscope.attention.policy.KernelPolicy` allowing it; ``flash``
+graphs, the cuDNN frontend, and the :class:`~cpscope.attention._policy.KernelPolicy` allowing it; ``flash``
 needs CUDA; ``flex`` (FlexAttention's compiled kernels, :mod:`.flex`) needs CUDA — or the policy's
 ``flex="first"``, which also puts it first in its rows — and a torch that has it; ``exact`` runs anywhere) and has
 not been **refused**: a graph that cuDNN refuses to build
-(:class:`~cpscope.attention.kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs), or a block
-FlexAttention cannot compile (:class:`~cpscope.attention.kernels.flex.FlexUnsupported`), sends that kind
+(:class:`~cpscope.attention._kernels.cudnn_frontend.GraphUnsupported`, raised before any kernel runs), or a block
+FlexAttention cannot compile (:class:`~cpscope.attention._kernels.flex.FlexUnsupported`), sends that kind
 of block (per direction, dtype, head dims, heads and device) to the next route for the rest of the process, with one
 warning; :func:`fallbacks` lists what fell back and why.
 
@@ -58,11 +58,11 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from ..mods import Band
+from .._mods import Band
 from . import aten, cudnn_dense, cudnn_frontend, cudnn_thd, deferral, exact, flex
 from .aten import Kernel
 from .block import Placeholders, Varlen, Window
-from ..policy import KernelPolicy, kernel_policy
+from .._policy import KernelPolicy, kernel_policy
 
 __all__ = ["ROUTES", "TABLE", "kind_of", "Caps", "caps_of", "available_routes", "choose", "fallbacks",
            "routing_table", "block_forward", "block_backward", "run_whole"]
@@ -315,7 +315,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     ``-left <= j - (i + n_k - n_q) <= right`` (``right`` is 0 when ``causal``), per sequence in packed blocks.
     ``softcap``: the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before masking. Fully masked rows
     give ``out = 0`` and ``lse = -inf``. Grouped-query attention: ``h`` a multiple of ``h_kv``. ``placeholders``:
-    the call's :class:`~cpscope.attention.kernels.block.Placeholders` (dense CUDA blocks' backward needs them).
+    the call's :class:`~cpscope.attention._kernels.block.Placeholders` (dense CUDA blocks' backward needs them).
 
     Example::
 

@@ -16,7 +16,7 @@ given relative to its top-left diagonal. H200 showed cuDNN skipping the tiles ou
 its own keys plus a halo before them ran as slowly as without the window, 132 TFLOP/s on the area it needs at 64k):
 so a band with a positive right bound runs as two kernels — the keys from ``right`` on with a causal band, and the
 first ``right`` keys (the halo) with only a left bound for the rows that see them — merged through their log-sum-exp
-(:func:`cpscope.attention.merge.merge_rows_`; dq of those rows added). A left bound with more queries than keys turns
+(:func:`cpscope.attention._merge.merge_rows_`; dq of those rows added). A left bound with more queries than keys turns
 the padding mask on (cuDNN's left bounds need ``s_q <= s_kv`` otherwise). Graphs are cached per exact shape,
 strides, dtype, band, softcap and scale.
 
@@ -33,8 +33,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..._tensor_cache import register_clear
-from ..merge import merge_rows_
-from ..mods import Band
+from .._merge import merge_rows_
+from .._mods import Band
 from . import cudnn_frontend as fe
 from .cudnn_mods import sdpa_options
 

@@ -40,8 +40,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack, pack_for
-from .kernels import Placeholders, Varlen, Window
-from .merge import rows_add_
+from ._kernels import Placeholders, Varlen, Window
+from ._merge import rows_add_
 
 __all__ = ["DiagPart", "RingGeometry", "RingPlan", "RingStep", "plan_for_pack"]
 
@@ -111,7 +111,7 @@ class RingGeometry:
     """What the ring derives from one pack's offsets on one device, built once per pack and reused by every layer.
 
     Varlen (``thd``) only: the local / half-chunk offsets (device tensors with host copies), the front / back row
-    indices, the per-kind :class:`~cpscope.attention.kernels.block.Varlen` descriptions, the backward's document split, and
+    indices, the per-kind :class:`~cpscope.attention._kernels.block.Varlen` descriptions, the backward's document split, and
     — when the pack holds padding — the padding rows and, for attention without a causal mask, the real rows of
     every rank's K/V (which travel compacted: padding keys are never seen).
 
@@ -205,7 +205,7 @@ class RingPlan:
     :class:`RingGeometry` (built from ``cu`` when none is given); the plan itself is cheap.
 
     ``softcap`` applies to every block; a ``window`` only to a plan of one rank (whole sequences: the block's aligned
-    window is the global one) — a windowed call across ranks runs :mod:`cpscope.attention.halo` instead.
+    window is the global one) — a windowed call across ranks runs :mod:`cpscope.attention._halo` instead.
     """
 
     def __init__(
@@ -290,7 +290,7 @@ class RingPlan:
         return self.kv_front(x) if st.kv_front else x
 
     def out_rows(self, st: RingStep) -> Union[None, tuple[int, int], torch.Tensor]:
-        """The accumulator rows step ``st``'s block covers, for :func:`~cpscope.attention.merge.merge_rows_`."""
+        """The accumulator rows step ``st``'s block covers, for :func:`~cpscope.attention._merge.merge_rows_`."""
         return self.back_rows() if st.q_back else None
 
     def add_q_rows(self, acc: torch.Tensor, val: torch.Tensor, st: RingStep) -> None:

@@ -1,6 +1,6 @@
 """The report of ranks that disagree: the digest's fields and their names, :class:`RanksDisagreeError`, the messages.
 
-:mod:`cpscope.attention.agreement` finds that the ranks of a CP group called attention differently; this module says
+:mod:`cpscope.attention._agreement` finds that the ranks of a CP group called attention differently; this module says
 how, on every rank: each differing field by name with each rank's value (fetched with one ``all_gather_object``
 when every rank is there to answer), or this rank's value and the group's smallest and largest (decoded from the
 reduced digest, no collective) when not.

@@ -62,10 +62,10 @@ import torch.distributed as dist
 from .._tensor_cache import register_clear
 from .._variants import VARIANTS
 from ..backward_check import in_backward
-from .agreement_report import (DTYPES, FIELDS, FORMATS, KEEP_VALUES, LABELS, RanksDisagreeError, raise_gathered,
+from ._agreement_report import (DTYPES, FIELDS, FORMATS, KEEP_VALUES, LABELS, RanksDisagreeError, raise_gathered,
                                raise_pending, raise_ranges)
 
-AttentionCall = Any  # cpscope.attention.api.AttentionCall (not imported: api imports this module)
+AttentionCall = Any  # cpscope.attention._api.AttentionCall (not imported: api imports this module)
 __all__ = ["RanksDisagreeError", "check_call", "raise_differ", "STAND_DOWN", "verify_agreement", "FIELDS", "LABELS"]
 
 logger = logging.getLogger(__name__)

@@ -6,12 +6,12 @@
 * :func:`rows_add_` adds ``val[r]`` into ``acc[idx[r]]`` for unique ``idx`` (fp32 math, stored in ``acc``'s dtype):
   a plain gather-add-store per row, no atomics (``index_add_`` on CUDA uses atomics and a generic kernel).
 
-Layouts (as :mod:`cpscope.attention.kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
+Layouts (as :mod:`cpscope.attention._kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen ``out``
 ``[t, h, d]`` with ``lse`` ``[h, t]``. Any strides are accepted (views of larger tensors, transposed lse).
 
 Triton is imported lazily, on the first CUDA tensor (the module imports without it); without Triton, for fp64, or on
 other devices the torch fallback runs with the same semantics. The kernel policy's ``triton_on_cpu`` (tests only,
-:func:`cpscope.attention.policy.use_kernel_policy`) sends CPU tensors through the Triton kernels too, for Triton's
+:func:`cpscope.attention._policy.use_kernel_policy`) sends CPU tensors through the Triton kernels too, for Triton's
 interpreter (``TRITON_INTERPRET=1``).
 
 * :func:`merge_sinks_` merges attention sinks (one logit per head, no value) into final ``(out, lse)``, and
@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._tensor_cache import lru
-from .policy import kernel_policy
+from ._policy import kernel_policy
 
 __all__ = ["merge_rows_", "rows_add_", "merge_sinks_", "sink_terms", "sinks_grad"]
 

@@ -11,7 +11,7 @@ Load balance is by heads, so it is perfect whatever the document lengths; the co
 ``(cp-1)/cp`` of the local q, k, v and out — independent of ``cp``, unlike the ring's K/V traffic. Both head counts
 must divide by ``cp`` (checked before any collective, with the CP sizes and variants that would work).
 
-The same autograd function runs the hierarchical variant (:mod:`cpscope.attention.hierarchical`): the exchange
+The same autograd function runs the hierarchical variant (:mod:`cpscope.attention._hierarchical`): the exchange
 then spans an inner group and the attention in the middle is the zigzag ring across the outer groups.
 
 Example::
@@ -31,14 +31,14 @@ from .._pack import pack_for
 from .._tensor_cache import lru
 from ..scope import CPScope
 from ..sharding import zigzag_indices
-from .kernels import Window
-from .comm import GroupCollectives
-from .halo import halo_backward, halo_forward
-from .halo_plan import HaloPlan, halo_plan_for
-from .layout import Packed
-from .merge import sink_terms
-from .ring import ring_backward, ring_forward
-from .ring_plan import RingPlan
+from ._kernels import Window
+from ._comm import GroupCollectives
+from ._halo import halo_backward, halo_forward
+from ._halo_plan import HaloPlan, halo_plan_for
+from ._layout import Packed
+from ._merge import sink_terms
+from ._ring import ring_backward, ring_forward
+from ._ring_plan import RingPlan
 
 __all__ = ["A2APlan", "UlyssesPlan", "a2a_attention", "check_heads", "replicate_kv", "seq_to_heads", "heads_to_seq"]
 
@@ -171,7 +171,7 @@ class UlyssesPlan:
     ``inner``/``outer``: ``(rank, size)`` in the all-to-all group and across the outer groups (Ulysses: the CP
     group and ``(0, 1)``). The middle is a :class:`RingPlan` of the outer size (one local kernel when it is 1, the
     window then applied by the kernel: whole sequences), or — a window across outer ranks — the halo plan of the
-    outer ring's pack (:mod:`cpscope.attention.halo`).
+    outer ring's pack (:mod:`cpscope.attention._halo`).
     """
 
     def __init__(self, *, causal: bool, scale: float, how: Packed, inner: tuple[int, int], outer: tuple[int, int],

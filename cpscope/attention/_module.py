@@ -33,7 +33,7 @@ from .._checks import check_qkv_format
 from .._variants import check_comm
 from ..scope import CPScope, build_time_scope, runtime_scope_or
 from ._inputs import check_softcap, check_window
-from .api import attention_with_scope
+from ._api import attention_with_scope
 
 __all__ = ["ContextParallelAttention"]
 

@@ -1,6 +1,6 @@
 """One value for the score features of an attention call: the window as a band, the softcap, the sinks.
 
-A call's features are validated once, where the call is (:func:`cpscope.attention.api.prepare_call`), into one
+A call's features are validated once, where the call is (:func:`cpscope.attention._api.prepare_call`), into one
 :class:`Mods`; the variants, the plans, the block kernels and the sentinel's reference all read that value. A window
 has one encoding, :class:`Band`:
 

@@ -6,7 +6,7 @@ with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plai
 
 A call is validated and resolved once into an :class:`AttentionCall` (:func:`prepare_call`: shapes, offsets and
 their per-pack metadata, the variant); :func:`run_call` runs it — the zigzag ring (:mod:`.ring`) here, the
-collective variants through :func:`cpscope.attention.variants.run_variant`. Under CP > 1 the ranks first agree on
+collective variants through :func:`cpscope.attention._variants.run_variant`. Under CP > 1 the ranks first agree on
 the call (:mod:`.agreement`: a fixed-size digest, no host sync per layer). An observer in the
 ``cpscope._hooks.attention`` slot (the sentinel) wraps the run of the prepared call.
 
@@ -35,15 +35,15 @@ from .._variants import P2P
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
 from ._inputs import (check_attention_inputs, check_dense_max_seqlen, check_sinks, check_softcap, check_softmax_scale,
                       check_thd_pack, check_window)
-from .agreement import check_call
-from .kernels import Window
-from .halo import halo_attention
-from .halo_plan import effective_window, halo_plan_for
-from .layout import packed, unpacked
-from .policy import kernel_policy
-from .ring import ring_attention
-from .ring_plan import RingPlan, plan_for_pack
-from .variants import Variant, resolve_variant, run_variant
+from ._agreement import check_call
+from ._kernels import Window
+from ._halo import halo_attention
+from ._halo_plan import effective_window, halo_plan_for
+from ._layout import packed, unpacked
+from ._policy import kernel_policy
+from ._ring import ring_attention
+from ._ring_plan import RingPlan, plan_for_pack
+from ._variants import Variant, resolve_variant, run_variant
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "AttentionCall", "prepare_call", "run_call"]
 
@@ -90,7 +90,7 @@ def context_parallel_attention(
             ``cu_seqlens`` is both.
         window: ``(left, right)``: the query at position ``i`` (of its document in ``thd``) sees keys
             ``i - left .. i + right``; ``-1`` is unbounded; ``causal`` applies as well. ``"p2p"`` then exchanges only
-            the halo rows the window needs and computes only the blocks it leaves (:mod:`cpscope.attention.halo`).
+            the halo rows the window needs and computes only the blocks it leaves (:mod:`cpscope.attention._halo`).
         sinks: ``[h]`` floating point: one extra logit per q head in every softmax denominator, with no value
             (``out_i = sum_j exp(s_ij) v_j / (exp(sinks[h]) + sum_j exp(s_ij))``); receives the gradient of this
             rank's rows.
@@ -183,7 +183,7 @@ def attention_with_scope(
 
 
 def _agreed_run(call: "AttentionCall") -> torch.Tensor:
-    """:func:`run_call` under CP > 1, after the group agreed on the call (:mod:`cpscope.attention.agreement`: one
+    """:func:`run_call` under CP > 1, after the group agreed on the call (:mod:`cpscope.attention._agreement`: one
     fixed-size all-reduce, no host sync after the first call of each kind)."""
     if call.error is None:
         check_call(call)
@@ -311,7 +311,7 @@ def run_call(call: AttentionCall) -> torch.Tensor:
 
 
 def _run_halo(call: AttentionCall, band: tuple[int, int]) -> torch.Tensor:
-    """``"p2p"`` with a window: the halo exchange (:mod:`cpscope.attention.halo`) on the packed rows."""
+    """``"p2p"`` with a window: the halo exchange (:mod:`cpscope.attention._halo`) on the packed rows."""
     q, k, v, scope = call.q, call.k, call.v, call.scope
     pack = call.pack
     if pack is None:  # plain dense rows: each batch row one zigzag-sharded sequence

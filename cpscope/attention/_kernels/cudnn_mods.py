@@ -17,7 +17,7 @@ Two ways to tell cuDNN:
 
 Masked scores become ``-1e9``, not ``-inf`` (as in the frontend's own score-modifier samples): softcapped scores are
 bounded by ``softcap``, so this is exact for every row that sees a key; rows that see none are the caller's to fix
-(:meth:`~cpscope.attention.mods.Band.masked_prefix` says which rows of a block those are).
+(:meth:`~cpscope.attention._mods.Band.masked_prefix` says which rows of a block those are).
 
 The modifier's constants (``softcap``, ``1 / softcap``, the masked value, a dense block's bounds) are pass-by-value
 scalars bound at every execute from host tensors (``fixed``, below): cuDNN 9.19 refuses the frontend's
@@ -35,8 +35,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..mods import Band
-from ..policy import kernel_policy
+from .._mods import Band
+from .._policy import kernel_policy
 
 __all__ = ["sdpa_options", "ScoreMod", "MASKED"]
 

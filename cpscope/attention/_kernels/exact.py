@@ -5,7 +5,7 @@ Every mask a block has (documents, causal, a window, all relative to each sequen
 gives each query row one contiguous interval of visible keys, ``lo[i] <= j < hi[i]`` in packed key indices,
 nondecreasing in ``i``. The kernels therefore compute scores only over tiles of query rows against the key range
 their rows can see: a banded (windowed) block costs O(rows x window), not O(rows x keys), and no tile exceeds
-``TILE_BUDGET`` score elements. Layouts and the mask convention are :func:`cpscope.attention.kernels.block_forward`'s.
+``TILE_BUDGET`` score elements. Layouts and the mask convention are :func:`cpscope.attention._kernels.block_forward`'s.
 
 Example::
 

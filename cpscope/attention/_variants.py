@@ -35,10 +35,10 @@ import torch
 
 from .._variants import A2A, ALL_GATHER, AUTO, HIERARCHICAL, P2P, VARIANTS, check_comm, split_comm
 from ..scope import CPScope
-from .allgather import all_gather_attention
-from .hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
-from .layout import packed, unpacked
-from .ulysses import a2a_attention, check_heads
+from ._allgather import all_gather_attention
+from ._hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
+from ._layout import packed, unpacked
+from ._ulysses import a2a_attention, check_heads
 
 __all__ = ["VARIANTS", "VariantQuery", "Variant", "default_rule", "choose_variant", "set_auto_chooser",
            "resolve_variant", "run_variant", "te_binding"]
@@ -189,7 +189,7 @@ def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout.
 
-    ``window``: the call's effective window (:func:`cpscope.attention.halo_plan.effective_window`)."""
+    ``window``: the call's effective window (:func:`cpscope.attention._halo_plan.effective_window`)."""
     qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
     kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale, "window": window,
                           "softcap": softcap, "sinks": sinks}
@@ -213,7 +213,7 @@ def te_binding(scope: CPScope, comm: str, module: Any) -> tuple[Any, str]:
 
     ``"auto"`` is resolved from the module's heads (``num_attention_heads`` / ``num_gqa_groups`` per TP rank;
     ``"p2p"`` where it does not say), ``"a2a+p2p[:N]"`` becomes TE's pair ``[a2a_group, p2p_group]`` (the
-    hierarchical groups of :mod:`cpscope.attention.hierarchical`, TE's numbering). Other names pass through.
+    hierarchical groups of :mod:`cpscope.attention._hierarchical`, TE's numbering). Other names pass through.
 
     Raises:
         ValueError: an unknown variant; ``"a2a"`` / ``"a2a+p2p"`` with heads (or a CP size) they cannot shard.
