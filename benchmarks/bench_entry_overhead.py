@@ -1,6 +1,6 @@
 """Eager host time of cpscope's public entry points against those of a baseline revision, in one process.
 
-The entry points (``cpscope/rope/api.py``, ``cpscope/attention/_api.py``, ``cpscope/attention/_module.py``) of
+The entry points (``cpscope/rope/_api.py``, ``cpscope/attention/_api.py``, ``cpscope/attention/_module.py``) of
 ``--baseline`` are loaded from git beside the checkout's own, under private module names, on top of the checkout's
 other modules; then every case runs both versions interleaved (the order alternates between repeats) and reports
 the median of the per-repeat ratios ``checkout / baseline`` of CPU time of the timing thread (``time.thread_time``,
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cpscope  # noqa: E402
 from cpscope.attention import _api as new_attn, _module as new_module  # noqa: E402
-from cpscope.rope import api as new_rope  # noqa: E402
+from cpscope.rope import _api as new_rope  # noqa: E402
 
 
 def _load(rev: str, rel: str, name: str, redirect: dict[str, ModuleType]) -> ModuleType:
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the kernels on this thread only: its CPU time is the whole call's
-    old_rope = _load(args.baseline, "cpscope/rope/api.py", "cpscope.rope._baseline_api", {})
+    old_rope = _load(args.baseline, "cpscope/rope/_api.py", "cpscope.rope._baseline_api", {})
     old_attn = _load(args.baseline, "cpscope/attention/_api.py", "cpscope.attention._baseline_api", {})
     old_module = _load(args.baseline, "cpscope/attention/_module.py", "cpscope.attention._baseline_module",
                        {"cpscope.attention._api": old_attn, "cpscope.attention.api": old_attn})

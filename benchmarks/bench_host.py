@@ -328,7 +328,7 @@ def main() -> None:
                  "method": "CUDA: busy-GPU host time (see docstring); CPU: perf_counter with stubbed block kernels"
                            if not args.no_stub else "CPU: perf_counter, real block kernels"}
     try:
-        from cpscope.rope import api as _rope
+        from cpscope.rope import _api as _rope
 
         out["env"]["rope_impl"] = "te" if (cuda and _rope._te_apply()) else "torch"
     except Exception:  # noqa: BLE001

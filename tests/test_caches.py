@@ -37,10 +37,10 @@ NOT_CACHES = {
     "cpscope._scope_binding._SCOPES": "interning: scope_for returns the same CPScope per live group (weak, self-cleaning)",
     "cpscope._scope_binding._CALLBACKS": "the dropping references of _SCOPES",
     "cpscope.streams._STREAMS": "the CP stream per device (contract: created once per device; work is queued on it)",
-    "cpscope.groups.registry._USED": "names already used per world: a destroyed group's name must not come back",
-    "cpscope.groups.registry._STATE": "the group registry (contract: groups are created once, collectively; a "
+    "cpscope.groups._registry._USED": "names already used per world: a destroyed group's name must not come back",
+    "cpscope.groups._registry._STATE": "the group registry (contract: groups are created once, collectively; a "
                                       "cleared registry would make new groups inside a forward)",
-    "cpscope.groups.registry._LAST_REPORT": "the report of the last group creation (what it made, for users)",
+    "cpscope.groups._registry._LAST_REPORT": "the report of the last group creation (what it made, for users)",
     "cpscope.integrations._swap._CLASSES": "one swapped class per (base, mixins): identity (isinstance, pickle)",
     "cpscope.rope._torch_math._compile_off": "memory of torch.compile failures per case (clearing repeats a failing "
                                              "compile)",
@@ -165,7 +165,7 @@ def _get(qualified: str):
 # ---- fillers: each fills one registered cache through its own code and returns how full it is (0 = empty) ----------
 
 def _fill_comm_cost_load(tmp_path: Path, monkeypatch) -> Callable[[], int]:
-    from cpscope.hybrid.comm_cost import CommCostModel
+    from cpscope.hybrid._comm_cost import CommCostModel
     from cpscope.train import auto
 
     c = (1.0, 0.0, 0.0, 0.0, 0.0)

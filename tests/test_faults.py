@@ -207,7 +207,7 @@ def _calibration(case: str) -> tuple:
     import tempfile
 
     from cpscope.attention import _variants as dispatch
-    from cpscope.hybrid.comm_cost import CommCostModel
+    from cpscope.hybrid._comm_cost import CommCostModel
     from cpscope.train.auto import use_calibration
     from tests.hybrid.test_comm_cost import TRUE
 
@@ -273,7 +273,7 @@ def test_a2a_p2p_check_does_not_depend_on_the_tests_before_it():
 def _megatron_variant() -> tuple:
     from types import SimpleNamespace
 
-    from cpscope.hybrid.plan import Microbatch
+    from cpscope.hybrid._plan import Microbatch
     from cpscope.integrations.megatron._carrier import consumer_scope
     from cpscope.integrations.megatron.data import Document, prepare_megatron_microbatches
 

@@ -15,7 +15,7 @@ it with the same query and must get the same answer. The default rule (:func:`de
 2. else few k/v heads (``h >= 4 * h_kv``, GQA / MQA): ``"all_gather"`` — gathering K/V costs little;
 3. else ``"p2p"``;
 
-except that with a sliding window ``"p2p"`` wins when its halo exchange (:func:`cpscope.hybrid.comm_cost.halo_rows`:
+except that with a sliding window ``"p2p"`` wins when its halo exchange (:func:`cpscope.hybrid._comm_cost.halo_rows`:
 a short window moves only its neighbours' halos) receives at most half of what the whole ring would, and no more
 than the variant the rule would pick.
 
@@ -91,7 +91,7 @@ def default_rule(query: VariantQuery) -> str:
         return P2P
     if query.window is not None and query.seq_lens and sum(query.seq_lens):
         # imported here: the cost model uses numpy, which attention itself (and `import cpscope`) does not need
-        from ..hybrid.comm_cost import halo_rows
+        from ..hybrid._comm_cost import halo_rows
 
         cp, h, g, total = query.cp, query.heads, query.kv_heads, sum(query.seq_lens)
         lens = [n for n in query.seq_lens if n > 0]

@@ -10,7 +10,7 @@ the median over repeats is taken, and :meth:`CommCostModel.fit` turns them into 
 numbers on every rank, so every rank gets the same model. CP1 (no group) is timed once as the ``"local"``
 fit that every variant shares at ``cp = 1``.
 
-The model is written to :func:`~cpscope.hybrid.comm_cost.cache_path` (by the ranks with ``LOCAL_RANK`` 0, or
+The model is written to :func:`~cpscope.hybrid._comm_cost.cache_path` (by the ranks with ``LOCAL_RANK`` 0, or
 global rank 0 when unset) and found again by :func:`~cpscope.train.auto.cached_cost` /
 :func:`load_or_calibrate`.
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .._version import __version__
 from .._variants import VARIANTS, check_variants
-from ..hybrid.comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
+from ..hybrid._comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
                                 load_cached, variant_allowed)
 from .auto import calibration_device, device_name
 

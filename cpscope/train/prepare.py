@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .._pack import cu_seqlens_list
 from .._variants import check_comm
 from ..groups import group_ranks
-from ..hybrid.plan import Microbatch
+from ..hybrid._plan import Microbatch
 from ..scope import scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
 

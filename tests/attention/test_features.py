@@ -327,7 +327,7 @@ def test_cost_model_window_term_matches_the_plan():
     receipt for unpadded packs; and the cost model prices a window's p2p by it."""
     from cpscope._pack import pack_for
     from cpscope.attention._halo_plan import HaloGeometry
-    from cpscope.hybrid.comm_cost import CommCostModel, halo_rows
+    from cpscope.hybrid._comm_cost import CommCostModel, halo_rows
 
     for cp, lens, window, causal in ((4, [4096], (256, 0), True), (2, [64, 32, 96], (9, 0), True),
                                      (4, [128, 64], (5, 20), False), (3, [96, 36], (-1, 4), False)):

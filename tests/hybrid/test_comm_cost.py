@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import cpscope
 from cpscope._variants import VARIANTS
-from cpscope.hybrid.comm_cost import (
+from cpscope.hybrid._comm_cost import (
     FEATURES,
     CommCostModel,
     Sample,
@@ -27,7 +27,7 @@ from cpscope.hybrid.comm_cost import (
     load_cached,
     variant_allowed,
 )
-from cpscope.hybrid.variants import choose, predict
+from cpscope.hybrid._variants import choose, predict
 from cpscope.train.auto import cached_cost
 from tests.distributed import run_ranks
 
@@ -118,7 +118,7 @@ def test_json_roundtrip_and_cache_files(tmp_path) -> None:
 
 
 def test_cache_dir_override(tmp_path, monkeypatch) -> None:
-    from cpscope.hybrid.comm_cost import cache_dir
+    from cpscope.hybrid._comm_cost import cache_dir
 
     monkeypatch.setenv("CPSCOPE_CACHE_DIR", str(tmp_path / "x"))
     assert cache_dir() == tmp_path / "x"

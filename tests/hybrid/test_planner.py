@@ -19,10 +19,10 @@ from cpscope.hybrid import (
     plan_hybrid,
     plan_static,
 )
-from cpscope.hybrid.comm_cost import CommCostModel, default_inner, variant_allowed
-from cpscope.hybrid.data import sft_like_lengths
+from cpscope.hybrid._comm_cost import CommCostModel, default_inner, variant_allowed
+from cpscope.hybrid._data import sft_like_lengths
 from cpscope.hybrid._problem import Problem
-from cpscope.hybrid.step_cost import StepCost
+from cpscope.hybrid._step_cost import StepCost
 
 CAPACITY = 16384
 PLANNERS = (plan_hybrid, plan_static, plan_greedy)

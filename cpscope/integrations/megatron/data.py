@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..._pack import cu_seqlens_list
 from ..._variants import check_comm
-from ...hybrid.plan import Microbatch
+from ...hybrid._plan import Microbatch
 from ...train.loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ...scope import UNSET as _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard

@@ -20,7 +20,7 @@ step (kernel launches, handshakes) summed over layers and passes. All four coeff
 state-space and short-convolution layers cost linear time in the document length (their per-token work is part of
 ``linear``) and exchange a fixed-size state summary per microbatch. :meth:`CostModel.for_layer_mix` turns the
 cost of a model whose blocks all attend into that of the same model with only ``mix.attention`` of its
-``mix.layers`` blocks attending (:class:`~cpscope.hybrid.layer_mix.LayerMix`, e.g. from a transformers config).
+``mix.layers`` blocks attending (:class:`~cpscope.hybrid._layer_mix.LayerMix`, e.g. from a transformers config).
 
 Example::
 
@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from .layer_mix import LayerMix
+    from ._layer_mix import LayerMix
 from ._nnls import nnls
 
 __all__ = ["CostModel", "padded_length"]
@@ -114,7 +114,7 @@ class CostModel:
 
         Example::
 
-            >>> from cpscope.hybrid.layer_mix import LayerMix
+            >>> from cpscope.hybrid._layer_mix import LayerMix
             >>> hybrid = CostModel(attn=4e-9, comm=2e-6).for_layer_mix(LayerMix(attention=1, linear=3, layers=4))
             >>> hybrid.attn, hybrid.comm, hybrid.linear == CostModel().linear
             (1e-09, 5e-07, True)

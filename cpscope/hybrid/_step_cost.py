@@ -1,7 +1,7 @@
 """The planner's cost when the communication variant is chosen per microbatch: a model's step from its attention.
 
-:class:`StepCost` turns a fitted :class:`~cpscope.hybrid.comm_cost.CommCostModel` (one attention call, per
-variant) into what :func:`~cpscope.hybrid.planner.plan_hybrid` reads: per variant and CP size, each sequence's
+:class:`StepCost` turns a fitted :class:`~cpscope.hybrid._comm_cost.CommCostModel` (one attention call, per
+variant) into what :func:`~cpscope.hybrid._planner.plan_hybrid` reads: per variant and CP size, each sequence's
 per-rank seconds and each microbatch's fixed seconds::
 
     seq_v(L, cp)  = linear · Lp / cp + layers · (q2_v · Lp² + q1_v · Lp)       # Lp = L padded to 2·cp
@@ -13,7 +13,7 @@ runs each microbatch with its cheapest allowed variant and says which in ``Micro
 Example::
 
     >>> from cpscope.hybrid import plan_hybrid
-    >>> from cpscope.hybrid.comm_cost import CommCostModel
+    >>> from cpscope.hybrid._comm_cost import CommCostModel
     >>> fit = {"bfloat16": {"local": (1e-12, 1e-10, 0, 0, 1e-4), "p2p": (1e-12, 1e-10, 1e-11, 2e-4, 1e-4),
     ...                     "a2a": (1e-12, 1e-10, 1e-10, 0, 1e-4)}}
     >>> step = StepCost(CommCostModel(fit), heads=32, kv_heads=8, head_dim=128, layers=32, linear=2e-5)
@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from .._variants import VARIANTS
 from ._comm_features import check_shape, default_inner, dtype_name, variant_allowed
-from .comm_cost import CommCostModel
+from ._comm_cost import CommCostModel
 
 __all__ = ["StepCost"]
 

@@ -9,7 +9,7 @@ Per channel ``d``, with the kernel ``w [D, W]`` and inputs that are zero before 
 
 The "state" of a convolution is its last ``W − 1`` inputs: over a piece of ``L`` tokens it is affine in the incoming
 one (shifted up by ``L`` rows, plus the piece's own last rows), so the summary machinery of
-:mod:`cpscope.linear.summaries` gives each piece its halo — the ``W − 1`` tokens before it in the global sequence,
+:mod:`cpscope.linear._summaries` gives each piece its halo — the ``W − 1`` tokens before it in the global sequence,
 from whichever chunks hold them (several when chunks are shorter than ``W − 1``), zeros before a document starts.
 One all-gather of ``W − 1`` rows per piece.
 
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..scope import UNSET, resolve_scope
-from . import summaries
-from .pieces import Pieces, pieces_of_input, run_pieces
+from . import _summaries as summaries
+from ._pieces import Pieces, pieces_of_input, run_pieces
 
 __all__ = ["causal_conv1d"]
 

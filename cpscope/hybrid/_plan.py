@@ -2,7 +2,7 @@
 
 A microbatch is a set of sequences packed in ``thd`` and run together by one aligned *block* of ``cp`` ranks
 (positions ``block·cp … (block+1)·cp − 1``); a plan lists them in one global execution order and each rank runs
-its own in that order (see :mod:`cpscope.hybrid.planner` for why that cannot deadlock). Plain data: no numpy, no
+its own in that order (see :mod:`cpscope.hybrid._planner` for why that cannot deadlock). Plain data: no numpy, no
 process group.
 
 Example::
@@ -25,7 +25,7 @@ class Microbatch(NamedTuple):
 
     ``comm`` is the communication variant planned for its attention (``"p2p"``, ``"all_gather"``, ``"a2a"``,
     ``"a2a+p2p"``): bind it with the group, ``runtime_cp(group, comm=mb.comm)``. Under a plain
-    :class:`~cpscope.hybrid.cost.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
+    :class:`~cpscope.hybrid._cost.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
     and the value does not matter.
 
     Example::

@@ -9,10 +9,10 @@ first when ``use_qk_l2norm=True``. The maths of flash-linear-attention's ``chunk
 and of transformers' ``torch_chunk_gated_delta_rule``.
 
 Under CP each local piece is run once with the value columns widened by ``K`` identity columns: from the initial
-state ``[0 | I]`` the run leaves ``[b | A]`` (its summary, :mod:`cpscope.linear.summaries`) and outputs
+state ``[0 | I]`` the run leaves ``[b | A]`` (its summary, :mod:`cpscope.linear._summaries`) and outputs
 ``[o⁰ | Aₜᵀ q]``; after the exchange the output from the true incoming state ``S_in`` is ``o⁰ + (Aₜᵀ q)ᵀ S_in``.
 One pass over the tokens, one all-gather of the summaries. Under CP1 the kernel is called once, directly. The
-kernel is flash-linear-attention's where it runs, else cpscope's torch chunk code (:mod:`cpscope.linear.kernels`);
+kernel is flash-linear-attention's where it runs, else cpscope's torch chunk code (:mod:`cpscope.linear._kernels`);
 :func:`summarise` and :func:`read_incoming` are the local phases before and after the exchange.
 
 Example::
@@ -29,8 +29,8 @@ from typing import Any, Optional
 import torch
 
 from ..scope import UNSET, resolve_scope
-from . import kernels, summaries
-from .pieces import Runs, run_pieces, runs_of_input
+from . import _kernels as kernels, _summaries as summaries
+from ._pieces import Runs, run_pieces, runs_of_input
 
 __all__ = ["gated_delta_rule", "summarise", "read_incoming"]
 

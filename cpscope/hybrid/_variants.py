@@ -1,9 +1,9 @@
 """The communication variant with the least predicted time for one microbatch (pure: numpy only).
 
-:func:`choose` is pure: given a fitted :class:`~cpscope.hybrid.comm_cost.CommCostModel` and the microbatch's
+:func:`choose` is pure: given a fitted :class:`~cpscope.hybrid._comm_cost.CommCostModel` and the microbatch's
 shape it returns the variant name — what the planner uses per microbatch and what ``comm="auto"`` answers once a
 calibrated model is installed. ``a2a`` is only considered when the heads divide ``cp``
-(:func:`~cpscope.hybrid.comm_cost.variant_allowed`), ``a2a+p2p`` only with an ``inner`` sub-group size; ties go to
+(:func:`~cpscope.hybrid._comm_cost.variant_allowed`), ``a2a+p2p`` only with an ``inner`` sub-group size; ties go to
 the earlier of ``VARIANTS`` (the ring first). :func:`predict` gives every allowed variant's time.
 
 Plugging it into the attention's ``comm="auto"`` (a job's cached calibration, the chooser the dispatch calls) is
@@ -11,7 +11,7 @@ the torch runtime's job: :mod:`cpscope.train.auto` (``use_calibration``, ``auto_
 
 Example::
 
-    >>> from cpscope.hybrid.comm_cost import CommCostModel
+    >>> from cpscope.hybrid._comm_cost import CommCostModel
     >>> # the ring hides most of its traffic but pays per step; Ulysses exposes its traffic, in one step
     >>> fit = {"bfloat16": {"p2p": (1e-12, 0, 1e-11, 2e-4, 1e-4), "a2a": (1e-12, 0, 1e-10, 0, 1e-4)}}
     >>> cost = CommCostModel(fit)
@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from .._variants import VARIANTS, check_variants
 from ._comm_features import check_shape, dtype_name, padded, variant_allowed
-from .comm_cost import CommCostModel
+from ._comm_cost import CommCostModel
 
 __all__ = ["choose", "predict"]
 

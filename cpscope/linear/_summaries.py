@@ -10,7 +10,7 @@ Each recurrence here is affine in its state over any run of tokens: the state ``
   alike) stored as ``[.., H, K, K]``.
 
 Summaries compose: running ``(A₁, b₁)`` then ``(A₂, b₂)`` is ``(A₂A₁, A₂b₁ + b₂)``. So a rank summarises each of its
-pieces on its own (in fp32 or wider), the summaries are all-gathered once (:mod:`cpscope.linear.exchange`), and the
+pieces on its own (in fp32 or wider), the summaries are all-gathered once (:mod:`cpscope.linear._exchange`), and the
 state entering global chunk ``c`` of a document is the fold of chunks ``0 .. c−1`` from a zero state — **reset to
 zero at every document start**: no state crosses a document boundary. Each piece then runs its local recurrence from
 that incoming state.
@@ -26,8 +26,8 @@ import math
 import torch
 
 from ..scope import CPScope
-from .exchange import all_gather_pieces
-from .pieces import Pieces
+from ._exchange import all_gather_pieces
+from ._pieces import Pieces
 
 __all__ = ["apply_transition", "compose", "fold_chunks", "incoming_states", "pack_summaries", "states_from_gathered"]
 

@@ -13,7 +13,7 @@ the outputs and each run's final state, differentiably in everything (the initia
   ``g = dt·A`` (states ``[N, H, N, P]``; ``[N, H, P, N]``, Mamba2's layout, with ``state_v_first``).
 
 Two implementations: :data:`FLA` (the Triton kernels, :mod:`cpscope.linear._fla`; CUDA, 16/32-bit floats) and
-:data:`TORCH` (the chunked torch code of :mod:`~cpscope.linear.delta_chunk` / :mod:`~cpscope.linear.ssd_chunk`, in
+:data:`TORCH` (the chunked torch code of :mod:`~cpscope.linear._delta_chunk` / :mod:`~cpscope.linear._ssd_chunk`, in
 fp32 — fp64 for fp64 inputs — on any device). :func:`pick` chooses per call; everything around the kernel (the
 summaries, the exchange, the read of the incoming states) is the same code for both, so the CPU tests of the torch
 kernels test the code that runs around the Triton ones.
@@ -31,9 +31,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import _fla
-from .delta_chunk import chunk_delta_rule, l2norm
-from .pieces import Runs, pieces_for, run_pieces
-from .ssd_chunk import chunk_ssd
+from ._delta_chunk import chunk_delta_rule, l2norm
+from ._pieces import Runs, pieces_for, run_pieces
+from ._ssd_chunk import chunk_ssd
 
 __all__ = ["Kernels", "FLA", "TORCH", "pick", "torch_delta_rule", "torch_simple_gla"]
 

@@ -3,7 +3,7 @@
 Hybrid CP switches groups per microbatch, and creating a process group is a collective that costs milliseconds,
 so every group is created once, up front, and cached. Each rank creates **only its own** groups (one per size):
 ``split_group`` from the world communicator under NCCL bound to a device, else ``new_group(...,
-use_local_synchronization=True)`` among the block's members (:mod:`cpscope.groups.create`); with
+use_local_synchronization=True)`` among the block's members (:mod:`cpscope.groups._create`); with
 ``sizes=[1, 2, 4, …, N]`` a rank makes ~log₂N calls instead of ~2N.
 
 **Member order.** A group's CP ranks are its members in **ascending global rank** — torch's own numbering, which
@@ -33,8 +33,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .blocks import Block, as_int, hierarchical_blocks, plan_cp_blocks
-from .create import Report, TorchLayer, create_blocks, digest, resolve_method
+from ._blocks import Block, as_int, hierarchical_blocks, plan_cp_blocks
+from ._create import Report, TorchLayer, create_blocks, digest, resolve_method
 
 __all__ = ["new_cp_groups", "hierarchical_cp_groups", "lookup_hierarchical", "group_ranks", "clear_cp_group_cache"]
 

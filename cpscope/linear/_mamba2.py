@@ -9,10 +9,10 @@ Per head ``h`` (group ``g = h // (H / G)``), with the state ``s [P, N]`` startin
 clamp is applied as transformers does; the default limits clamp nothing after a softplus and are skipped).
 
 The transition over a piece is a scalar per head, ``exp(Σ dt·A)``, so a piece's summary is that scalar and its final
-state from zero; after the one all-gather (:mod:`cpscope.linear.summaries`) the incoming state ``s_in`` adds
+state from zero; after the one all-gather (:mod:`cpscope.linear._summaries`) the incoming state ``s_in`` adds
 ``exp(Σ_{≤t} dt·A) s_in C_t`` to each output row. The local scan is flash-linear-attention's ``chunk_simple_gla``
 where it runs (fla 0.6.0 has no SSD kernel; SSD with a scalar decay per head is simple GLA), else cpscope's torch
-chunk code (:mod:`cpscope.linear.kernels`). The phases — :func:`prepare`, :func:`local_scan`, :func:`piece_decays`,
+chunk code (:mod:`cpscope.linear._kernels`). The phases — :func:`prepare`, :func:`local_scan`, :func:`piece_decays`,
 (the exchange), :func:`read_states`, :func:`finish` — are public so that every rank can be run in one process.
 
 Example::
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..scope import UNSET, resolve_scope
-from . import kernels, summaries
-from .pieces import Runs, run_pieces, runs_of_input
+from . import _kernels as kernels, _summaries as summaries
+from ._pieces import Runs, run_pieces, runs_of_input
 
 __all__ = ["mamba2_scan", "prepare", "local_scan", "piece_decays", "read_states", "finish"]
 

@@ -1,6 +1,6 @@
-"""Baseline planners to measure :func:`~cpscope.hybrid.planner.plan_hybrid` against: static CP and plain greedy.
+"""Baseline planners to measure :func:`~cpscope.hybrid._planner.plan_hybrid` against: static CP and plain greedy.
 
-Both return the same :class:`~cpscope.hybrid.plan.Plan` as the planner, in the same deadlock-free order.
+Both return the same :class:`~cpscope.hybrid._plan.Plan` as the planner, in the same deadlock-free order.
 
 Example::
 
@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from ._lpt import lpt_heap
 from ._packing import build_plan, first_fit
-from .plan import Plan
+from ._plan import Plan
 from ._problem import Cost, CpSizes, Problem
 
 __all__ = ["plan_static", "plan_greedy"]

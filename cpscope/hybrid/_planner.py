@@ -38,11 +38,11 @@ from typing import Optional, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .baselines import plan_greedy, plan_static
+from ._baselines import plan_greedy, plan_static
 from ._bound import problem_bound, lower_bound
 from ._lpt import NO_LIMIT, lpt_prefix
 from ._packing import build_plan
-from .plan import Microbatch, Plan
+from ._plan import Microbatch, Plan
 from ._problem import Cost, CpSizes, first_within, Problem, cp_candidates
 
 # Microbatch, Plan, cp_candidates, lower_bound, plan_static and plan_greedy live in their own modules now;
@@ -184,7 +184,7 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
        subset's own lower bound already exceeds the best makespan, and the shortest plan is returned: never
        longer than the plan over the powers of two alone.
 
-    With a :class:`~cpscope.hybrid.step_cost.StepCost` the plan also chooses the communication variant per
+    With a :class:`~cpscope.hybrid._step_cost.StepCost` the plan also chooses the communication variant per
     microbatch: a sequence's time alone is that of its best variant at each CP size (so the CP size and the
     variant are chosen together), a block's sequences are packed by the variant they prefer, and each
     microbatch runs its cheapest allowed variant — ``Microbatch.comm``, to bind with
@@ -198,7 +198,7 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         n_ranks: ranks to plan over (blocks are positions in this list, as ``new_cp_groups`` splits ``ranks``).
         capacity: tokens one rank can hold in a microbatch (after padding, ``Σ padded L / cp``).
         cost: the cost model: :class:`CostModel` (the ring alone; default ``CostModel()``) or
-            :class:`~cpscope.hybrid.step_cost.StepCost` (a communication variant per microbatch).
+            :class:`~cpscope.hybrid._step_cost.StepCost` (a communication variant per microbatch).
         max_cp: largest CP size allowed (e.g. the GPUs of one node); default ``n_ranks``.
         cp_sizes: the CP sizes allowed: ``None`` / ``"divisors"`` (every divisor of ``n_ranks`` up to ``max_cp``),
             ``"pow2"`` (the powers of two among them) or an explicit collection. ``Plan.cp_candidates`` says what
