@@ -90,7 +90,7 @@ def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
 def _run_rank(args: argparse.Namespace) -> None:
     import cpscope
     import train_hybrid as th
-    from cpscope.train.loop import allreduce_gradients, global_num_targets, prepare_microbatches, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, global_num_targets, prepare_microbatches, run_microbatches
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = th.TrainConfig()  # the demo's defaults

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpscope  # noqa: E402
-from cpscope.train.calibrate import calibrate  # noqa: E402
+from cpscope.train._calibrate import calibrate  # noqa: E402
 from tests._stand_in import ring_stand_in  # noqa: E402
 from cpscope._variants import VARIANTS  # noqa: E402
 from cpscope.hybrid._comm_cost import LOCAL, CommCostModel, cache_path  # noqa: E402

@@ -44,7 +44,7 @@ NOT_CACHES = {
     "cpscope.integrations._swap._CLASSES": "one swapped class per (base, mixins): identity (isinstance, pickle)",
     "cpscope.rope._torch_math._compile_off": "memory of torch.compile failures per case (clearing repeats a failing "
                                              "compile)",
-    "cpscope.integrations.hf.batch_scope._CUT_FOR": "which scope each batch tensor was sharded for (a check's state)",
+    "cpscope.integrations.hf._batch_scope._CUT_FOR": "which scope each batch tensor was sharded for (a check's state)",
     "cpscope.integrations.hf.trainer.hybrid_cp_trainer": "one trainer class per class: identity (isinstance)",
     "cpscope._sentinel.switch._STACK": "the sentinels switched on (state)",
     "cpscope._sentinel.switch._EMPTY": "a constant (slots all None)",
@@ -84,7 +84,7 @@ CLEARED_BY = {
     "cpscope.attention._kernels.flex._score_mods": "cpscope.attention._kernels.flex.clear_cache",
     "cpscope.attention._hierarchical._GROUPS": "cpscope.attention._hierarchical._forget_verified",
     "cpscope.attention._agreement._CPU_OK": "cpscope.attention._agreement._forget_transports",
-    "cpscope.integrations.hf.mixers._VERDICTS": "cpscope.integrations.hf.mixers._forget_verdicts",
+    "cpscope.integrations.hf._mixers._VERDICTS": "cpscope.integrations.hf._mixers._forget_verdicts",
     "cpscope.rope._torch_math._compiled": "cpscope.rope._torch_math._forget_compiled",
 }
 
@@ -166,7 +166,7 @@ def _get(qualified: str):
 
 def _fill_comm_cost_load(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     from cpscope.hybrid._comm_cost import CommCostModel
-    from cpscope.train import auto
+    from cpscope.train import _auto as auto
 
     c = (1.0, 0.0, 0.0, 0.0, 0.0)
     path = CommCostModel({"float32": {"p2p": c}}).save(tmp_path / "model.json")
@@ -236,7 +236,7 @@ def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 def _fill_mixers(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     pytest.importorskip("transformers")
-    from cpscope.integrations.hf import mixers
+    from cpscope.integrations.hf import _mixers as mixers
 
     class Config:  # weakly referenceable, like transformers' configs
         layer_types = ["full_attention", "linear_attention"]
@@ -307,14 +307,14 @@ def _fill_triton(qualified: str) -> Callable[[Path, object], Callable[[], int]]:
 FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope._tensor_cache._BY_TENSOR": _fill_tensor_cache,
     "cpscope._tensor_cache._BY_VALUE": _fill_tensor_cache,
-    "cpscope.train.auto._load": _fill_comm_cost_load,
+    "cpscope.train._auto._load": _fill_comm_cost_load,
     "cpscope.attention._kernels.cudnn_frontend._graphs": _fill_cudnn,
     "cpscope.attention._kernels.cudnn_dense._consts": _fill_cudnn,
     "cpscope.attention._kernels.deferral._seen": _fill_deferral,
     "cpscope.attention._kernels.flex._compiled": _fill_flex,
     "cpscope.attention._kernels.flex._dense_masks": _fill_flex,
     "cpscope.attention._kernels.flex._score_mods": _fill_flex,
-    "cpscope.integrations.hf.mixers._VERDICTS": _fill_mixers,
+    "cpscope.integrations.hf._mixers._VERDICTS": _fill_mixers,
     "cpscope.rope._torch_math._compiled": _fill_rope_compiled,
     "cpscope._tensor_cache._OWNED": _fill_owned,
     "cpscope._sentinel.core._compiler_disabled": _fill_sentinel_wrapper,

@@ -168,7 +168,7 @@ def test_te_global_ranks_follow_the_group_rank_order():
 
 def _loop_on_permuted_ranks():
     from cpscope.hybrid import Microbatch
-    from cpscope.train.loop import prepare_microbatches
+    from cpscope.train._loop import prepare_microbatches
 
     cpscope.set_backward_read_check(True)
     ranks = [2, 3, 0, 1]

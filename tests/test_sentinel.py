@@ -22,7 +22,7 @@ from torch import nn
 
 import cpscope
 from cpscope._sentinel.reference import reference_rows
-from cpscope.train.loop import (
+from cpscope.train._loop import (
     global_num_targets,
     next_token_labels,
     pack_documents,
@@ -192,13 +192,18 @@ def test_sampling_is_decided_per_group_and_per_kind_in_one_place():
 
 def test_the_package_is_a_client_of_the_core():
     """Inside cpscope/_sentinel: imports point one way (no cycle), private names of the core only where documented
-    (the observer slots, the one list of variant names, the registered memo), files <= 500 lines,
+    (the observer slots, the one list of variant names, the registered memo, the attention call that the observer
+    slot passes and the agreement check the sentinel shares with attention), files <= 500 lines,
     functions <= 80 lines."""
     import ast
 
     pkg = Path(cpscope.__file__).parent / "_sentinel"
     allowed = {("cpscope", "_hooks"), ("cpscope._variants", "COMM_CHOICES"),
                ("cpscope._tensor_cache", "lru"),  # the one registered memo (cpscope.clear_caches reaches it)
+               # the attention observer slot's protocol (attention's modules are private since issue 30)
+               ("cpscope.attention", "_api"), ("cpscope.attention._api", "AttentionCall"),
+               ("cpscope.attention._agreement", "STAND_DOWN"), ("cpscope.attention._agreement", "check_call"),
+               ("cpscope.attention._agreement", "raise_differ"),
                }
     edges: dict[str, set] = {}
     for f in sorted(pkg.glob("*.py")):

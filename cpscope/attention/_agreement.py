@@ -20,7 +20,7 @@ returns wrong rows on every rank (other ``cu_seqlens`` with the same total) or e
    call of each kind — layer 0; packed microbatches: each new pack, whose offsets layer 0 reads to the host
    anyway), else compared **on the device** and accumulated (no host sync: layers 1.. cost one small all-reduce
    each). The accumulated verdict is read at the **step boundary** — a pre-hook on every ``torch.optim``
-   optimizer's ``step`` (registered at the first deferred call), the end of :func:`cpscope.train.loop.run_step`,
+   optimizer's ``step`` (registered at the first deferred call), the end of :func:`cpscope.train.run_step`,
    :func:`verify_agreement` for other loops — and at the next read, so a disagreement is raised before the
    optimizer step that would apply it.
 
@@ -321,7 +321,7 @@ def raise_differ(call: "AttentionCall", differ: Sequence[str], *, sentinel: int 
 def verify_agreement() -> None:
     """Read the deferred verdicts of this thread's groups (one host read per group with unread calls); raise on a
     disagreement. Called before every ``torch.optim`` optimizer step and at the end of
-    :func:`cpscope.train.loop.run_step`; call it yourself at the step boundary of a loop that steps otherwise.
+    :func:`cpscope.train.run_step`; call it yourself at the step boundary of a loop that steps otherwise.
 
     Every rank of a group that ran unread calls must call it (each optimizer step does); no collective runs unless a
     disagreement was found (then one ``all_gather_object`` per group, in the same order on every rank).

@@ -11,7 +11,7 @@ Layouts (as :mod:`cpscope.attention._kernels.block`): dense ``out`` ``[b, s, h, 
 
 Triton is imported lazily, on the first CUDA tensor (the module imports without it); without Triton, for fp64, or on
 other devices the torch fallback runs with the same semantics. The kernel policy's ``triton_on_cpu`` (tests only,
-:func:`cpscope.attention._policy.use_kernel_policy`) sends CPU tensors through the Triton kernels too, for Triton's
+:func:`cpscope.attention.use_kernel_policy`) sends CPU tensors through the Triton kernels too, for Triton's
 interpreter (``TRITON_INTERPRET=1``).
 
 * :func:`merge_sinks_` merges attention sinks (one logit per head, no value) into final ``(out, lse)``, and

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from . import _env as env, _plan as plan
 
-__all__ = ["main", "parser"]
+__all__ = ["main"]  # parser() stays importable (tests, docs tooling)
 
 COMMANDS = (env, plan)  # each: NAME, HELP, add_arguments(parser), run(args) -> int
 

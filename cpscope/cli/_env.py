@@ -99,12 +99,12 @@ def _frontend_backend() -> Any:
 
 def _routes(device: Any) -> list[dict[str, str]]:
     """Per kind of attention block, the kernel it runs on ``device`` and why — the kernels router's own
-    :func:`~cpscope.attention._kernels.routing_table` (one row per kind of its decision table), the attention sinks'
+    :func:`~cpscope.attention.routing_table` (one row per kind of its decision table), the attention sinks'
     merge, and the graphs cuDNN refused in this process (none in a fresh one).
     """
     import torch
 
-    from ..attention._kernels import fallbacks, routing_table
+    from ..attention import fallbacks, routing_table
 
     dev = device if device is not None else torch.device("cpu")
     out = [{"kind": kind, "kernel": route, "why": why} for kind, (route, why) in routing_table(dev).items()]

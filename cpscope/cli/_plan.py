@@ -5,9 +5,9 @@ Inputs: document lengths (a file, a local dataset, or a built-in distribution: :
 cluster (``--gpus-per-node`` × ``--nodes`` ranks), a model shape (``--preset``, ``--hf-config`` or ``--layers --hidden
 --heads ...``; a hybrid model's linear-attention, state-space and short-convolution layers with ``--linear-layers``:
 they cost linear, not quadratic, time in the document length and send no K/V around the ring) and a GPU (``--gpu``). The time model is :func:`cpscope.cli._shape.analytic_cost` (FLOPs at assumed efficiencies,
-printed), or a measured one with ``--calibration``: the JSON :mod:`cpscope.train.calibrate` writes (a per-call
+printed), or a measured one with ``--calibration``: the JSON :func:`cpscope.train.calibrate` writes (a per-call
 attention model, priced per microbatch with its communication variant) or any JSON with a ``cost_model`` of
-:class:`~cpscope.hybrid._cost.CostModel` coefficients (what ``benchmarks/bench_hybrid.py`` writes). The prediction
+:class:`~cpscope.hybrid.CostModel` coefficients (what ``benchmarks/bench_hybrid.py`` writes). The prediction
 itself is :func:`cpscope.cli._predict.predict`.
 
 Examples::
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..hybrid import CostModel
-from ..hybrid._comm_cost import CommCostModel
-from ..hybrid._step_cost import StepCost
+from ..hybrid import CommCostModel
+from ..hybrid import StepCost
 from . import _lengths as lengths_mod
 from ._predict import predict
 from ._report import plot, render, to_json

@@ -6,9 +6,8 @@ linear-attention, state-space or convolution layers cost linear time: :meth:`Cos
 :class:`LayerMix`); :func:`plan_static` and :func:`plan_greedy` are baselines; :func:`lower_bound` bounds any
 plan's makespan. Pure logic: its modules use numpy only — no torch, no process group.
 
-Running a plan is the job of two modules of their own: :mod:`cpscope.train.loop` (pack, pad, shard and bind each
-microbatch; ``run_step``) and :mod:`cpscope.train.sync` (gradient synchronisation once per step for a plain module,
-``DistributedDataParallel`` or FSDP2).
+Running a plan is the job of :mod:`cpscope.train` (pack, pad, shard and bind each microbatch: ``run_step``;
+gradient synchronisation once per step for a plain module, ``DistributedDataParallel`` or FSDP2: ``gradient_sync``).
 
 Example::
 
@@ -40,8 +39,8 @@ __all__ = [
 ]
 
 # Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid._comm_cost), the pure choice
-# (cpscope.hybrid._variants) and the planner's cost built on them. Timing them on the machine (cpscope.train.calibrate)
-# and installing the choice for comm="auto" (cpscope.train.auto) is the torch runtime's job.
+# (cpscope.hybrid._variants) and the planner's cost built on them. Timing them on the machine (cpscope.train._calibrate)
+# and installing the choice for comm="auto" (cpscope.train._auto) is the torch runtime's job.
 from ._comm_cost import CommCostModel  # noqa: E402
 from ._data import sft_like_lengths  # noqa: E402
 from ._step_cost import StepCost  # noqa: E402

@@ -1,6 +1,6 @@
-"""Baseline planners to measure :func:`~cpscope.hybrid._planner.plan_hybrid` against: static CP and plain greedy.
+"""Baseline planners to measure :func:`~cpscope.hybrid.plan_hybrid` against: static CP and plain greedy.
 
-Both return the same :class:`~cpscope.hybrid._plan.Plan` as the planner, in the same deadlock-free order.
+Both return the same :class:`~cpscope.hybrid.Plan` as the planner, in the same deadlock-free order.
 
 Example::
 

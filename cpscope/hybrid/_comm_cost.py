@@ -27,7 +27,7 @@ planner reads the first part as each document's own cost and the second as the m
 (``cp = 1`` samples) for every variant there.
 
 The five coefficients of each (dtype, variant) are fitted to timed calls by exact non-negative least squares on
-relative residuals (:meth:`CommCostModel.fit`); :mod:`cpscope.train.calibrate` times them over the CP groups
+relative residuals (:meth:`CommCostModel.fit`); :mod:`cpscope.train._calibrate` times them over the CP groups
 of a job and caches the result on disk (:func:`cache_path`). A model is plain data (JSON): loading one needs no
 GPU and no process group.
 

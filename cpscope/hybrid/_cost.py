@@ -20,7 +20,7 @@ step (kernel launches, handshakes) summed over layers and passes. All four coeff
 state-space and short-convolution layers cost linear time in the document length (their per-token work is part of
 ``linear``) and exchange a fixed-size state summary per microbatch. :meth:`CostModel.for_layer_mix` turns the
 cost of a model whose blocks all attend into that of the same model with only ``mix.attention`` of its
-``mix.layers`` blocks attending (:class:`~cpscope.hybrid._layer_mix.LayerMix`, e.g. from a transformers config).
+``mix.layers`` blocks attending (:class:`~cpscope.hybrid.LayerMix`, e.g. from a transformers config).
 
 Example::
 

@@ -1,5 +1,5 @@
-"""Exact non-negative least squares for the few columns of a cost model (both :class:`~cpscope.hybrid._cost.CostModel`
-and :class:`~cpscope.hybrid._comm_cost.CommCostModel` fit their coefficients with it). Pure numpy.
+"""Exact non-negative least squares for the few columns of a cost model (both :class:`~cpscope.hybrid.CostModel`
+and :class:`~cpscope.hybrid.CommCostModel` fit their coefficients with it). Pure numpy.
 
 Example::
 

@@ -25,7 +25,7 @@ class Microbatch(NamedTuple):
 
     ``comm`` is the communication variant planned for its attention (``"p2p"``, ``"all_gather"``, ``"a2a"``,
     ``"a2a+p2p"``): bind it with the group, ``runtime_cp(group, comm=mb.comm)``. Under a plain
-    :class:`~cpscope.hybrid._cost.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
+    :class:`~cpscope.hybrid.CostModel` (the ring alone) it is ``"p2p"``; at ``cp == 1`` there is no exchange
     and the value does not matter.
 
     Example::

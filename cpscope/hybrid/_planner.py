@@ -184,7 +184,7 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
        subset's own lower bound already exceeds the best makespan, and the shortest plan is returned: never
        longer than the plan over the powers of two alone.
 
-    With a :class:`~cpscope.hybrid._step_cost.StepCost` the plan also chooses the communication variant per
+    With a :class:`~cpscope.hybrid.StepCost` the plan also chooses the communication variant per
     microbatch: a sequence's time alone is that of its best variant at each CP size (so the CP size and the
     variant are chosen together), a block's sequences are packed by the variant they prefer, and each
     microbatch runs its cheapest allowed variant — ``Microbatch.comm``, to bind with
@@ -198,7 +198,7 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
         n_ranks: ranks to plan over (blocks are positions in this list, as ``new_cp_groups`` splits ``ranks``).
         capacity: tokens one rank can hold in a microbatch (after padding, ``Σ padded L / cp``).
         cost: the cost model: :class:`CostModel` (the ring alone; default ``CostModel()``) or
-            :class:`~cpscope.hybrid._step_cost.StepCost` (a communication variant per microbatch).
+            :class:`~cpscope.hybrid.StepCost` (a communication variant per microbatch).
         max_cp: largest CP size allowed (e.g. the GPUs of one node); default ``n_ranks``.
         cp_sizes: the CP sizes allowed: ``None`` / ``"divisors"`` (every divisor of ``n_ranks`` up to ``max_cp``),
             ``"pow2"`` (the powers of two among them) or an explicit collection. ``Plan.cp_candidates`` says what
@@ -212,7 +212,7 @@ def plan_hybrid(lengths: npt.ArrayLike, n_ranks: int, capacity: int, cost: Optio
     Example::
 
         plan = plan_hybrid([8192, 2048, 1024, 1024, 512, 512], n_ranks=4, capacity=4096)  # .cp_sizes (4, 2, 1, 1, 2, 2)
-        mbs = plan.microbatches_for_rank(rank)    # run each under runtime_cp(groups[mb.cp]): cpscope.train.loop
+        mbs = plan.microbatches_for_rank(rank)    # run each under runtime_cp(groups[mb.cp]): cpscope.train._loop
     """
     p = Problem(lengths, n_ranks, capacity, cost, max_cp, cp_sizes)
     lb = problem_bound(p)

@@ -10,8 +10,8 @@ two, or ``1, 3, 6, 12``) is *nested*: its aligned blocks nest, which the planner
 
 The cost is anything with ``_tables(padded [K, n], cps [K])`` returning ``(variants, seq [V, K, n], fixed [V, K],
 allowed [V, K])``: per communication variant, each sequence's per-rank seconds and each microbatch's fixed
-seconds (:class:`~cpscope.hybrid._cost.CostModel` is the one-variant case, ``"p2p"``;
-:class:`~cpscope.hybrid._step_cost.StepCost` has one row per variant). A microbatch runs one variant; the tables
+seconds (:class:`~cpscope.hybrid.CostModel` is the one-variant case, ``"p2p"``;
+:class:`~cpscope.hybrid.StepCost` has one row per variant). A microbatch runs one variant; the tables
 the planners read are the envelopes over the allowed variants: ``alone`` = min over v of (seq + fixed),
 ``seq`` = min over v of seq and ``lat`` = min over v of fixed, and ``pref`` the variant that gives ``alone``.
 

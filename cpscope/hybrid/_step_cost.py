@@ -1,7 +1,7 @@
 """The planner's cost when the communication variant is chosen per microbatch: a model's step from its attention.
 
-:class:`StepCost` turns a fitted :class:`~cpscope.hybrid._comm_cost.CommCostModel` (one attention call, per
-variant) into what :func:`~cpscope.hybrid._planner.plan_hybrid` reads: per variant and CP size, each sequence's
+:class:`StepCost` turns a fitted :class:`~cpscope.hybrid.CommCostModel` (one attention call, per
+variant) into what :func:`~cpscope.hybrid.plan_hybrid` reads: per variant and CP size, each sequence's
 per-rank seconds and each microbatch's fixed seconds::
 
     seq_v(L, cp)  = linear · Lp / cp + layers · (q2_v · Lp² + q1_v · Lp)       # Lp = L padded to 2·cp

@@ -1,13 +1,13 @@
 """The communication variant with the least predicted time for one microbatch (pure: numpy only).
 
-:func:`choose` is pure: given a fitted :class:`~cpscope.hybrid._comm_cost.CommCostModel` and the microbatch's
+:func:`choose` is pure: given a fitted :class:`~cpscope.hybrid.CommCostModel` and the microbatch's
 shape it returns the variant name — what the planner uses per microbatch and what ``comm="auto"`` answers once a
 calibrated model is installed. ``a2a`` is only considered when the heads divide ``cp``
 (:func:`~cpscope.hybrid._comm_cost.variant_allowed`), ``a2a+p2p`` only with an ``inner`` sub-group size; ties go to
 the earlier of ``VARIANTS`` (the ring first). :func:`predict` gives every allowed variant's time.
 
 Plugging it into the attention's ``comm="auto"`` (a job's cached calibration, the chooser the dispatch calls) is
-the torch runtime's job: :mod:`cpscope.train.auto` (``use_calibration``, ``auto_chooser``, ``cached_cost``).
+the torch runtime's job: :mod:`cpscope.train._auto` (``use_calibration``, ``auto_chooser``, ``cached_cost``).
 
 Example::
 

@@ -28,7 +28,7 @@ from cpscope.hybrid._comm_cost import (
     variant_allowed,
 )
 from cpscope.hybrid._variants import choose, predict
-from cpscope.train.auto import cached_cost
+from cpscope.train._auto import cached_cost
 from tests.distributed import run_ranks
 
 TRUE = {  # a plausible machine: per-feature coefficients of each variant
@@ -219,7 +219,7 @@ SMALL = dict(heads=4, kv_heads=(4, 2), head_dim=8, tokens=(32, 64), docs=(1, 2),
 
 
 def _calibrate_with_stand_in(directory: str) -> str:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -249,7 +249,7 @@ def test_calibration_on_gloo_ranks_agrees_and_is_cached(tmp_path) -> None:
 
 
 def _calibrate_default() -> str:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
 
     groups = cpscope.new_cp_groups([1, 2])
     try:
@@ -269,7 +269,7 @@ def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
 
 
 def _calibrate_bad_args() -> bool:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -285,7 +285,7 @@ def test_calibration_bad_arguments_raise_before_any_collective() -> None:
 
 
 def test_calibration_outside_a_process_group_raises() -> None:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
@@ -294,7 +294,7 @@ def test_calibration_outside_a_process_group_raises() -> None:
 
 
 def test_split_lengths() -> None:
-    from cpscope.train.calibrate import _split_lengths
+    from cpscope.train._calibrate import _split_lengths
 
     assert _split_lengths(64, 2, 4) == (32, 32)
     assert _split_lengths(70, 3, 8) == (24, 24, 24)
@@ -309,7 +309,7 @@ class Query:  # the fields of cpscope.attention._variants.VariantQuery that the 
 
 
 def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
-    from cpscope.train.auto import auto_chooser
+    from cpscope.train._auto import auto_chooser
 
     hier = {**TRUE, "a2a+p2p": (2.0e-14, 3.0e-12, 1.0e-13, 1.0e-6, 1.0e-6)}  # cheap: wins where it may run
     model = CommCostModel({"bfloat16": hier})
@@ -329,7 +329,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
     dispatch = pytest.importorskip("cpscope.attention._variants")
-    from cpscope.train.auto import auto_chooser
+    from cpscope.train._auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
         pytest.skip("no VariantQuery in this cpscope.attention")
@@ -350,7 +350,7 @@ def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path)
     import torch
 
     from cpscope.attention import _variants as dispatch
-    from cpscope.train.auto import use_calibration
+    from cpscope.train._auto import use_calibration
 
     with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):
         use_calibration(directory=str(tmp_path))  # nothing cached there
@@ -366,7 +366,7 @@ def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path)
 
 
 def _load_or_calibrate_twice(directory: str) -> bool:
-    from cpscope.train.calibrate import load_or_calibrate
+    from cpscope.train._calibrate import load_or_calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -440,7 +440,7 @@ def test_formula_at_non_power_of_two_sizes() -> None:
 def test_choose_prices_the_window_at_any_cp_size() -> None:
     """A window reaches the cost model (fewer pairs; the ring receives only halos): at CP3 a 256-token window on
     64k tokens turns Ulysses' win into the ring's, and the chooser passes the query's window through."""
-    from cpscope.train.auto import auto_chooser
+    from cpscope.train._auto import auto_chooser
 
     model = CommCostModel({"bfloat16": TRUE})
     kw = dict(cp=3, heads=12, kv_heads=12, head_dim=128, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""The hybrid microbatch loop (cpscope.train.loop): labels, padding, sharding, binding, loss normalisation.
+"""The hybrid microbatch loop (cpscope.train._loop): labels, padding, sharding, binding, loss normalisation.
 
 The numerical checks compare against an independent float64 single-process reference: the same GPT weights run
 document by document with hand-written RoPE and naive causal attention (no cpscope sharding, RoPE or attention),
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import cpscope
 import cpscope.hybrid._variants
-from cpscope.train.loop import (
+from cpscope.train._loop import (
     IGNORE_INDEX,
     allreduce_gradients,
     allreduce_sum,

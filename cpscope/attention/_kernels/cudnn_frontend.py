@@ -19,8 +19,8 @@ frontend still works (no nanobind leak warnings).
 
 Executing: the frontend's mapping form of ``execute`` validates every binding in Python on every call; its ordered
 form (``tensor_uids=``, frontend >= 1.30) caches that per graph and is used where available
-(:attr:`~cpscope.attention._policy.KernelPolicy.ordered_execute`), also with host scalars
-(:attr:`~cpscope.attention._policy.KernelPolicy.fixed_form`).
+(:attr:`~cpscope.attention.KernelPolicy.ordered_execute`), also with host scalars
+(:attr:`~cpscope.attention.KernelPolicy.fixed_form`).
 
 Needs ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``; the ``cudnn`` Python module), cuDNN >= 9.6
 and an sm90+ GPU; :func:`available` says whether this process has them.

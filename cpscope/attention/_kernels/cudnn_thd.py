@@ -22,11 +22,11 @@ Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, 
 are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
 pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
 
-With the policy's :attr:`~cpscope.attention._policy.KernelPolicy.defer_builds`, a new key is built only when it
+With the policy's :attr:`~cpscope.attention.KernelPolicy.defer_builds`, a new key is built only when it
 comes a second time (:mod:`.deferral`; the router runs the first block elsewhere).
 
 The number of sequences is rounded up with empty ones where the policy says so
-(:attr:`~cpscope.attention._policy.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
+(:attr:`~cpscope.attention.KernelPolicy.bucket_batch`). The frontend machinery (handles, the graph
 cache, building, executing) is :mod:`.cudnn_frontend`'s; the router (:mod:`.router`) decides which blocks come here.
 
 Example::

@@ -1,5 +1,5 @@
 """Deferred cuDNN graph builds: a packed block whose graph is new runs elsewhere once; its graph is built when its
-shape comes back (:attr:`~cpscope.attention._policy.KernelPolicy.defer_builds`, off by default).
+shape comes back (:attr:`~cpscope.attention.KernelPolicy.defer_builds`, off by default).
 
 Why: a loader's stream of new packs at CP1 meets a new ragged graph key every few packs, and each build costs tens
 of milliseconds (H100: ~65 ms; the process's first ~1 s), more than the block itself takes on flash-attention-2

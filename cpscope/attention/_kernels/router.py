@@ -20,7 +20,7 @@ kind                              routes, in order                             w
 ================================  ===========================================  =========================================
 
 A route is taken when it is **available** for the block (:func:`available_routes`: ``cudnn`` needs CUDA and, for
-graphs, the cuDNN frontend, and the :class:`~cpscope.attention._policy.KernelPolicy` allowing it; ``flash``
+graphs, the cuDNN frontend, and the :class:`~cpscope.attention.KernelPolicy` allowing it; ``flash``
 needs CUDA; ``flex`` (FlexAttention's compiled kernels, :mod:`.flex`) needs CUDA — or the policy's
 ``flex="first"``, which also puts it first in its rows — and a torch that has it; ``exact`` runs anywhere) and has
 not been **refused**: a graph that cuDNN refuses to build

@@ -35,7 +35,7 @@ def check_collator(collator: Any) -> None:
 
     Accepted: transformers' ``DataCollatorWithFlattening`` (with ``return_position_ids``), TRL's
     ``DataCollatorForLanguageModeling`` with ``padding_free=True`` (what ``packing=True`` selects). Unknown
-    collators are checked on every batch (:func:`cpscope.integrations.hf.documents.batch_documents`).
+    collators are checked on every batch (:func:`cpscope.integrations.hf._documents.batch_documents`).
 
     Example::
 

@@ -4,7 +4,7 @@ Attention follows the scope through ``attn_implementation="cpscope"``; hybrid de
 runs along the sequence — gated DeltaNet (Qwen3.5, Qwen3-Next), Kimi Delta Attention (Kimi Linear), Mamba2
 (Nemotron-H, Bamba, Granite 4 hybrids, Falcon-H1) and LFM2's short convolutions. :func:`enable_runtime_cp` switches
 the model to ``"cpscope"`` attention and swaps each such layer's class for one whose forward runs the layer's
-convolution and recurrence through cpscope's CP-aware core (:mod:`cpscope.integrations.hf.bound_layers`), so under
+convolution and recurrence through cpscope's CP-aware core (:mod:`cpscope.integrations.hf._bound_layers`), so under
 any CP size — and with CP1 / CP2 / CP4 microbatches in one job — the model gives its CP1 logits, loss and gradients,
 packed documents isolated. A token mixer it cannot bind raises ``ValueError`` naming it; :func:`disable_runtime_cp`
 undoes the binding.
@@ -27,9 +27,9 @@ import logging
 from torch import nn
 
 from .._swap import original_class, swap_class, unswap
-from .bound_layers import MIXINS
-from .mixers import BOUND_ATTRIBUTE, MIXER_LAYER_TYPES
-from .model_check import base_model, use_cpscope_attention
+from ._bound_layers import MIXINS
+from ._mixers import BOUND_ATTRIBUTE, MIXER_LAYER_TYPES
+from ._model_check import base_model, use_cpscope_attention
 
 __all__ = ["disable_runtime_cp", "enable_runtime_cp", "token_mixers"]
 

@@ -137,7 +137,7 @@ def allreduce_gradients(
     """Sum (or average) the gradients of every parameter over ``dp_group``, in place. Collective over it.
 
     ``dp_group`` is the data-parallel group (module docstring; ``dist.group.WORLD`` without tensor parallelism,
-    ``None`` for one rank: nothing to do). With the loop's normalisation (:func:`cpscope.train.loop.run_microbatches`)
+    ``None`` for one rank: nothing to do). With the loop's normalisation (:func:`cpscope.train.run_microbatches`)
     the **sum** is the gradient of the global per-token loss; use ``average=True`` only with a loss normalised per
     rank. A parameter without ``.grad`` on this rank (no local token reached it) takes part as zeros, so every rank
     issues the same collectives; one that has no gradient on **any** rank keeps ``grad = None`` (as DDP leaves

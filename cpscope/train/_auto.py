@@ -3,7 +3,7 @@
 The choice itself is pure and lives with the planner (:func:`cpscope.hybrid._variants.choose`); this module is the
 torch side around it:
 
-* :func:`cached_cost` — the calibration :mod:`cpscope.train.calibrate` cached for this device, world size and
+* :func:`cached_cost` — the calibration :mod:`cpscope.train._calibrate` cached for this device, world size and
   versions (or ``None``);
 * :func:`auto_chooser` — :func:`~cpscope.hybrid._variants.choose` wrapped as the chooser that
   ``cpscope.attention.set_auto_chooser`` takes (it answers the dispatch's query);
@@ -78,7 +78,7 @@ def _matches(model: CommCostModel, want: tuple, cp: Optional[int]) -> Optional[i
 
 def cached_cost(*, device: str, world_size: int, cp: Optional[int] = None, torch_version: Optional[str] = None,
                 cpscope_version: Optional[str] = None, directory: Optional[str] = None) -> Optional[CommCostModel]:
-    """The calibration cached for this job (:mod:`cpscope.train.calibrate` writes it), or ``None``.
+    """The calibration cached for this job (:mod:`cpscope.train._calibrate` writes it), or ``None``.
 
     Matches the device name, world size and versions (default: the running torch and cpscope); among the
     files that do, the one whose CP sizes include ``cp`` (when given), with the most CP sizes. Loaded models are
@@ -158,7 +158,7 @@ def use_calibration(cost: Optional[CommCostModel] = None, *, directory: Optional
     Raises:
         ValueError: on every rank alike: no cost model given and none cached for this device / world size /
             versions on some rank (run ``benchmarks/calibrate_comm.py`` or
-            :func:`cpscope.train.calibrate.calibrate` first), or ranks holding different models.
+            :func:`cpscope.train.calibrate` first), or ranks holding different models.
 
     Example::
 
@@ -198,7 +198,7 @@ def _agree_on_model(cost: Optional[CommCostModel], device: torch.device, where: 
     missing = [r for r, d in enumerate(digests) if d == 0]
     if missing:
         raise ValueError(f"no calibrated communication cost model cached{where} on rank(s) {missing} of "
-                         f"{len(digests)}; run benchmarks/calibrate_comm.py (or cpscope.train.calibrate.calibrate) "
+                         f"{len(digests)}; run benchmarks/calibrate_comm.py (or cpscope.train.calibrate) "
                          "first, with the calibration directory shared by every node (or pass the same model)")
     if len(set(digests)) > 1:
         groups: dict[int, list[int]] = {}

@@ -26,9 +26,9 @@ import torch
 from transformers import AttentionInterface
 
 from ...scope import runtime_cp
-from .bound_layers import MIXINS
-from .mixers import MIXER_LAYER_TYPES
-from .recompute import ATTN_IMPLEMENTATION
+from ._bound_layers import MIXINS
+from ._mixers import MIXER_LAYER_TYPES
+from ._recompute import ATTN_IMPLEMENTATION
 
 __all__ = ["use_cpscope_attention", "check_model_for_cp", "base_model", "call_model"]
 

@@ -8,10 +8,10 @@ wrappers count on the opposite:
   when it resharded after forward) and reduce-scatters gradients in every backward.
 
 Their collectives would differ in number between ranks — a hang — and both *average* over the ranks, where the
-loop wants a *sum*: every rank divides its loss by the global number of targets (:mod:`cpscope.train.loop`), so
+loop wants a *sum*: every rank divides its loss by the global number of targets (:mod:`cpscope.train._loop`), so
 the sum of the gradients over the data-parallel group is the gradient of the global per-token mean. That group is
 always named — ``dp_group=dist.group.WORLD`` for the world; ``None`` is this rank alone, as everywhere in cpscope
-(:mod:`cpscope.train.collectives`).
+(:mod:`cpscope.train._collectives`).
 
 A :class:`GradientSync` drives the collectives of one step so that every rank issues the same ones, once:
 
@@ -27,7 +27,7 @@ A :class:`GradientSync` drives the collectives of one step so that every rank is
 =====================  ==================================================================================
 
 :func:`gradient_sync` picks the strategy from the model's wrapper and raises ``ValueError`` for wrappers or settings
-it cannot run correctly. :func:`cpscope.train.loop.run_step` is the loop that uses it.
+it cannot run correctly. :func:`cpscope.train.run_step` is the loop that uses it.
 
 Example::
 
@@ -54,7 +54,7 @@ from torch import nn
 
 from ._fsdp_sync import FSDPSync, is_fsdp2
 from ._sync_protocol import GradientSync, Group, same_ranks
-from .collectives import DEFAULT_BUCKET_BYTES, allreduce_gradients, group_size
+from ._collectives import DEFAULT_BUCKET_BYTES, allreduce_gradients, group_size
 
 __all__ = [
     # the protocol and the FSDP2 strategy are defined in _sync_protocol / _fsdp_sync; this module is their home
@@ -151,7 +151,7 @@ class DDPSync(GradientSync):
 def gradient_sync(model: nn.Module, *, dp_group: Group) -> GradientSync:
     """The :class:`GradientSync` for ``model``: :class:`DDPSync`, :class:`FSDPSync` or :class:`ManualSync`.
 
-    ``dp_group`` is the data-parallel group the gradients are summed over (:mod:`cpscope.train.collectives`):
+    ``dp_group`` is the data-parallel group the gradients are summed over (:mod:`cpscope.train._collectives`):
     ``dist.group.WORLD`` without tensor parallelism, ``None`` for one process. DDP and FSDP2 bring a group of
     their own (DDP's ``process_group``, the FSDP2 mesh's): ``dp_group`` must have its members.
 

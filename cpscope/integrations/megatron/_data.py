@@ -11,8 +11,8 @@ tensors — ``tokens``, ``labels`` (already the next-token targets, as Megatron'
    where Megatron's ``BalancedCPScheduler`` sits);
 3. :func:`prepare_megatron_microbatches` — pack each planned microbatch, pad every document to ``2·cp``, shard it
    per document in the zigzag layout (Megatron's ``get_batch_on_this_cp_rank`` per-document convention, TE's
-   ``thd_get_partitioned_indices``) → :class:`MegatronMicrobatch`, a :class:`cpscope.train.prepare.LocalMicrobatch`;
-4. :func:`cpscope.train.loop.run_microbatches` with ``forward=megatron_forward`` — each microbatch under its group,
+   ``thd_get_partitioned_indices``) → :class:`MegatronMicrobatch`, a :class:`cpscope.train.LocalMicrobatch`;
+4. :func:`cpscope.train.run_microbatches` with ``forward=megatron_forward`` — each microbatch under its group,
    the loss normalised by the global number of targets;
 5. back to Megatron: :meth:`MegatronMicrobatch.packed_seq_params` (``cp_group`` / ``local_cp_size`` set, real and
    padded offsets) and :meth:`MegatronMicrobatch.megatron_batch` — the dict Megatron's ``forward_step`` consumes.
@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from ..._pack import cu_seqlens_list
 from ..._variants import check_comm
-from ...hybrid._plan import Microbatch
-from ...train.loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
+from ...hybrid import Microbatch
+from ...train._loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ...scope import UNSET as _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard
 
@@ -145,7 +145,7 @@ def documents_from_batch(
 
 @dataclass(frozen=True)
 class MegatronMicrobatch(LocalMicrobatch):
-    """A :class:`cpscope.train.prepare.LocalMicrobatch` with what a Megatron forward needs besides it.
+    """A :class:`cpscope.train.LocalMicrobatch` with what a Megatron forward needs besides it.
 
     Attributes (besides the base class's — ``cu_seqlens`` are the padded, layout offsets):
         cu_seqlens_real: ``[docs + 1]`` int32 global offsets of the real (unpadded) documents.
@@ -262,7 +262,7 @@ def prepare_megatron_microbatches(
 
 
 def megatron_forward(model: Any, mb: MegatronMicrobatch) -> torch.Tensor:
-    """``forward=`` for :func:`cpscope.train.loop.run_microbatches`: a megatron-core GPT model on ``mb``; logits
+    """``forward=`` for :func:`cpscope.train.run_microbatches`: a megatron-core GPT model on ``mb``; logits
     ``[T/cp, V]``.
 
     The model should have :func:`~cpscope.integrations.megatron.enable_runtime_cp` applied; it runs with this
@@ -271,7 +271,7 @@ def megatron_forward(model: Any, mb: MegatronMicrobatch) -> torch.Tensor:
     Example::
 
         from cpscope.integrations.megatron import enable_runtime_cp, megatron_forward, prepare_megatron_microbatches
-        from cpscope.train.loop import run_microbatches
+        from cpscope.train._loop import run_microbatches
         enable_runtime_cp(gpt_model)
         mbs = prepare_megatron_microbatches(plan.microbatches_for_rank(rank), docs, groups)
         loss = run_microbatches(gpt_model, mbs, num_targets=n_targets, dp_group=dp_group, forward=megatron_forward)

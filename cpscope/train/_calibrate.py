@@ -11,7 +11,7 @@ numbers on every rank, so every rank gets the same model. CP1 (no group) is time
 fit that every variant shares at ``cp = 1``.
 
 The model is written to :func:`~cpscope.hybrid._comm_cost.cache_path` (by the ranks with ``LOCAL_RANK`` 0, or
-global rank 0 when unset) and found again by :func:`~cpscope.train.auto.cached_cost` /
+global rank 0 when unset) and found again by :func:`~cpscope.train._auto.cached_cost` /
 :func:`load_or_calibrate`.
 
 Example (2 GPUs; see ``benchmarks/calibrate_comm.py`` for the command line)::
@@ -36,7 +36,7 @@ from .._version import __version__
 from .._variants import VARIANTS, check_variants
 from ..hybrid._comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
                                 load_cached, variant_allowed)
-from .auto import calibration_device, device_name
+from ._auto import calibration_device, device_name
 
 __all__ = ["calibrate", "job_key", "load_or_calibrate"]
 

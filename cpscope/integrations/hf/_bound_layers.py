@@ -29,7 +29,7 @@ from torch import nn
 
 from ...linear import causal_conv1d, gated_delta_rule, mamba2_scan
 from ...scope import CPScope, resolve_scope
-from .inputs import check_mask, packed_offsets
+from ._inputs import check_mask, packed_offsets
 
 __all__ = ["GatedDeltaNetCP", "KimiDeltaAttentionCP", "Mamba2MixerCP", "ShortConvCP", "MIXINS"]
 

@@ -8,17 +8,17 @@ One training step of hybrid CP, on every rank::
     optimizer.step(); optimizer.zero_grad()
     loss = result.global_loss()              # the global per-token loss (collective)
 
-The microbatches are :class:`~cpscope.train.prepare.LocalMicrobatch` es — this rank's part of the planner's
-:class:`cpscope.hybrid.Microbatch` es (:mod:`cpscope.train.prepare` says which microbatch type is which, and how
+The microbatches are :class:`~cpscope.train.LocalMicrobatch` es — this rank's part of the planner's
+:class:`cpscope.hybrid.Microbatch` es (:mod:`cpscope.train._prepare` says which microbatch type is which, and how
 one is packed, labelled, padded and sharded).
 
 :func:`run_step` counts the real targets of the whole global batch (:func:`global_num_targets`), runs every
 microbatch (:func:`run_microbatches`) and synchronises the gradients **once**, however many microbatches each rank
-ran — none included — through the :class:`~cpscope.train.sync.GradientSync` that suits the model: a plain
-module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.train.sync`). The pieces stay usable on their own for
+ran — none included — through the :class:`~cpscope.train._sync.GradientSync` that suits the model: a plain
+module, ``DistributedDataParallel`` or FSDP2 (:mod:`cpscope.train._sync`). The pieces stay usable on their own for
 a hand-written loop: ``run_microbatches`` then ``allreduce_gradients(model, dp_group=...)`` is the plain-module step.
 
-The data-parallel group ``dp_group`` is always named (:mod:`cpscope.train.collectives`): ``dist.group.WORLD`` for
+The data-parallel group ``dp_group`` is always named (:mod:`cpscope.train._collectives`): ``dist.group.WORLD`` for
 the world, the group of ranks sharing this rank's tensor-parallel rank under tensor parallelism, ``None`` for one
 process — never "``None`` means the world".
 
@@ -59,12 +59,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _hooks
-from ..attention._agreement import verify_agreement
+from ..attention import verify_agreement
 from ..groups import group_ranks
 from ..scope import runtime_cp
-from .collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
-# The microbatches this loop runs on; their one home is cpscope.train.prepare (still importable here, not exported).
-from .prepare import (
+from ._collectives import allreduce_gradients, allreduce_sum, check_dp_group, check_within
+# The microbatches this loop runs on; their one home is cpscope.train._prepare (still importable here, not exported).
+from ._prepare import (
     IGNORE_INDEX,
     LocalMicrobatch,
     empty_microbatch,
@@ -75,7 +75,7 @@ from .prepare import (
     prepare_microbatch,
     prepare_microbatches,
 )
-from .sync import GradientSync, gradient_sync
+from ._sync import GradientSync, gradient_sync
 
 __all__ = [
     "global_num_targets",
@@ -269,11 +269,11 @@ def run_step(
 
     Collective over the data-parallel group ``dp_group`` (``dist.group.WORLD`` for the world): every rank calls it,
     with its own microbatches — any number, **none included**. ``sync`` (default
-    :func:`~cpscope.train.sync.gradient_sync` of ``model`` over ``dp_group``, built per call: pass one built once to
+    :func:`~cpscope.train.gradient_sync` of ``model`` over ``dp_group``, built per call: pass one built once to
     skip the checks) decides how: a plain module's gradients are summed after the last backward,
     ``DistributedDataParallel``'s forward and reducer are bypassed and its gradients summed once, FSDP2 modules are
     unsharded once and reduce-scatter once, in one CP1 backward at the end — the last microbatch when it is CP1,
-    else an added :func:`~cpscope.train.prepare.empty_microbatch` (see :mod:`cpscope.train.sync`). Afterwards every
+    else an added :func:`~cpscope.train._prepare.empty_microbatch` (see :mod:`cpscope.train._sync`). Afterwards every
     parameter's gradient (sharded under FSDP2) is the gradient of the global per-token mean loss — the
     single-process gradient of the whole global batch. Call the optimizer next.
 
@@ -283,7 +283,7 @@ def run_step(
 
     Raises:
         ValueError: ``sync`` was built for another model or another group; ``num_targets`` not positive; a CP group
-            outside ``dp_group``; what :func:`~cpscope.train.sync.gradient_sync` refuses.
+            outside ``dp_group``; what :func:`~cpscope.train.gradient_sync` refuses.
         cpscope.RanksDisagreeError: the ranks of a CP group ran different attention calls in this step (read at
             its end, before the optimizer step; :func:`cpscope.verify_agreement`).
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .._pack import cu_seqlens_list
 from .._variants import check_comm
 from ..groups import group_ranks
-from ..hybrid._plan import Microbatch
+from ..hybrid import Microbatch
 from ..scope import scope_for
 from ..sharding import pad_packed_batch, zigzag_shard
 
@@ -87,7 +87,7 @@ class LocalMicrobatch:
             mask takes both — ``cu_seqlens=mb.cu_seqlens_real, cu_seqlens_padded=mb.cu_seqlens`` — so padding is
             masked.
         comm: the attention communication variant planned for this microbatch (``None``: the default, ``"p2p"``);
-            :func:`cpscope.train.loop.run_microbatches` binds it with the group.
+            :func:`cpscope.train.run_microbatches` binds it with the group.
 
     Example::
 
@@ -279,7 +279,7 @@ def prepare_microbatches(
 def empty_microbatch(*, device: Device = None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX) -> LocalMicrobatch:
     """A microbatch with no target: one CP1 document of 2 padding tokens, every label ``ignore_index``.
 
-    :func:`cpscope.train.loop.run_step` runs it when the gradient sync happens inside a backward (FSDP2) and this
+    :func:`cpscope.train.run_step` runs it when the gradient sync happens inside a backward (FSDP2) and this
     rank's last microbatch is not CP1 (or it has none): its forward and a backward of **zero** output gradients let
     FSDP reduce-scatter after every ring of the step, without changing any gradient. A custom ``forward`` must
     accept it (``mb.num_targets == 0``, ``mb.seqs == ()``).
