@@ -40,7 +40,7 @@ sys.path.insert(1, _ROOT)
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import CostModel, long_tail_lengths, plan_hybrid, plan_static  # noqa: E402
-from cpscope.train.loop import (  # noqa: E402
+from cpscope.train._loop import (  # noqa: E402
     allreduce_gradients,
     global_num_targets,
     prepare_microbatch,

@@ -1,4 +1,4 @@
-"""Cost of the default agreement check (``cpscope.attention.agreement``) on an 8-layer training step, in one run.
+"""Cost of the default agreement check (``cpscope.attention._agreement``) on an 8-layer training step, in one run.
 
 An 8-layer Llama-like decoder (RMSNorm, GQA attention with cpscope RoPE and cpscope attention, SwiGLU MLP; bf16 on a
 GPU) runs whole training steps — forward, backward, ``AdamW.step`` (whose pre-hook reads the deferred verdicts) —
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpscope  # noqa: E402
-from cpscope.attention import agreement, api  # noqa: E402
+from cpscope.attention import _agreement as agreement, _api as api  # noqa: E402
 
 logger = logging.getLogger("bench_agreement")
 

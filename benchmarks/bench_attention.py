@@ -23,7 +23,7 @@ when a measurement would exceed ``--budget-s``), every method of a row in the sa
 (SDPA memory-efficient kernel, k/v heads repeated; per document for thd) — float64 on CPU — relative error
 ‖a−b‖/‖b‖ of out, dq, dk, dv, limit 1e-2 (bf16). ``--kernels``: the attention kernels of one call of each method,
 from the profiler (``cudnn`` / ``flash`` / …). ``--blocks``: the ring's CP2 block shapes (diagonal, ``kv_front``,
-``q_back``) through ``cpscope.attention.kernels.block_forward/backward`` on one GPU, their kernels and times beside
+``q_back``) through ``cpscope.attention._kernels.block_forward/backward`` on one GPU, their kernels and times beside
 SDPA (or varlen) on the same shapes and beside the kernels of cpscope's CP1 call.
 
 Baselines that cannot do GQA get k/v expanded to H heads before timing (not timed) and say so in the row's
@@ -343,7 +343,7 @@ def _block_tensors(s: Shape, kind: str, dev, dtype, seed: int = 3):
 
     Dense: local length ``n = S/2``, halves ``n/2``. Varlen: per document the local tokens are the front chunk then
     the back chunk; ``kv_front`` takes the K/V fronts, ``q_back`` the Q backs (gathered, as the ring does)."""
-    from cpscope.attention.kernels import Varlen
+    from cpscope.attention._kernels import Varlen
 
     q, k, v, dout = (t.detach() for t in s.tensors(dev, dtype, cp=2, seed=seed, grad=False))
     if s.fmt != "thd":
@@ -372,7 +372,7 @@ def _block_tensors(s: Shape, kind: str, dev, dtype, seed: int = 3):
 
 def run_blocks(s: Shape, args, ctx: dict, cp1_kernels: Optional[dict]) -> list[dict]:
     """The ring's CP2 block shapes on one device: kernels and fwd / bwd times beside the same shape's baseline."""
-    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention._kernels import Placeholders, block_backward, block_forward
 
     dev, dtype, timer = ctx["dev"], ctx["dtype"], ctx["timer"]
     scale = 1.0 / math.sqrt(s.d)
@@ -583,7 +583,7 @@ def main() -> None:
     out: dict = {"gpus": world, "env": env_info(dev), "args": vars(args), "te_status": te_status, "rows": [],
                  "blocks": []}
     try:
-        from cpscope.attention.kernels import cudnn_frontend
+        from cpscope.attention._kernels import cudnn_frontend
 
         out["env"]["cudnn_frontend_thd"] = bool(cudnn_frontend.available(dev)) if dev.type == "cuda" else False
     except Exception as e:  # noqa: BLE001 - informative only

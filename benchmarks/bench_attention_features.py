@@ -122,8 +122,8 @@ def block_fns(route: str, scale: float, causal: bool, window=None, softcap=None,
     """``(fwd(q, k, v), bwd(dout, q, k, v, out, lse))`` of a cpscope block on ``route``: ``"plain"`` / ``"cudnn"``
     as the kernels router chooses by default (cuDNN where the block's kind allows it), ``"flash"`` with the kernel
     policy keeping cuDNN off (flash-attention-2, or the exact math with a softcap)."""
-    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention._policy import use_kernel_policy
 
     ph = Placeholders()  # the dense forwards' placeholders for their backwards, kept for this row
     changes = {"dense_cudnn": False, "varlen": "flash"} if route == "flash" else {}
@@ -295,7 +295,7 @@ def _halo_step(dev, s, w, window):
 
 
 def _thd_step(dev, window):
-    from cpscope.attention.kernels import Varlen
+    from cpscope.attention._kernels import Varlen
 
     cu = [0]
     for n in THD_LENS:
@@ -433,7 +433,7 @@ def _load_baseline(path: Optional[str]) -> Optional[Any]:
 
 
 def _versions() -> dict:
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
 
     info: dict = {"cudnn_frontend_available": cudnn_frontend.available(torch.device("cuda", 0))}
     mod = cudnn_frontend.module()
@@ -445,8 +445,8 @@ def _versions() -> dict:
 
 
 def run_checks(dev: torch.device) -> dict:
-    from cpscope.attention.kernels import cudnn_frontend, cudnn_mods
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._kernels import cudnn_frontend, cudnn_mods
+    from cpscope.attention._policy import use_kernel_policy
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
     from tests.attention._kernel_cases import CASES, run_case
@@ -511,7 +511,7 @@ def main() -> None:
     if not args.no_rows:
         for i, s in enumerate(args.seqlens):
             run_rows(bench, s, i == 0, baseline)
-    from cpscope.attention.kernels import fallbacks
+    from cpscope.attention._kernels import fallbacks
 
     result["rows"], result["targets"] = bench.rows, targets(bench, args.seqlens)
     result["cudnn_refused"] = {str(k): why for k, why in fallbacks().items()}  # rows that ran elsewhere

@@ -83,7 +83,7 @@ def _step(row: str, fmt: str, n: int, dtype: torch.dtype, dev: torch.device):
 
 
 def _routes(dev: torch.device) -> dict:
-    from cpscope.attention.kernels import routing_table
+    from cpscope.attention._kernels import routing_table
 
     table = {name: routing_table(dev, dtype) for name, dtype in DTYPES.items()}
     return {name: {kind: t[kind][0] for kind in ("dense", "packed")} for name, t in table.items()}

@@ -1,6 +1,6 @@
 """Eager host time of cpscope's public entry points against those of a baseline revision, in one process.
 
-The entry points (``cpscope/rope/api.py``, ``cpscope/attention/api.py``, ``cpscope/attention/module.py``) of
+The entry points (``cpscope/rope/_api.py``, ``cpscope/attention/_api.py``, ``cpscope/attention/_module.py``) of
 ``--baseline`` are loaded from git beside the checkout's own, under private module names, on top of the checkout's
 other modules; then every case runs both versions interleaved (the order alternates between repeats) and reports
 the median of the per-repeat ratios ``checkout / baseline`` of CPU time of the timing thread (``time.thread_time``,
@@ -38,14 +38,22 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cpscope  # noqa: E402
-from cpscope.attention import api as new_attn, module as new_module  # noqa: E402
-from cpscope.rope import api as new_rope  # noqa: E402
+from cpscope.attention import _api as new_attn, _module as new_module  # noqa: E402
+from cpscope.rope import _api as new_rope  # noqa: E402
 
 
 def _load(rev: str, rel: str, name: str, redirect: dict[str, ModuleType]) -> ModuleType:
     """``rel`` of revision ``rev`` as module ``name`` (in the package of the file), with ``redirect`` standing in
     for the named modules while it imports."""
-    src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{rel}"]).decode()
+    try:
+        src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{rel}"], stderr=subprocess.DEVNULL).decode()
+    except subprocess.CalledProcessError:  # a revision from before the modules were underscored: rel without "_"
+        head, _, tail = rel.rpartition("/")
+        src = subprocess.check_output(["git", "-C", ROOT, "show", f"{rev}:{head}/{tail.lstrip('_')}"]).decode()
+    # such a revision imports its siblings by their old names: let those name the checkout's private modules
+    old_names = {k.replace("._", ".", 1): v for k, v in sys.modules.items()
+                 if k.startswith("cpscope.") and k.count("._") == 1 and v is not None}
+    redirect = {**{k: v for k, v in old_names.items() if k not in sys.modules}, **redirect}
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     mod.__package__ = name.rsplit(".", 1)[0]
     saved = {k: sys.modules.get(k) for k in redirect}
@@ -55,7 +63,10 @@ def _load(rev: str, rel: str, name: str, redirect: dict[str, ModuleType]) -> Mod
         exec(compile(src, f"{rev}:{rel}", "exec"), mod.__dict__)
     finally:
         for k, v in saved.items():
-            sys.modules[k] = v
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
     return mod
 
 
@@ -93,10 +104,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the kernels on this thread only: its CPU time is the whole call's
-    old_rope = _load(args.baseline, "cpscope/rope/api.py", "cpscope.rope._baseline_api", {})
-    old_attn = _load(args.baseline, "cpscope/attention/api.py", "cpscope.attention._baseline_api", {})
-    old_module = _load(args.baseline, "cpscope/attention/module.py", "cpscope.attention._baseline_module",
-                       {"cpscope.attention.api": old_attn})
+    old_rope = _load(args.baseline, "cpscope/rope/_api.py", "cpscope.rope._baseline_api", {})
+    old_attn = _load(args.baseline, "cpscope/attention/_api.py", "cpscope.attention._baseline_api", {})
+    old_module = _load(args.baseline, "cpscope/attention/_module.py", "cpscope.attention._baseline_module",
+                       {"cpscope.attention._api": old_attn, "cpscope.attention.api": old_attn})
     versions = {"baseline": _cases(old_rope, old_attn, old_module), "checkout": _cases(new_rope, new_attn,
                                                                                       new_module)}
     rows = []

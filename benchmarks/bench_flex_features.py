@@ -156,7 +156,7 @@ def _views(x: torch.Tensor, packed: bool) -> torch.Tensor:  # bshd / thd -> [b, 
 
 
 def _policy(args):
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     return use_kernel_policy(flex="first") if args.tiny else contextlib.nullcontext()
 
@@ -197,7 +197,7 @@ def _reference(q, k, v, window: int, cap: float) -> torch.Tensor:
 
 def attention_row(args, n: int, layout: str, dev: torch.device, dtype: torch.dtype, timer: Timer,
                   first: bool) -> dict:
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     packed = layout == "thd"
     cu = None
@@ -364,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     timer = Timer(dev, iters=args.iters, warmup=1 if args.tiny else 3, budget_s=1.0 if args.tiny else 4.0,
                   min_iters=1 if args.tiny else 3)
-    from cpscope.attention.kernels import flex
+    from cpscope.attention._kernels import flex
 
     calls = {"forward": 0, "backward": 0, "attend": 0}  # which flex entries ran (CP1 calls: attend)
     reals = {name: getattr(flex, name) for name in calls}
@@ -381,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 def _run(args, dev: torch.device, dtype: torch.dtype, timer: Timer, calls: dict) -> dict:
-    from cpscope.attention.kernels import fallbacks, routing_table
+    from cpscope.attention._kernels import fallbacks, routing_table
 
     t0 = time.time()
     res: dict = {"env": env_info(dev), "args": vars(args), "attention": [], "gemma2": []}

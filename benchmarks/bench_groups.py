@@ -45,7 +45,7 @@ def _sizes(n: int) -> list[int]:
 
 
 def _methods(backend: str) -> list[str]:
-    from cpscope.groups.registry import _LAYER
+    from cpscope.groups._registry import _LAYER
 
     after = "split" if _LAYER.can_split() else "local"
     return ["before", "global", after, "exchange only"]
@@ -70,7 +70,7 @@ def _before(sizes: list[int]) -> tuple[dict, tuple]:
 
 def _one(method: str, sizes: list[int], device: torch.device) -> dict:
     import cpscope
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
 
     cpscope.clear_cp_group_cache()
     before = G._LAYER.local_name_count()
@@ -124,7 +124,7 @@ def real_run(repeats: int, backend: str, device: torch.device) -> dict:
 
 def simulate(worlds: list[int], rank_of=lambda n: n // 2 + 1) -> list[dict]:
     import cpscope
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
     from tests._sim import SimulatedLayer
 
     rows = []
@@ -168,7 +168,7 @@ def fake_torch(n: int, repeats: int) -> list[dict]:
     """torch's own Python path at ``n`` ranks in this one process: the ``fake`` backend (no communication) as
     rank ``n // 2 + 1``; ``before`` (every block) vs the registry's ``local`` method. Bookkeeping only."""
     import cpscope
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=n // 2 + 1, world_size=n)

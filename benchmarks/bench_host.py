@@ -21,7 +21,7 @@ How host time is separated from device time:
   device time of this layer's own earlier kernels. Used for the first layer of each pack (which may read ``cu`` to
   the host once, by design) and as a cross-check.
 * **syncs**: ``torch.cuda.set_sync_debug_mode("warn")`` counts synchronising calls in a first and a later layer.
-* **CPU** (``--device cpu``): everything is host time, so the attention block kernels (``cpscope.attention.kernels.exact.forward``, an
+* **CPU** (``--device cpu``): everything is host time, so the attention block kernels (``cpscope.attention._kernels.exact.forward``, an
   exact-math kernel that builds a ``t × t`` mask — device work, and infeasible at 131k tokens) are replaced by a
   stub returning zeros of the right shapes (``--no-stub`` keeps them). RoPE's and the merges' elementwise work stays;
   heads default to 1 × 8 so it is small, and the **floor** row measures it.
@@ -155,10 +155,10 @@ class Problem:
 
 def install_cpu_stub() -> list[int]:
     """Replace the CPU block kernel by zeros of the right shapes; returns the call counter."""
-    from cpscope.attention.kernels import exact
+    from cpscope.attention._kernels import exact
 
     if not hasattr(exact, "forward"):
-        raise RuntimeError("cpscope.attention.kernels.exact.forward not found: cannot stub the CPU kernel (refusing "
+        raise RuntimeError("cpscope.attention._kernels.exact.forward not found: cannot stub the CPU kernel (refusing "
                            "to run the exact-math kernel, which builds a t x t mask, at this size)")
     calls = [0]
 
@@ -328,7 +328,7 @@ def main() -> None:
                  "method": "CUDA: busy-GPU host time (see docstring); CPU: perf_counter with stubbed block kernels"
                            if not args.no_stub else "CPU: perf_counter, real block kernels"}
     try:
-        from cpscope.rope import api as _rope
+        from cpscope.rope import _api as _rope
 
         out["env"]["rope_impl"] = "te" if (cuda and _rope._te_apply()) else "torch"
     except Exception:  # noqa: BLE001

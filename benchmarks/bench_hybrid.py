@@ -44,9 +44,9 @@ from _results import RESULTS_DIR, dump  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpscope.hybrid import CostModel, long_tail_lengths, plan_greedy, plan_hybrid, plan_static  # noqa: E402
-from cpscope.hybrid.comm_cost import CommCostModel  # noqa: E402
-from cpscope.hybrid.data import sft_like_lengths, uniform_lengths  # noqa: E402
-from cpscope.hybrid.step_cost import StepCost  # noqa: E402
+from cpscope.hybrid._comm_cost import CommCostModel  # noqa: E402
+from cpscope.hybrid._data import sft_like_lengths, uniform_lengths  # noqa: E402
+from cpscope.hybrid._step_cost import StepCost  # noqa: E402
 
 MIXES: dict[str, tuple[str, Callable[..., Any]]] = {
     "long_tail": ("long_tail_lengths(n, seed): lognormal median 2048, sigma 1.5, [128, 131072], multiples of 128",
@@ -61,7 +61,7 @@ MIXES: dict[str, tuple[str, Callable[..., Any]]] = {
 TARGET_MIXES = ("long_tail", "sft")  # the 5 % target; sft_heavy is reported, not targeted
 
 # An illustrative per-call attention model (forward + backward, bf16, per (attn, tokens, bytes, rounds, call)
-# feature, see cpscope.hybrid.comm_cost): the ring overlaps most of its traffic but pays per step; all-gather
+# feature, see cpscope.hybrid._comm_cost): the ring overlaps most of its traffic but pays per step; all-gather
 # moves K/V in one collective, less hidden; Ulysses moves the most and hides none, in one all-to-all.
 ILLUSTRATIVE_COMM = {"bfloat16": {
     "local": (6.0e-15, 2.0e-12, 0.0, 0.0, 3.0e-5),

@@ -4,7 +4,7 @@ The model, batch and cost-model fit are those of the hybrid GPU benchmark (``ben
 example GPT, 8 layers, hidden 2048, 16 heads of 128, vocab 32768; 40 long-tail documents, the longest 64k tokens;
 capacity 64k tokens per rank per microbatch). Here the model is **sharded by FSDP2** (``fully_shard`` on every block
 and the root; fp32 master weights, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` by default) and a
-step is :func:`cpscope.train.loop.run_step` with :class:`cpscope.train.sync.FSDPSync`: one all-gather of every
+step is :func:`cpscope.train._loop.run_step` with :class:`cpscope.train._sync.FSDPSync`: one all-gather of every
 parameter group at the start, forward + backward of every microbatch of the rank (each under ``runtime_cp``), one
 reduce-scatter in the last CP1 backward (no optimizer step: it is the same in every mode). Modes, same model and
 batch:
@@ -48,8 +48,8 @@ sys.path.insert(2, _ROOT)
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import CostModel, plan_hybrid, plan_static  # noqa: E402
-from cpscope.train.loop import global_num_targets, prepare_microbatches, run_step  # noqa: E402
-from cpscope.train.sync import FSDPSync  # noqa: E402
+from cpscope.train._loop import global_num_targets, prepare_microbatches, run_step  # noqa: E402
+from cpscope.train._sync import FSDPSync  # noqa: E402
 from _hybrid_gpu import FULL, TINY, _batch, _fit_cost, _sync  # noqa: E402  (the GPT benchmark batch and fit)
 from gpt import GPT, GPTConfig  # noqa: E402
 from _results import RESULTS_DIR, dump  # noqa: E402

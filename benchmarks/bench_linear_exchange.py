@@ -2,7 +2,7 @@
 """Bytes each rank sends per layer for the CP state hand-over of cpscope.linear, against the alternatives (CPU, no
 GPU, no process group: counted from the tensors each scheme moves).
 
-* ``cpscope all-gather`` — what :func:`cpscope.linear.summaries.incoming_states` all-gathers: per document piece
+* ``cpscope all-gather`` — what :func:`cpscope.linear._summaries.incoming_states` all-gathers: per document piece
   (2 per rank) the transition ``A`` and the state ``b`` in fp32; a ring all-gather sends ``(cp-1)`` times the own
   part; backward reduce-scatters the same amount again.
 * ``state chain`` — the minimal sequential ring along the zigzag order (0→1→…→cp−1→cp−1→…→0): each rank sends 2

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's cpscope
 
-from cpscope.linear import _fla, gated_delta_rule, kernels, mamba2, mamba2_scan  # noqa: E402
+from cpscope.linear import _fla, gated_delta_rule, _kernels as kernels, _mamba2 as mamba2, mamba2_scan  # noqa: E402
 
 log = logging.getLogger("bench_linear_gpu")
 
@@ -106,7 +106,7 @@ def via_torch_path(kind: str, t: dict, cu: Optional[torch.Tensor], cu_cpu: Optio
         o, _ = kernels.TORCH.delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm_in_kernel=True,
                                         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         return o.to(t["v"].dtype)
-    from cpscope.linear.pieces import runs_of_input
+    from cpscope.linear._pieces import runs_of_input
     from cpscope.scope import CPScope
 
     runs = runs_of_input(1, t["x"].shape[1], cu, CPScope(None, 1, 0), t["x"].device, where="bench")

@@ -38,7 +38,7 @@ def step(cu: torch.Tensor, cp: int) -> None:
     cpscope.zigzag_indices(cu, cp, 0)
     cpscope.zigzag_positions(cu, cp, 0)
     from cpscope._pack import pack_for
-    from cpscope.attention.ring_plan import plan_for_pack
+    from cpscope.attention._ring_plan import plan_for_pack
 
     plan_for_pack(pack_for(cu, cp, 0), torch.device("cpu"), causal=True, scale=1.0)  # cached on the pack
 

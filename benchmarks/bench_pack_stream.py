@@ -118,7 +118,7 @@ def cpscope_fn(dev: torch.device) -> Callable:
 
 def cpscope_defer_fn(dev: torch.device) -> Callable:
     """:func:`cpscope_fn` with the kernel policy's ``defer_builds`` on for each call."""
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     inner = cpscope_fn(dev)
 
@@ -131,14 +131,14 @@ def cpscope_defer_fn(dev: torch.device) -> Callable:
 
 def _fresh_kernel_caches() -> None:
     """No cuDNN graph built and no graph key seen (the ``cpscope_defer`` row starts as a fresh process would)."""
-    from cpscope.attention.kernels import cudnn_frontend, deferral
+    from cpscope.attention._kernels import cudnn_frontend, deferral
 
     cudnn_frontend.clear_cache()
     deferral.clear_seen()
 
 
 def _deferred_keys() -> int:
-    from cpscope.attention.kernels import deferral
+    from cpscope.attention._kernels import deferral
 
     return len(deferral.seen_keys())
 
@@ -248,7 +248,7 @@ def stream(name: str, run: Callable, x: Inputs, packs: list, dev: torch.device, 
 
 
 def _graph_keys() -> Optional[int]:
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
 
     return len(cudnn_frontend.cached_graphs())  # both graph families (dense and packed) share this cache
 

@@ -64,7 +64,7 @@ def _timed(fn: Callable[[], Any], repeats: int) -> tuple[Any, float, float]:
 def _winner(plan: Any, lengths: np.ndarray, n: int) -> str:
     """Which candidate of plan_hybrid gave ``plan`` (where every divisor is allowed and the sizes straddle)."""
     from cpscope.hybrid import plan_hybrid
-    from cpscope.hybrid.planner import _nested_subsets
+    from cpscope.hybrid._planner import _nested_subsets
     from cpscope.hybrid._problem import divisors, is_nested
 
     sizes = divisors(n)
@@ -103,7 +103,7 @@ def planner_rows(worlds: tuple[int, ...], seeds: tuple[int, ...], repeats: int) 
 
 def registry_rows(worlds: tuple[int, ...], repeats: int) -> list[dict]:
     import cpscope
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
     from tests._sim import SimulatedLayer
     from cpscope.hybrid._problem import divisors
 

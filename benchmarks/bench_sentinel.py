@@ -46,7 +46,7 @@ def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
 
     import cpscope
     from cpscope import _hooks
-    from cpscope.attention.api import prepare_call
+    from cpscope.attention._api import prepare_call
     from cpscope.scope import CP1
 
     q = torch.randn(8, 2, 8)
@@ -90,7 +90,7 @@ def _hook_cost_us(number: int = 20000, repeats: int = 7) -> dict[str, float]:
 def _run_rank(args: argparse.Namespace) -> None:
     import cpscope
     import train_hybrid as th
-    from cpscope.train.loop import allreduce_gradients, global_num_targets, prepare_microbatches, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, global_num_targets, prepare_microbatches, run_microbatches
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = th.TrainConfig()  # the demo's defaults

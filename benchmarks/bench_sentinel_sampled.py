@@ -111,7 +111,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("cpscope.sentinel").setLevel(logging.ERROR)
-    import cpscope.attention.api as api
+    import cpscope.attention._api as api
     import cpscope._sentinel.attention_sampled as now
 
     api.ring_attention = _stand_in

@@ -40,7 +40,7 @@ def _divisors(n: int) -> list[int]:
 
 def _real(tp: int, repeats: int) -> dict:
     from cpscope.groups import clear_cp_group_cache, new_tp_cp_groups
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
 
     world = dist.get_world_size()
     sizes = _divisors(world // tp)
@@ -69,9 +69,9 @@ def _real(tp: int, repeats: int) -> dict:
 
 
 def simulate(worlds: list[int], tp: int) -> list[dict]:
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
     from tests._sim import SimulatedLayer
-    from cpscope.groups.tp_cp import new_tp_cp_groups, plan_tp_cp_blocks
+    from cpscope.groups._tp_cp import new_tp_cp_groups, plan_tp_cp_blocks
 
     rows, real = [], G._LAYER
     try:

@@ -96,7 +96,7 @@ def measure_variant(comm: str, *, group: Optional[dist.ProcessGroup], fmt: str =
 def measure_te(comm: str, *, group: Optional[dist.ProcessGroup], fmt: str = "bshd", seqlen: int = 0,
                doc_lens: Optional[list[int]] = None, heads: int = 32, kv_heads: int = 8, iters: int = 10) -> float:
     """Median ms of TE ``DotProductAttention`` causal fwd+bwd with ``cp_comm_type=comm`` (``a2a+p2p``: the pair of
-    groups of :func:`cpscope.attention.hierarchical.hierarchical_groups`, inner 2)."""
+    groups of :func:`cpscope.attention._hierarchical.hierarchical_groups`, inner 2)."""
     from transformer_engine.pytorch import DotProductAttention
 
     cp = 1 if group is None else group.size()
@@ -106,7 +106,7 @@ def measure_te(comm: str, *, group: Optional[dist.ProcessGroup], fmt: str = "bsh
     if cp > 1:
         cp_group: Any = group
         if comm == "a2a+p2p":
-            from cpscope.attention.hierarchical import hierarchical_groups
+            from cpscope.attention._hierarchical import hierarchical_groups
 
             cp_group = list(hierarchical_groups(group, 2))
         attn.set_context_parallel_group(cp_group, cpscope.group_ranks(group), cpscope.cp_stream(), comm)
@@ -226,7 +226,7 @@ def timings(args: argparse.Namespace) -> None:
 
 def one_gpu(args: argparse.Namespace) -> int:
     """Each variant's kernels on virtual CP2 / CP4 ranks and every comm at CP1, bf16 vs float64; returns failures."""
-    from cpscope.attention.merge import merge_rows_, rows_add_
+    from cpscope.attention._merge import merge_rows_, rows_add_
     from tests.attention._reference import reference_attention
     from tests.attention._virtual import check_virtual
 

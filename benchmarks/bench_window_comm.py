@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_util import env_info, init_world, log  # noqa: E402
 
 import cpscope  # noqa: E402
-from cpscope.attention import comm  # noqa: E402
-from cpscope.attention.kernels import acc_dtype, exact  # noqa: E402
+from cpscope.attention import _comm as comm  # noqa: E402
+from cpscope.attention._kernels import acc_dtype, exact  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- byte counting
 
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, group: Any, comm_name: str, window: Any, tally
 
 def plan_counters(n: int, cp: int, rank: int, window: int) -> dict[str, int]:
     from cpscope._pack import pack_for
-    from cpscope.attention.halo_plan import HaloGeometry
+    from cpscope.attention._halo_plan import HaloGeometry
 
     c = HaloGeometry(pack_for([0, n], cp, rank), torch.device("cpu"), (window, 0), True).counters()
     chunk = n // (2 * cp)

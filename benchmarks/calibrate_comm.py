@@ -2,7 +2,7 @@
 
 Collective: run under ``torchrun``; every rank times every communication variant over its CP groups (all the
 powers of two dividing the world size), the timings are max-reduced over the ranks, and every rank fits the
-same :class:`cpscope.hybrid.comm_cost.CommCostModel`. The model goes to the cache
+same :class:`cpscope.hybrid._comm_cost.CommCostModel`. The model goes to the cache
 (``$CPSCOPE_CACHE_DIR`` or ``~/.cache/cpscope/``, written by ``LOCAL_RANK`` 0) and, with ``--out``, to a JSON
 report with the fit's residuals and what ``"auto"`` picks on the timed configurations.
 
@@ -34,11 +34,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpscope  # noqa: E402
-from cpscope.train.calibrate import calibrate  # noqa: E402
+from cpscope.train._calibrate import calibrate  # noqa: E402
 from tests._stand_in import ring_stand_in  # noqa: E402
 from cpscope._variants import VARIANTS  # noqa: E402
-from cpscope.hybrid.comm_cost import LOCAL, CommCostModel, cache_path  # noqa: E402
-from cpscope.hybrid.variants import choose, predict  # noqa: E402
+from cpscope.hybrid._comm_cost import LOCAL, CommCostModel, cache_path  # noqa: E402
+from cpscope.hybrid._variants import choose, predict  # noqa: E402
 from _results import dump  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""One GPU: cuDNN packed blocks (cpscope.attention.kernels.cudnn_thd) vs the flash varlen blocks, numerics and speed.
+"""One GPU: cuDNN packed blocks (cpscope.attention._kernels.cudnn_thd) vs the flash varlen blocks, numerics and speed.
 
     python benchmarks/check_cudnn_thd.py        # needs nvidia-cudnn-frontend importable as `cudnn`
 
@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpscope.attention.kernels import Varlen, block_backward, block_forward, cudnn_frontend, cudnn_thd  # noqa: E402
-from cpscope.attention.policy import use_kernel_policy  # noqa: E402
+from cpscope.attention._kernels import Varlen, block_backward, block_forward, cudnn_frontend, cudnn_thd  # noqa: E402
+from cpscope.attention._policy import use_kernel_policy  # noqa: E402
 
 
 def rel(a, b):

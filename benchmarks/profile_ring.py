@@ -134,7 +134,7 @@ def main() -> None:
 
     from bench_attention import THD_LENS, init_cp_world
     from cpscope.attention import context_parallel_attention
-    from cpscope.attention.policy import KernelPolicy, set_kernel_policy
+    from cpscope.attention._policy import KernelPolicy, set_kernel_policy
 
     dev, rank, world, group = init_cp_world()
     set_kernel_policy(KernelPolicy(varlen=args.varlen_kernel))

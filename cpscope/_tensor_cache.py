@@ -187,7 +187,7 @@ def register_clear(fn: Callable[[], None]) -> Callable[[], None]:
 
     Example::
 
-        _tensor_cache.register_clear(clear_cache)      # in cpscope/attention/kernels/cudnn_frontend.py
+        _tensor_cache.register_clear(clear_cache)      # in cpscope/attention/_kernels/cudnn_frontend.py
     """
     with _LOCK:
         if fn not in _CLEARS:

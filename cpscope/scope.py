@@ -32,8 +32,8 @@ from .backward_check import check_read, thread_task
 __all__ = [
     "CPScope", "runtime_cp", "current_cp_group", "cp_size", "cp_rank", "capture_scope", "resolve_scope",
     "runtime_scope_or", "set_build_time_cp_group", "build_time_cp_group", "build_time_scope", "build_time_cp",
-    "scope_for", "UNSET",
-]
+    "UNSET",
+]  # scope_for (the local_cp_size check of the adapters) stays importable
 
 # The build-time (static) scope. Process-wide on purpose: it is configuration fixed when the model is built,
 # never the per-microbatch group (that one lives only in the ContextVar of cpscope._scope_binding).

@@ -47,8 +47,7 @@ __all__ = [
     "pad_packed_batch",
     "PaddedPackedBatch",
     "pad_to_cp_multiple",
-    "real_offsets",
-]
+]  # real_offsets (the offsets of a padded pack's real tokens) stays importable
 
 SeqlenOrCu = Union[int, torch.Tensor, Sequence[int]]
 

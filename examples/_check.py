@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope.train.loop import prepare_microbatch, token_loss_sum
+from cpscope.train import prepare_microbatch, token_loss_sum
 
 __all__ = ["LOSS_RTOL", "GRAD_RTOL", "grad_snapshot", "check_microbatch"]
 

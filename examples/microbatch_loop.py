@@ -23,7 +23,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import Microbatch  # noqa: E402
-from cpscope.train.loop import prepare_microbatch, token_loss_sum  # noqa: E402
+from cpscope.train import prepare_microbatch, token_loss_sum  # noqa: E402
 from _check import check_microbatch, grad_snapshot  # noqa: E402
 from _launch import launch, print_rank_reports  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402

@@ -2,15 +2,15 @@
 
 Every step draws a global batch of documents with a long-tail length distribution; the planner
 (:func:`cpscope.hybrid.plan_hybrid`) gives each document a CP size and each rank its ordered microbatches; the
-loop (:mod:`cpscope.train.prepare`, :mod:`cpscope.train.loop`) packs, pads, shards and binds each microbatch's group
+loop (:mod:`cpscope.train`) packs, pads, shards and binds each microbatch's group
 with ``runtime_cp``; the loss is normalised by the global number of targets and gradients are summed over the
 data-parallel group (here the world, ``dp_group=dist.group.WORLD``), so every mode computes the same update as one
 process training on the whole batch.
 
-Each step is one :func:`cpscope.train.loop.run_step`: the model may be a plain module (gradients summed by hand),
+Each step is one :func:`cpscope.train.run_step`: the model may be a plain module (gradients summed by hand),
 wrapped in ``DistributedDataParallel`` (``--ddp``) or sharded by FSDP2 (``--fsdp``); the ranks run different numbers
 of microbatches (some none) and the gradients are synchronised once per step either way
-(:mod:`cpscope.train.sync`).
+(:func:`cpscope.train.gradient_sync`).
 
 Run it (4 ranks, gloo on CPU; NCCL when at least 4 GPUs are visible)::
 
@@ -45,8 +45,8 @@ if __package__ in (None, ""):  # run as a script: make `gpt` (next to this file)
 
 import cpscope  # noqa: E402
 from cpscope.hybrid import CostModel, long_tail_lengths, padded_length, plan_hybrid, plan_static  # noqa: E402
-from cpscope.train.loop import LocalMicrobatch, prepare_microbatches, run_step  # noqa: E402
-from cpscope.train.sync import gradient_sync  # noqa: E402
+from cpscope.train import LocalMicrobatch, prepare_microbatches, run_step  # noqa: E402
+from cpscope.train import gradient_sync  # noqa: E402
 from _launch import launch, rank_device  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -11,7 +11,7 @@ only) and reports:
 * **paths** — every repository path (``cpscope/…``, ``benchmarks/…``, ``scripts/…``, ``docs/…``, ``tests/…``,
   ``examples/…``, ``.ci/…``) must exist, unless it follows ``--out`` / ``--json`` / ``>`` (what a command would
   write); a path with a wildcard (``*``, ``{``, ``<``) must match at least one file; a path inside the package
-  written from a subpackage (``attention/ring.py``, ``megatron/_moe.py``) must be the end of an existing one;
+  written from a subpackage (``attention/_ring.py``, ``megatron/_moe.py``) must be the end of an existing one;
 * **file names** — a bare ``name.py`` / ``name.sh`` / ``name.json`` must be the name of some file of the repository
   or a name that its code spells out (an output a script writes, a file a benchmark looks for outside the
   repository); ``<name.py>`` is a placeholder and ``*_x.json`` a pattern, neither checked;
@@ -284,7 +284,7 @@ def _check_line(doc: str, i: int, line: str, pkg: _Package, paths: Set[str], nam
             continue
         if not _path_exists(p, paths):
             out.append(Stale(doc, i, "path", p))
-    for m in _subpath_re(paths).finditer(line):  # attention/ring.py: a path inside the package, written short
+    for m in _subpath_re(paths).finditer(line):  # attention/_ring.py: a path inside the package, written short
         p = m.group(1)
         if not any(q == p or q.endswith("/" + p) for q in paths):
             out.append(Stale(doc, i, "path", p))

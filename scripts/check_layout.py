@@ -67,7 +67,7 @@ TARGET_FLOORS = {
 
 @dataclass
 class Module:
-    name: str  # dotted, e.g. cpscope.attention.ring
+    name: str  # dotted, e.g. cpscope.attention._ring
     path: str  # relative to the repository root
     room: str  # e.g. "attention" (a subpackage), "scope" (a top-level module), "cpscope" (the package __init__)
     lines: int

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from cpscope.groups.create import TorchLayer
+from cpscope.groups._create import TorchLayer
 
 __all__ = ["SimGroup", "SimulatedLayer"]
 
@@ -45,7 +45,7 @@ class SimulatedLayer(TorchLayer):
     Example::
 
         layer = SimulatedLayer(4096, rank=17)
-        # cpscope.groups.registry._LAYER = layer; cpscope.new_cp_groups([1, 2, 4, ..., 4096]); layer.calls
+        # cpscope.groups._registry._LAYER = layer; cpscope.new_cp_groups([1, 2, 4, ..., 4096]); layer.calls
     """
 
     def __init__(self, world: int, rank: int, *, split: bool = False, bound: bool = False,

@@ -215,7 +215,7 @@ def test_a_rank_with_new_offsets_beside_one_repeating_an_agreed_call_raises_at_t
 def _verdict_reads():
     """Counts the host reads of the agreement's verdict (``tolist`` of its int64 vector: 2 x (fields + 1), plus
     one pending flag per field when some are kept)."""
-    from cpscope.attention.agreement import FIELDS
+    from cpscope.attention._agreement import FIELDS
 
     n = len(FIELDS)
     reads: list[int] = []
@@ -257,7 +257,7 @@ def test_agreeing_ranks_never_raise_get_the_reference_rows_and_read_each_kind_on
 
 
 def test_cp1_runs_no_check(monkeypatch):
-    import cpscope.attention.agreement as agreement
+    import cpscope.attention._agreement as agreement
 
     monkeypatch.setattr(agreement, "_exchange", lambda *a: pytest.fail("CP1 must not agree"))
     q = torch.randn(1, 8, H, D)

@@ -193,7 +193,7 @@ def _planned_step(world: int, capacity: int) -> list[int]:
     the sentinel checking every microbatch: loss and gradients equal the single-process float64 reference."""
     from cpscope.hybrid import plan_hybrid
     from cpscope.hybrid._problem import divisors
-    from cpscope.train.loop import (allreduce_gradients, allreduce_sum, global_num_targets, prepare_microbatches,
+    from cpscope.train._loop import (allreduce_gradients, allreduce_sum, global_num_targets, prepare_microbatches,
                                     run_microbatches)
     from tests.hybrid.test_loop import SMALL, reference_loss, rel_err, th
 

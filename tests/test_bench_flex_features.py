@@ -31,7 +31,7 @@ def test_tiny_run(tmp_path):
 def test_reference_check_fails_on_a_wrong_result(monkeypatch):
     import torch
 
-    from cpscope.attention.kernels import flex
+    from cpscope.attention._kernels import flex
 
     real = flex.attend
     monkeypatch.setattr(flex, "attend", lambda *a, **k: real(*a, **k) * 1.05)

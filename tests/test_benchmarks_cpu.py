@@ -69,7 +69,7 @@ def test_ring_block_rows():
 
 
 def test_host_layer_with_stubbed_kernel(monkeypatch):
-    from cpscope.attention.kernels import exact
+    from cpscope.attention._kernels import exact
 
     monkeypatch.setattr(exact, "forward", exact.forward)  # restored after the test
     calls = bh.install_cpu_stub()

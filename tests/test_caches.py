@@ -37,25 +37,25 @@ NOT_CACHES = {
     "cpscope._scope_binding._SCOPES": "interning: scope_for returns the same CPScope per live group (weak, self-cleaning)",
     "cpscope._scope_binding._CALLBACKS": "the dropping references of _SCOPES",
     "cpscope.streams._STREAMS": "the CP stream per device (contract: created once per device; work is queued on it)",
-    "cpscope.groups.registry._USED": "names already used per world: a destroyed group's name must not come back",
-    "cpscope.groups.registry._STATE": "the group registry (contract: groups are created once, collectively; a "
+    "cpscope.groups._registry._USED": "names already used per world: a destroyed group's name must not come back",
+    "cpscope.groups._registry._STATE": "the group registry (contract: groups are created once, collectively; a "
                                       "cleared registry would make new groups inside a forward)",
-    "cpscope.groups.registry._LAST_REPORT": "the report of the last group creation (what it made, for users)",
+    "cpscope.groups._registry._LAST_REPORT": "the report of the last group creation (what it made, for users)",
     "cpscope.integrations._swap._CLASSES": "one swapped class per (base, mixins): identity (isinstance, pickle)",
     "cpscope.rope._torch_math._compile_off": "memory of torch.compile failures per case (clearing repeats a failing "
                                              "compile)",
-    "cpscope.integrations.hf.batch_scope._CUT_FOR": "which scope each batch tensor was sharded for (a check's state)",
+    "cpscope.integrations.hf._batch_scope._CUT_FOR": "which scope each batch tensor was sharded for (a check's state)",
     "cpscope.integrations.hf.trainer.hybrid_cp_trainer": "one trainer class per class: identity (isinstance)",
     "cpscope._sentinel.switch._STACK": "the sentinels switched on (state)",
     "cpscope._sentinel.switch._EMPTY": "a constant (slots all None)",
     "cpscope._sentinel.handshake._ROUNDS": "a handshake counter that every rank must keep in step (state)",
     "cpscope._sentinel.attention_numeric._SKIPPED": "a constant (figures of a skipped check)",
-    "cpscope.attention.kernels.router._REFUSED": "memory of refused kernel routes (clearing repeats a failing build)",
-    "cpscope.attention.kernels.cudnn_frontend._handles": "one cuDNN handle per device (a resource, like the stream)",
-    "cpscope.attention.agreement._HOOKED": "the handle of the one optimizer pre-hook (clearing would register a "
+    "cpscope.attention._kernels.router._REFUSED": "memory of refused kernel routes (clearing repeats a failing build)",
+    "cpscope.attention._kernels.cudnn_frontend._handles": "one cuDNN handle per device (a resource, like the stream)",
+    "cpscope.attention._agreement._HOOKED": "the handle of the one optimizer pre-hook (clearing would register a "
                                            "second hook: every step would read the verdicts twice)",
-    "cpscope.attention.policy._policy": "the kernel policy that set_kernel_policy set (a setting)",
-    "cpscope.attention.variants._chooser": "the variant chooser that was installed (a setting)",
+    "cpscope.attention._policy._policy": "the kernel policy that set_kernel_policy set (a setting)",
+    "cpscope.attention._variants._chooser": "the variant chooser that was installed (a setting)",
     "cpscope.backward_check._switch": "whether the backward read check is on (a setting)",
     "cpscope.backward_check._allowances": "the backward read check's allowances (a setting)",
     "cpscope.backward_check._checking": "the backward read check's state",
@@ -67,24 +67,24 @@ NOT_CACHES = {
 # Memos of an import or a capability probe: the answer cannot change while the process runs (an installed module,
 # a device's compute capability and cuDNN version) and holds nothing worth freeing (a module object, a bool).
 PROBES = {
-    "cpscope.attention.kernels.flex._api": "whether this torch has FlexAttention: its functions, imported once",
-    "cpscope.attention.kernels.cudnn_frontend.module": "the cudnn module if importable (sys.modules holds it anyway)",
-    "cpscope.attention.kernels.cudnn_frontend._device_ok": "a device's compute capability and the cuDNN version",
+    "cpscope.attention._kernels.flex._api": "whether this torch has FlexAttention: its functions, imported once",
+    "cpscope.attention._kernels.cudnn_frontend.module": "the cudnn module if importable (sys.modules holds it anyway)",
+    "cpscope.attention._kernels.cudnn_frontend._device_ok": "a device's compute capability and the cuDNN version",
     "cpscope.linear._fla.available": "whether flash-linear-attention is installed (importlib.util.find_spec)",
     "cpscope.rope._te._available": "TransformerEngine's apply_rotary_pos_emb if importable (a function object)",
 }
 
 # Containers and rebound names emptied by a function registered with register_clear: name -> that function.
 CLEARED_BY = {
-    "cpscope.attention.kernels.cudnn_frontend._graphs": "cpscope.attention.kernels.cudnn_frontend.clear_cache",
-    "cpscope.attention.kernels.cudnn_dense._consts": "cpscope.attention.kernels.cudnn_dense.clear_constants",
-    "cpscope.attention.kernels.deferral._seen": "cpscope.attention.kernels.deferral.clear_seen",
-    "cpscope.attention.kernels.flex._compiled": "cpscope.attention.kernels.flex.clear_cache",
-    "cpscope.attention.kernels.flex._dense_masks": "cpscope.attention.kernels.flex.clear_cache",
-    "cpscope.attention.kernels.flex._score_mods": "cpscope.attention.kernels.flex.clear_cache",
-    "cpscope.attention.hierarchical._GROUPS": "cpscope.attention.hierarchical._forget_verified",
-    "cpscope.attention.agreement._CPU_OK": "cpscope.attention.agreement._forget_transports",
-    "cpscope.integrations.hf.mixers._VERDICTS": "cpscope.integrations.hf.mixers._forget_verdicts",
+    "cpscope.attention._kernels.cudnn_frontend._graphs": "cpscope.attention._kernels.cudnn_frontend.clear_cache",
+    "cpscope.attention._kernels.cudnn_dense._consts": "cpscope.attention._kernels.cudnn_dense.clear_constants",
+    "cpscope.attention._kernels.deferral._seen": "cpscope.attention._kernels.deferral.clear_seen",
+    "cpscope.attention._kernels.flex._compiled": "cpscope.attention._kernels.flex.clear_cache",
+    "cpscope.attention._kernels.flex._dense_masks": "cpscope.attention._kernels.flex.clear_cache",
+    "cpscope.attention._kernels.flex._score_mods": "cpscope.attention._kernels.flex.clear_cache",
+    "cpscope.attention._hierarchical._GROUPS": "cpscope.attention._hierarchical._forget_verified",
+    "cpscope.attention._agreement._CPU_OK": "cpscope.attention._agreement._forget_transports",
+    "cpscope.integrations.hf._mixers._VERDICTS": "cpscope.integrations.hf._mixers._forget_verdicts",
     "cpscope.rope._torch_math._compiled": "cpscope.rope._torch_math._forget_compiled",
 }
 
@@ -165,8 +165,8 @@ def _get(qualified: str):
 # ---- fillers: each fills one registered cache through its own code and returns how full it is (0 = empty) ----------
 
 def _fill_comm_cost_load(tmp_path: Path, monkeypatch) -> Callable[[], int]:
-    from cpscope.hybrid.comm_cost import CommCostModel
-    from cpscope.train import auto
+    from cpscope.hybrid._comm_cost import CommCostModel
+    from cpscope.train import _auto as auto
 
     c = (1.0, 0.0, 0.0, 0.0, 0.0)
     path = CommCostModel({"float32": {"p2p": c}}).save(tmp_path / "model.json")
@@ -183,7 +183,7 @@ def _fill_tensor_cache(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 
 def _fake_cudnn(monkeypatch):
-    from cpscope.attention.kernels import cudnn_frontend as fe
+    from cpscope.attention._kernels import cudnn_frontend as fe
     from tests.attention._fake_cudnn import fake_cudnn
 
     cudnn = fake_cudnn()
@@ -196,7 +196,7 @@ def _fake_cudnn(monkeypatch):
 def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     """A dense block on the fake frontend: a graph, and the padding mask's length tensors (a left bound with more
     query rows than keys)."""
-    from cpscope.attention.kernels import cudnn_dense, cudnn_frontend as fe
+    from cpscope.attention._kernels import cudnn_dense, cudnn_frontend as fe
 
     _fake_cudnn(monkeypatch)
     q = torch.randn(1, 32, 4, 16).bfloat16()
@@ -208,7 +208,7 @@ def _fill_cudnn(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 def _fill_deferral(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     """A packed graph key seen once with deferred builds (``KernelPolicy.defer_builds``): remembered, not built."""
-    from cpscope.attention.kernels import Varlen, cudnn_frontend as fe, cudnn_thd, deferral
+    from cpscope.attention._kernels import Varlen, cudnn_frontend as fe, cudnn_thd, deferral
 
     _fake_cudnn(monkeypatch)
     q = torch.randn(16, 2, 8).bfloat16()
@@ -223,7 +223,7 @@ def _fill_deferral(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     """A dense softcapped block through FlexAttention's eager CPU math (a block mask, a score modifier) and the
     compiled function of a CUDA configuration (made, not run: torch.compile is lazy)."""
-    from cpscope.attention.kernels import flex
+    from cpscope.attention._kernels import flex
 
     if not flex.available():
         pytest.skip("this torch has no FlexAttention")
@@ -236,7 +236,7 @@ def _fill_flex(tmp_path: Path, monkeypatch) -> Callable[[], int]:
 
 def _fill_mixers(tmp_path: Path, monkeypatch) -> Callable[[], int]:
     pytest.importorskip("transformers")
-    from cpscope.integrations.hf import mixers
+    from cpscope.integrations.hf import _mixers as mixers
 
     class Config:  # weakly referenceable, like transformers' configs
         layer_types = ["full_attention", "linear_attention"]
@@ -307,18 +307,18 @@ def _fill_triton(qualified: str) -> Callable[[Path, object], Callable[[], int]]:
 FILLERS: dict[str, Callable[[Path, object], Callable[[], int]]] = {
     "cpscope._tensor_cache._BY_TENSOR": _fill_tensor_cache,
     "cpscope._tensor_cache._BY_VALUE": _fill_tensor_cache,
-    "cpscope.train.auto._load": _fill_comm_cost_load,
-    "cpscope.attention.kernels.cudnn_frontend._graphs": _fill_cudnn,
-    "cpscope.attention.kernels.cudnn_dense._consts": _fill_cudnn,
-    "cpscope.attention.kernels.deferral._seen": _fill_deferral,
-    "cpscope.attention.kernels.flex._compiled": _fill_flex,
-    "cpscope.attention.kernels.flex._dense_masks": _fill_flex,
-    "cpscope.attention.kernels.flex._score_mods": _fill_flex,
-    "cpscope.integrations.hf.mixers._VERDICTS": _fill_mixers,
+    "cpscope.train._auto._load": _fill_comm_cost_load,
+    "cpscope.attention._kernels.cudnn_frontend._graphs": _fill_cudnn,
+    "cpscope.attention._kernels.cudnn_dense._consts": _fill_cudnn,
+    "cpscope.attention._kernels.deferral._seen": _fill_deferral,
+    "cpscope.attention._kernels.flex._compiled": _fill_flex,
+    "cpscope.attention._kernels.flex._dense_masks": _fill_flex,
+    "cpscope.attention._kernels.flex._score_mods": _fill_flex,
+    "cpscope.integrations.hf._mixers._VERDICTS": _fill_mixers,
     "cpscope.rope._torch_math._compiled": _fill_rope_compiled,
     "cpscope._tensor_cache._OWNED": _fill_owned,
     "cpscope._sentinel.core._compiler_disabled": _fill_sentinel_wrapper,
-    "cpscope.attention.merge._kernels": _fill_triton("cpscope.attention.merge._kernels"),
+    "cpscope.attention._merge._kernels": _fill_triton("cpscope.attention._merge._kernels"),
     "cpscope.attention._sink_kernels._jitted": _fill_triton("cpscope.attention._sink_kernels._jitted"),
     "cpscope.rope._kernel._kernel": _fill_triton("cpscope.rope._kernel._kernel"),
 }
@@ -332,11 +332,11 @@ def _size_of(qualified: str) -> int:
 
 
 DISTRIBUTED = (
-    "cpscope.attention.allgather._keys_index",
-    "cpscope.attention.allgather._block_varlen",
-    "cpscope.attention.ulysses._permutation",
-    "cpscope.attention.hierarchical._GROUPS",
-    "cpscope.attention.agreement._CPU_OK",
+    "cpscope.attention._allgather._keys_index",
+    "cpscope.attention._allgather._block_varlen",
+    "cpscope.attention._ulysses._permutation",
+    "cpscope.attention._hierarchical._GROUPS",
+    "cpscope.attention._agreement._CPU_OK",
 )
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from cpscope.cli import main, parser
-from cpscope.cli import env as env_cmd
+from cpscope.cli import _env as env_cmd
 from cpscope.cli import _lengths as lengths_mod
-from cpscope.cli.plan import build
+from cpscope.cli._plan import build
 from cpscope.cli._predict import predict
 from cpscope.cli._shape import PRESETS, memory_per_rank
 from cpscope.hybrid import CostModel, plan_hybrid, plan_static
@@ -60,7 +60,7 @@ def test_env_missing_package_reads_not_installed():
 def test_routes_follow_the_router(monkeypatch, available):
     import torch
 
-    from cpscope.attention.kernels import cudnn_frontend, routing_table
+    from cpscope.attention._kernels import cudnn_frontend, routing_table
 
     monkeypatch.setattr(cudnn_frontend, "available", lambda device: available)
     dev = torch.device("cuda", 0)

@@ -206,9 +206,9 @@ def test_a_reentrant_recompute_mismatch_is_raised_on_every_rank():
 def _calibration(case: str) -> tuple:
     import tempfile
 
-    from cpscope.attention import variants as dispatch
-    from cpscope.hybrid.comm_cost import CommCostModel
-    from cpscope.train.auto import use_calibration
+    from cpscope.attention import _variants as dispatch
+    from cpscope.hybrid._comm_cost import CommCostModel
+    from cpscope.train._auto import use_calibration
     from tests.hybrid.test_comm_cost import TRUE
 
     rank = dist.get_rank()
@@ -273,9 +273,9 @@ def test_a2a_p2p_check_does_not_depend_on_the_tests_before_it():
 def _megatron_variant() -> tuple:
     from types import SimpleNamespace
 
-    from cpscope.hybrid.plan import Microbatch
+    from cpscope.hybrid._plan import Microbatch
     from cpscope.integrations.megatron._carrier import consumer_scope
-    from cpscope.integrations.megatron.data import Document, prepare_megatron_microbatches
+    from cpscope.integrations.megatron._data import Document, prepare_megatron_microbatches
 
     groups = cpscope.new_cp_groups([1, 2])
     docs = [Document(torch.arange(n), torch.arange(1, n + 1)) for n in (12, 20)]
@@ -296,7 +296,7 @@ def test_the_megatron_data_path_keeps_the_planned_variant():
 
 
 def _loop_variants() -> tuple:
-    from cpscope.train.loop import prepare_microbatch, run_microbatches
+    from cpscope.train._loop import prepare_microbatch, run_microbatches
     from tests.test_sentinel import _docs, _small_gpt
 
     groups = cpscope.new_cp_groups([1, 2])

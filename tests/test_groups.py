@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope.groups import registry as G
-from cpscope.groups.blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
+from cpscope.groups import _registry as G
+from cpscope.groups._blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
 from tests.attention._reference import reference_attention, zigzag_index
 from tests.distributed import run_ranks
 
@@ -168,7 +168,7 @@ def test_te_global_ranks_follow_the_group_rank_order():
 
 def _loop_on_permuted_ranks():
     from cpscope.hybrid import Microbatch
-    from cpscope.train.loop import prepare_microbatches
+    from cpscope.train._loop import prepare_microbatches
 
     cpscope.set_backward_read_check(True)
     ranks = [2, 3, 0, 1]

@@ -453,7 +453,7 @@ def interpreted_rope_kernel(monkeypatch):
     pytest.importorskip("triton")
     from cpscope.rope import _kernel as _rope_kernel
 
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _rope_kernel._kernel.cache_clear()

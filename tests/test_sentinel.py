@@ -22,7 +22,7 @@ from torch import nn
 
 import cpscope
 from cpscope._sentinel.reference import reference_rows
-from cpscope.train.loop import (
+from cpscope.train._loop import (
     global_num_targets,
     next_token_labels,
     pack_documents,
@@ -192,13 +192,18 @@ def test_sampling_is_decided_per_group_and_per_kind_in_one_place():
 
 def test_the_package_is_a_client_of_the_core():
     """Inside cpscope/_sentinel: imports point one way (no cycle), private names of the core only where documented
-    (the observer slots, the one list of variant names, the registered memo), files <= 500 lines,
+    (the observer slots, the one list of variant names, the registered memo, the attention call that the observer
+    slot passes and the agreement check the sentinel shares with attention), files <= 500 lines,
     functions <= 80 lines."""
     import ast
 
     pkg = Path(cpscope.__file__).parent / "_sentinel"
     allowed = {("cpscope", "_hooks"), ("cpscope._variants", "COMM_CHOICES"),
                ("cpscope._tensor_cache", "lru"),  # the one registered memo (cpscope.clear_caches reaches it)
+               # the attention observer slot's protocol (attention's modules are private since issue 30)
+               ("cpscope.attention", "_api"), ("cpscope.attention._api", "AttentionCall"),
+               ("cpscope.attention._agreement", "STAND_DOWN"), ("cpscope.attention._agreement", "check_call"),
+               ("cpscope.attention._agreement", "raise_differ"),
                }
     edges: dict[str, set] = {}
     for f in sorted(pkg.glob("*.py")):
@@ -269,7 +274,7 @@ def test_single_process_cp1_checks_pass_and_a_planted_kernel_bug_is_reported(mon
     with cpscope.sentinel(every=1) as s:
         model(ids, cu_seqlens=cu, max_seqlen=16).sum().backward()
     assert s.reports == [] and s.summary().checks["attention"] == 2 and s.summary().checks["attention-grad"] == 2
-    import cpscope.attention.api as attn
+    import cpscope.attention._api as attn
 
     orig = attn.ring_attention
     monkeypatch.setattr(attn, "ring_attention", lambda q, k, v, *, plan, group: orig(q, k, v, plan=plan, group=group) * 1.01)
@@ -532,7 +537,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _planted(bug, layout):
-    import cpscope.attention.api as attn
+    import cpscope.attention._api as attn
 
     groups = cpscope.new_cp_groups([1, 2])
     orig = attn.ring_attention
@@ -599,7 +604,7 @@ def test_member_order_disagreeing_with_cp_rank_is_caught_before_the_ring():
 
 def _with_window(windows):
     """A prepared call carrying a sliding window (a feature the reference does not implement), per rank."""
-    from cpscope.attention.api import prepare_call, run_call
+    from cpscope.attention._api import prepare_call, run_call
 
     groups = cpscope.new_cp_groups([1, 2])
     with cpscope.runtime_cp(groups[2]):

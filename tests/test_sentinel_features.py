@@ -43,7 +43,7 @@ def test_the_reference_with_features_matches_autograd_of_an_independent_attentio
 
 
 def _features(name: str, rows: int, bug: bool):
-    import cpscope.attention.api as api
+    import cpscope.attention._api as api
 
     groups = cpscope.new_cp_groups([1, 2])
     gen = torch.Generator().manual_seed(5 + 100 * dist.get_rank())

@@ -1,6 +1,6 @@
 """A sentinel switched on by some ranks of a CP group only (issue 33 item 11): an error on every rank, never a hang.
 
-The core's agreement digest (``cpscope/attention/agreement.py``), which every rank all-reduces on every CP > 1
+The core's agreement digest (``cpscope/attention/_agreement.py``), which every rank all-reduces on every CP > 1
 attention call, carries a ``sentinel`` field: 1 when the sentinel samples the call (its own collectives follow), 0
 otherwise. A sampling rank always reads that verdict and runs the sentinel's collectives (its handshake, the loop's
 pack checks, its digest, the reference) only after every rank was seen sampling the call. Before, the rank with the

@@ -65,7 +65,7 @@ def _padded(case):
         kw = {"qkv_format": "thd", "cu_seqlens": torch.tensor(real, dtype=torch.int32),
               "cu_seqlens_padded": torch.tensor([0, 16, 32], dtype=torch.int32)}
     kw["causal"] = not case.endswith("noncausal")
-    import cpscope.attention.api as api
+    import cpscope.attention._api as api
 
     orig = api.run_call
     if case.endswith("bug"):  # a kernel that ignores the padding mask: the layout offsets as if all were real

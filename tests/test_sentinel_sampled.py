@@ -39,7 +39,7 @@ def _inputs(layout: str, dtype: torch.dtype, h_kv: int):
 
 
 def _run(case: str, layout: str, dtype: torch.dtype = torch.float64, h_kv: int = 2, padded: bool = False):
-    import cpscope.attention.api as api
+    import cpscope.attention._api as api
 
     groups = cpscope.new_cp_groups([1, 2])
     q, k, v, kw = _inputs(layout, dtype, h_kv)

@@ -456,7 +456,7 @@ def test_clear_caches_calls_every_registered_clear():
         assert calls == [1] and _tensor_cache.stats() == {"tensors": 0, "derived": 0, "values": 0}
     finally:
         _tensor_cache._CLEARS.remove(fn)
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
 
     assert cudnn_frontend.clear_cache in _tensor_cache._CLEARS  # the cuDNN graph cache registered itself
 

@@ -1,4 +1,4 @@
-"""The registry's groups for tensor parallelism beside runtime CP (:mod:`cpscope.groups.tp_cp`).
+"""The registry's groups for tensor parallelism beside runtime CP (:mod:`cpscope.groups._tp_cp`).
 
 Pure block plans against a direct enumeration of Megatron's rank order (TP fastest); on gloo (4 ranks TP2 × CP1/2,
 6 ranks TP2 × CP1/3) each group's members and an all-reduce over it, the lookup without communication, the cache
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cpscope.groups import group_ranks, lookup_tp_cp, new_cp_groups, new_tp_cp_groups
-from cpscope.groups.tp_cp import plan_tp_cp_blocks
+from cpscope.groups._tp_cp import plan_tp_cp_blocks
 from tests.distributed import run_ranks
 
 
@@ -47,7 +47,7 @@ def test_plan_refusals_name_the_values():
 
 
 def _check(tp: int, sizes: list[int]) -> int:
-    import cpscope.groups.registry as reg
+    import cpscope.groups._registry as reg
 
     world, me = dist.get_world_size(), dist.get_rank()
     got = new_tp_cp_groups(sizes, tp_size=tp)
@@ -101,7 +101,7 @@ def test_simulated_4096_ranks_each_rank_creates_only_its_own_groups():
     each size > 1 (9) and its [tp, cp] group of each size (10, the largest being the domain) — 19 calls, each
     among the members only, none in lockstep."""
     from cpscope.groups import clear_cp_group_cache
-    from cpscope.groups import registry as G
+    from cpscope.groups import _registry as G
     from tests._sim import SimulatedLayer
 
     real, rank = G._LAYER, 2049

@@ -1,11 +1,11 @@
 """The sentinel's attention check: which call is sampled, the local checks, the agreement digest of the group.
 
-The core hands the sentinel a prepared :class:`cpscope.attention.api.AttentionCall` (validated once by the core:
+The core hands the sentinel a prepared :class:`cpscope.attention._api.AttentionCall` (validated once by the core:
 its ``scale``, ``pack``, ``variant``, or the ``error`` of inputs that failed validation) and the function that runs
 it. On a sampled call (forward only):
 
 1. local checks: the scope the call runs under against the active one, RoPE's offsets against attention's;
-0. **the core's digest first** (:func:`cpscope.attention.agreement.check_call` with its ``sentinel`` field set): a
+0. **the core's digest first** (:func:`cpscope.attention._agreement.check_call` with its ``sentinel`` field set): a
    rank that does not sample the call (sentinel off there, switched on later, counters drifted) is named on every
    rank by :class:`cpscope.RanksDisagreeError` before any collective of the sentinel; then the unit's own
    collectives that waited for it (the handshake, the loop's pack checks);
@@ -26,9 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..attention.agreement import STAND_DOWN, check_call, raise_differ
-from ..attention import api as attention_api
-from ..attention.api import AttentionCall
+from ..attention._agreement import STAND_DOWN, check_call, raise_differ
+from ..attention import _api as attention_api
+from ..attention._api import AttentionCall
 from ..scope import CPScope
 from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64

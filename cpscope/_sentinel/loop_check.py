@@ -155,7 +155,7 @@ def check_loss(t: Tracker, used: int, num_targets: int, device: Optional[torch.d
         f"rank {r} divides its loss sum by num_targets={rows[r][1]}, but the targets the loss uses sum to {total} "
         f"over the world (per rank used/divisor: {[tuple(x) for x in rows]}); the world-sum of the losses is then "
         f"{total / rows[r][1] if rows[r][1] else float('inf'):.4g}x the per-token mean. Count the real targets of "
-        "the global batch once (cpscope.train.loop.global_num_targets)",
+        "the global batch once (cpscope.train.global_num_targets)",
         {"num_targets": rows[r][1], "world_targets": total, "per_rank": per_rank}, step=step)
         for r in bad]
     t.verdicts.emit(ms, consistent=True)

@@ -12,7 +12,7 @@ Why fused: in torch ops the two cost 0.9 ms per forward + backward at 16k tokens
 copies of ``out`` and ``dout``, a product, a reduction: +6.6% over the causal attention itself); here each is one
 read (and one write) of ``out`` in its own dtype.
 
-Layouts (as :mod:`cpscope.attention.kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen
+Layouts (as :mod:`cpscope.attention._kernels.block`): dense ``out`` ``[b, s, h, d]`` with ``lse`` ``[b, h, s]``; varlen
 ``[t, h, d]`` with ``[h, t]``. Any strides. fp32 math (fp64 inputs take the torch path in fp64).
 
 Example::

@@ -1,7 +1,7 @@
 """cpscope's command line: ``python -m cpscope <command>``, one module per command.
 
-* ``env`` (:mod:`cpscope.cli.env`) — versions, GPUs, and which kernel each kind of attention block routes to here.
-* ``plan`` (:mod:`cpscope.cli.plan`) — the hybrid-CP plan of a length distribution on a cluster and model shape,
+* ``env`` (:mod:`cpscope.cli._env`) — versions, GPUs, and which kernel each kind of attention block routes to here.
+* ``plan`` (:mod:`cpscope.cli._plan`) — the hybrid-CP plan of a length distribution on a cluster and model shape,
   with the predicted step time, memory per rank and gain against every static CP size.
 
 Every command answers ``--help``; torch and the optional packages are imported only by the command that needs them.
@@ -19,9 +19,9 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from . import env, plan
+from . import _env as env, _plan as plan
 
-__all__ = ["main", "parser"]
+__all__ = ["main"]  # parser() stays importable (tests, docs tooling)
 
 COMMANDS = (env, plan)  # each: NAME, HELP, add_arguments(parser), run(args) -> int
 

@@ -10,7 +10,7 @@ Sources (exactly one):
   holds an int, or a list whose length is the document's: token ids), ``.parquet`` (``--column``; needs pyarrow).
 * ``--dataset NAME`` — ``datasets.load_dataset(NAME)`` from the local cache only (``HF_DATASETS_OFFLINE``):
   ``--column`` holds lengths or token ids, or text that ``--tokenizer`` (loaded locally) tokenizes.
-* ``--dist sft|longtail|uniform-long`` — the planner's synthetic mixes (:mod:`cpscope.hybrid.data`), step ``i``
+* ``--dist sft|longtail|uniform-long`` — the planner's synthetic mixes (:mod:`cpscope.hybrid._data`), step ``i``
   drawn with seed ``seed + i`` (what ``benchmarks/bench_hybrid.py --simulate`` plans for seeds 0, 1, 2).
 
 Example::
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..hybrid.data import long_tail_lengths, sft_like_lengths, uniform_lengths
+from ..hybrid._data import long_tail_lengths, sft_like_lengths, uniform_lengths
 
 __all__ = ["DISTRIBUTIONS", "Pool", "Synthetic", "from_dataset", "from_file"]
 

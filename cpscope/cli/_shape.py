@@ -1,7 +1,7 @@
 """The planner's cost model and the memory per rank, estimated from a model shape and a GPU (no measurement).
 
 :func:`analytic_cost` turns a :class:`ModelShape` and a :class:`Hardware` into the coefficients of
-:class:`~cpscope.hybrid.cost.CostModel` (seconds per rank, forward + backward of the whole model):
+:class:`~cpscope.hybrid.CostModel` (seconds per rank, forward + backward of the whole model):
 
 * ``attn`` — causal attention FLOPs ``Lp²/2 · 4·heads·head_dim`` per **attention** layer forward, backward 2.5×
   forward, at ``attn_efficiency`` of the GPU's dense bf16 peak;
@@ -37,8 +37,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..hybrid.cost import CostModel, padded_length
-from ..hybrid.layer_mix import LayerMix
+from ..hybrid import CostModel, padded_length
+from ..hybrid import LayerMix
 
 __all__ = ["HARDWARE", "PRESETS", "Assumptions", "Hardware", "ModelShape", "NodeAwareCost", "analytic_cost",
            "memory_per_rank"]
@@ -209,7 +209,7 @@ class Assumptions:
 
 @dataclass(frozen=True)
 class NodeAwareCost(CostModel):
-    """:class:`~cpscope.hybrid.cost.CostModel` whose exposed ring traffic costs ``comm`` per token inside a node
+    """:class:`~cpscope.hybrid.CostModel` whose exposed ring traffic costs ``comm`` per token inside a node
     and ``comm_inter`` once a CP group spans nodes (``cp > gpus_per_node``)."""
 
     comm_inter: float = 0.0

@@ -6,9 +6,8 @@ linear-attention, state-space or convolution layers cost linear time: :meth:`Cos
 :class:`LayerMix`); :func:`plan_static` and :func:`plan_greedy` are baselines; :func:`lower_bound` bounds any
 plan's makespan. Pure logic: its modules use numpy only — no torch, no process group.
 
-Running a plan is the job of two modules of their own: :mod:`cpscope.train.loop` (pack, pad, shard and bind each
-microbatch; ``run_step``) and :mod:`cpscope.train.sync` (gradient synchronisation once per step for a plain module,
-``DistributedDataParallel`` or FSDP2).
+Running a plan is the job of :mod:`cpscope.train` (pack, pad, shard and bind each microbatch: ``run_step``;
+gradient synchronisation once per step for a plain module, ``DistributedDataParallel`` or FSDP2: ``gradient_sync``).
 
 Example::
 
@@ -17,13 +16,13 @@ Example::
     for mb in plan.microbatches_for_rank(rank):
         ...  # run mb.seqs with the CP group of size mb.cp that holds this rank
 """
-from .baselines import plan_greedy, plan_static
+from ._baselines import plan_greedy, plan_static
 from ._bound import lower_bound
-from .cost import CostModel, padded_length
-from .data import long_tail_lengths
-from .layer_mix import LayerMix
-from .plan import Microbatch, Plan
-from .planner import plan_hybrid
+from ._cost import CostModel, padded_length
+from ._data import long_tail_lengths
+from ._layer_mix import LayerMix
+from ._plan import Microbatch, Plan
+from ._planner import plan_hybrid
 from ._problem import cp_candidates
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "LayerMix",
     "Microbatch",
     "Plan",
-    "cp_candidates",
     "long_tail_lengths",
     "lower_bound",
     "padded_length",
@@ -40,12 +38,12 @@ __all__ = [
     "plan_static",
 ]
 
-# Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid.comm_cost), the pure choice
-# (cpscope.hybrid.variants) and the planner's cost built on them. Timing them on the machine (cpscope.train.calibrate)
-# and installing the choice for comm="auto" (cpscope.train.auto) is the torch runtime's job.
-from .comm_cost import CommCostModel  # noqa: E402
-from .data import sft_like_lengths  # noqa: E402
-from .step_cost import StepCost  # noqa: E402
+# Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid._comm_cost), the pure choice
+# (cpscope.hybrid._variants) and the planner's cost built on them. Timing them on the machine (cpscope.train._calibrate)
+# and installing the choice for comm="auto" (cpscope.train._auto) is the torch runtime's job.
+from ._comm_cost import CommCostModel  # noqa: E402
+from ._data import sft_like_lengths  # noqa: E402
+from ._step_cost import StepCost  # noqa: E402
 
 __all__ += ["CommCostModel", "StepCost", "sft_like_lengths"]
 

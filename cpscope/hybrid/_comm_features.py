@@ -2,8 +2,8 @@
 
 The rules of which variant runs at a shape (:func:`variant_allowed`, :func:`default_inner`, the head checks), the
 timed :class:`Sample`, and its feature vector (:data:`FEATURES`: attention work, per-token work, bytes received,
-rounds, one call) as :mod:`cpscope.hybrid.comm_cost`'s docstring writes them; :func:`halo_rows` for windowed
-``p2p``. Pure numpy. The public names are re-exported by :mod:`cpscope.hybrid.comm_cost`, their one public home.
+rounds, one call) as :mod:`cpscope.hybrid._comm_cost`'s docstring writes them; :func:`halo_rows` for windowed
+``p2p``. Pure numpy. The public names are re-exported by :mod:`cpscope.hybrid._comm_cost`, their one public home.
 
 Example::
 

@@ -1,5 +1,5 @@
-"""Exact non-negative least squares for the few columns of a cost model (both :class:`~cpscope.hybrid.cost.CostModel`
-and :class:`~cpscope.hybrid.comm_cost.CommCostModel` fit their coefficients with it). Pure numpy.
+"""Exact non-negative least squares for the few columns of a cost model (both :class:`~cpscope.hybrid.CostModel`
+and :class:`~cpscope.hybrid.CommCostModel` fit their coefficients with it). Pure numpy.
 
 Example::
 

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ._bound import problem_bound
-from .plan import Microbatch, Plan
+from ._plan import Microbatch, Plan
 from ._problem import Problem
 
 __all__ = ["build_plan", "first_fit"]

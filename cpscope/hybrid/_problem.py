@@ -10,8 +10,8 @@ two, or ``1, 3, 6, 12``) is *nested*: its aligned blocks nest, which the planner
 
 The cost is anything with ``_tables(padded [K, n], cps [K])`` returning ``(variants, seq [V, K, n], fixed [V, K],
 allowed [V, K])``: per communication variant, each sequence's per-rank seconds and each microbatch's fixed
-seconds (:class:`~cpscope.hybrid.cost.CostModel` is the one-variant case, ``"p2p"``;
-:class:`~cpscope.hybrid.step_cost.StepCost` has one row per variant). A microbatch runs one variant; the tables
+seconds (:class:`~cpscope.hybrid.CostModel` is the one-variant case, ``"p2p"``;
+:class:`~cpscope.hybrid.StepCost` has one row per variant). A microbatch runs one variant; the tables
 the planners read are the envelopes over the allowed variants: ``alone`` = min over v of (seq + fixed),
 ``seq`` = min over v of seq and ``lat`` = min over v of fixed, and ``pref`` the variant that gives ``alone``.
 
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-from .cost import CostModel, padded_length
+from ._cost import CostModel, padded_length
 
 if TYPE_CHECKING:
-    from .step_cost import StepCost
+    from ._step_cost import StepCost
 
 Cost = Union[CostModel, "StepCost"]
 CpSizes = Union[None, str, Iterable[int]]

@@ -71,9 +71,7 @@ from ..streams import cp_stream
 from ._swap import ForwardSignature, call_with_attributes, swap_class, unswap_all
 from ._te_settings import CP_SETTINGS, StreamProvider, bind_te_cp, te_cp_settings
 
-__all__ = [  # CP_SETTINGS, te_cp_settings and bind_te_cp are defined in _te_settings; this module is their home
-    "CP_SETTINGS",
-    "te_cp_settings",
+__all__ = [  # bind_te_cp (with CP_SETTINGS and te_cp_settings, importable from here) is defined in _te_settings
     "bind_te_cp",
     "ScopedDotProductAttention",
     "enable_runtime_cp",

@@ -1,4 +1,4 @@
-"""flash-linear-attention's Triton chunk functions behind :mod:`cpscope.linear.kernels`' interface (optional;
+"""flash-linear-attention's Triton chunk functions behind :mod:`cpscope.linear._kernels`' interface (optional;
 imported only when called).
 
 The interface is fla's own (``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_simple_gla``: same keywords), so

@@ -1,6 +1,6 @@
 """CP-aware rotary position embedding: RoPE at the global positions of the local zigzag tokens.
 
-* :mod:`~cpscope.rope.api` — :func:`apply_rotary_pos_emb`, :class:`RotaryEmbedding`, :func:`rotary_freqs`.
+* :mod:`~cpscope.rope._api` — :func:`apply_rotary_pos_emb`, :class:`RotaryEmbedding`, :func:`rotary_freqs`.
 * :mod:`~cpscope.rope._kernel` — the Triton kernel used on CUDA; :mod:`~cpscope.rope._te` — TransformerEngine's
   fused RoPE, used when TE is importable (optional, imported only then); :mod:`~cpscope.rope._torch_math` — the plain
   torch math, eager (CPU, inside a user's ``torch.compile``) or ``torch.compile``-d (CUDA without Triton or TE).
@@ -14,6 +14,6 @@ Example::
         q = cpscope.apply_rotary_pos_emb(q_local, freqs, qkv_format="bshd")
 """
 from ._te import call_te_rope, te_rope
-from .api import RotaryEmbedding, apply_rotary_pos_emb, checked_rope_inputs, rotary_freqs
+from ._api import RotaryEmbedding, apply_rotary_pos_emb, checked_rope_inputs, rotary_freqs
 
 __all__ = ["apply_rotary_pos_emb", "RotaryEmbedding", "rotary_freqs"]

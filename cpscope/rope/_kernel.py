@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from .._tensor_cache import lru
-from ..attention.policy import kernel_policy
+from ..attention import kernel_policy
 
 __all__ = ["usable", "rope"]
 

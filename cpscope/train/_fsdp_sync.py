@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``) under hybrid CP: the :class:`FSDPSync` strategy and what it reads of FSDP2's state
-(parameter groups, the mesh, the root modules). Public through :mod:`cpscope.train.sync`.
+(parameter groups, the mesh, the root modules). Public through :mod:`cpscope.train._sync`.
 
 Example::
 

@@ -1,5 +1,5 @@
 """The protocol of a gradient synchronisation strategy (:class:`GradientSync`), the hooks the hybrid-CP loop calls
-on every rank once per step; the strategies themselves are in :mod:`cpscope.train.sync` (their public home, which
+on every rank once per step; the strategies themselves are in :mod:`cpscope.train._sync` (their public home, which
 re-exports this class).
 
 Example::
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..groups import group_ranks
-from .collectives import check_dp_group
+from ._collectives import check_dp_group
 
 __all__ = ["Group", "GradientSync", "same_ranks"]
 
@@ -39,7 +39,7 @@ class GradientSync:
         model: what the user passed (the wrapper).
         module: what the microbatches' ``forward`` is called on (DDP: its ``.module``).
         dp_group: the data-parallel group the loss is normalised over and the gradients summed over, always
-            named (:mod:`cpscope.train.collectives`): ``dist.group.WORLD`` for the world, ``None`` for this rank
+            named (:mod:`cpscope.train._collectives`): ``dist.group.WORLD`` for the world, ``None`` for this rank
             alone.
         needs_backward: the sync happens inside a backward, so a rank without microbatches runs an empty one.
     """

@@ -1,5 +1,5 @@
 """A fake of aten's memory-efficient attention ops (``_efficient_attention_forward`` / ``_backward``) for CPU tests of
-cpscope's glue around them (:data:`cpscope.attention.kernels.aten.EFFICIENT`).
+cpscope's glue around them (:data:`cpscope.attention._kernels.aten.EFFICIENT`).
 
 It follows the ops' contract as the CUDA kernels implement it, not cpscope's block API: ``[B, M, H, K]`` inputs with
 **one** head count for q, k and v (no GQA); packed inputs as ``B = 1`` with ``cu_seqlens_q/k`` and ``max_seqlen``;

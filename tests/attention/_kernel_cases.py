@@ -1,13 +1,13 @@
 """Parity of cpscope's CUDA blocks with windows, softcapping and multi-latent head dims against float64 references
 computed on the GPU (``tests/attention/test_kernels_gpu.py``; ``benchmarks/bench_attention_features.py --check``).
 
-Each case runs one block through the router (:mod:`cpscope.attention.kernels.router`) under the policy its route
+Each case runs one block through the router (:mod:`cpscope.attention._kernels.router`) under the policy its route
 names (``cudnn`` / ``plain``: the default, cuDNN where the table allows it; ``flash``: cuDNN off, so
 flash-attention-2; ``flex``, given to :func:`run_case`: FlexAttention first),
 forward and backward — the backward given the reference's out and lse, as the ring gives the merged ones — and
 returns relative errors of out, lse (rows that see a key), dq, dk, dv, whether rows that see no key came out as
 ``out = 0, lse = -inf``, ``ok``, what cuDNN refused to build in this case (``cudnn_refused``: the block then ran on
-the next route, see :mod:`cpscope.attention.kernels.router`) and the route each block took (``routes``). ``split``
+the next route, see :mod:`cpscope.attention._kernels.router`) and the route each block took (``routes``). ``split``
 cases cut the keys of one windowed block in two blocks (each with the window that the bottom-right alignment gives
 it), merge the two by their log-sum-exp and run both backwards with the merged statistics: external statistics,
 blocks with more queries than keys, and rows with no key.
@@ -121,7 +121,7 @@ def _taken(direction: str, q, k, v, vl, c, w, sc) -> dict:
     """After a block ran: the first route the table offers it here (``first``; ``first_bf16``: for bf16 inputs),
     the route it takes now (``took``: the next one where cuDNN refused the graph) and the recorded refusal
     (``refused``, ``None`` if none) — all under the policy in force."""
-    from cpscope.attention.kernels import router
+    from cpscope.attention._kernels import router
 
     kind = router.kind_of(q, k, v, causal=c, varlen=vl, window=w, softcap=sc)
     caps = router.caps_of(q.device)
@@ -133,8 +133,8 @@ def _taken(direction: str, q, k, v, vl, c, w, sc) -> dict:
 
 
 def _block_fns(route: str, vl: Any, routes: list):
-    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention._policy import use_kernel_policy
 
     ph = Placeholders()  # one call's: the dense forwards' placeholders for their backwards
     changes = {"flash": {"dense_cudnn": False, "varlen": "flash"}, "flex": {"flex": "first"}}.get(route, {})
@@ -183,7 +183,7 @@ def _split(q, k, v, do, fwd, bwd, scale, causal, window, softcap):
 def run_case(name: str, dev: torch.device, seed: int = 0, route: Any = None) -> dict:
     """Relative errors of case ``name`` (see :data:`CASES`) and whether it is within tolerance (``ok``); ``route``
     (e.g. ``"flex"``: FlexAttention first) replaces the case's own."""
-    from cpscope.attention.kernels import Varlen
+    from cpscope.attention._kernels import Varlen
 
     own, layout, shape, dims, causal, window, softcap = CASES[name]
     route = route or own
@@ -196,7 +196,7 @@ def run_case(name: str, dev: torch.device, seed: int = 0, route: Any = None) -> 
         lens = [[b - a for a, b in zip(c[:-1], c[1:])] for c in cu]
         t = lambda c: torch.tensor(c, dtype=torch.int32, device=dev)  # noqa: E731
         vl = Varlen(t(cu[0]), t(cu[1]), max(lens[0]), max(lens[1]), tuple(cu[0]), tuple(cu[1]))
-    from cpscope.attention.kernels import fallbacks
+    from cpscope.attention._kernels import fallbacks
 
     routes: list = []
     fwd, bwd = _block_fns(route, vl, routes)

@@ -1,6 +1,6 @@
 """Several virtual CP ranks in one process, one thread each: the variants' own kernels on one device.
 
-:class:`VirtualWorld` implements the collectives of :class:`cpscope.attention.comm.GroupCollectives`
+:class:`VirtualWorld` implements the collectives of :class:`cpscope.attention._comm.GroupCollectives`
 (``all_gather``, ``reduce_scatter``, ``all_to_all``) between threads, in lockstep; the variants' plain ``forward`` /
 ``backward`` functions (no autograd engine: it would run every virtual rank's CUDA backward on one device thread)
 then run unchanged for each virtual rank. :func:`check_virtual` compares every virtual rank's rows and gradients with
@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from cpscope.attention import allgather, ulysses
-from cpscope.attention.layout import packed
+from cpscope.attention import _allgather as allgather, _ulysses as ulysses
+from cpscope.attention._layout import packed
 from tests.attention._reference import reference_attention, zigzag_index
 
 
@@ -65,7 +65,7 @@ class _Pending:
 
 
 class VirtualCollectives:
-    """:class:`~cpscope.attention.comm.GroupCollectives` of one virtual rank."""
+    """:class:`~cpscope.attention._comm.GroupCollectives` of one virtual rank."""
 
     def __init__(self, world: VirtualWorld, rank: int) -> None:
         self.world, self.size, self.rank, self.group = world, world.n, rank, None

@@ -2,7 +2,7 @@
 receives), and the exact tiled math against a float64 reference.
 
 The dense kernels' backward takes placeholder outputs of their forward (cum_seq_q/k, philox seed/offset), carried by
-the call's :class:`~cpscope.attention.kernels.block.Placeholders`. Each device must get those of a forward on that
+the call's :class:`~cpscope.attention._kernels.block.Placeholders`. Each device must get those of a forward on that
 same device in that call, whatever order the devices run in; another call's placeholders are never used; the kept
 placeholders must never be a tensor returned to the caller. Two devices are stood in by ``cpu`` and ``meta``
 tensors; the real kernels are checked on GPU (tests/attention/test_gpu.py).
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpscope.attention.kernels import Placeholders, Varlen, aten, block_backward, block_forward, exact
-from cpscope.attention.kernels import aten as aten_mod
+from cpscope.attention._kernels import Placeholders, Varlen, aten, block_backward, block_forward, exact
+from cpscope.attention._kernels import aten as aten_mod
 
 
 class _FakeKernel:

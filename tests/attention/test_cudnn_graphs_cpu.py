@@ -1,4 +1,4 @@
-"""cpscope's dense cuDNN graphs with windows and softcapping (``cpscope.attention.kernels.cudnn_dense``) on CPU, against
+"""cpscope's dense cuDNN graphs with windows and softcapping (``cpscope.attention._kernels.cudnn_dense``) on CPU, against
 the fake cuDNN frontend of ``tests/attention/_fake_cudnn.py`` (which interprets strides, bands and score modifiers
 the way cuDNN documents them), vs a float64 reference of the block contract. Real cuDNN: test_kernels_gpu.py.
 """
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from cpscope.attention.kernels import cudnn_dense, cudnn_frontend, exact, router
-from cpscope.attention.kernels.block import Varlen
+from cpscope.attention._kernels import cudnn_dense, cudnn_frontend, exact, router
+from cpscope.attention._kernels.block import Varlen
 from tests.attention._fake_cudnn import block_reference, fake_cudnn, rel
 
 

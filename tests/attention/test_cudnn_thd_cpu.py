@@ -1,4 +1,4 @@
-"""cpscope's cuDNN packed-attention wrapper (``cpscope.attention.kernels.cudnn_thd``) on CPU, against a fake cuDNN frontend.
+"""cpscope's cuDNN packed-attention wrapper (``cpscope.attention._kernels.cudnn_thd``) on CPU, against a fake cuDNN frontend.
 
 The fake (``tests/attention/_fake_cudnn.py``) interprets the memory the way cuDNN documents it: logical
 ``[B, h, S, d]`` tensors with strides, a ragged offset per sequence (elements) replacing the batch stride, sequence
@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from cpscope.attention.kernels import Varlen, cudnn_frontend, cudnn_thd
-from cpscope.attention.policy import use_kernel_policy
+from cpscope.attention._kernels import Varlen, cudnn_frontend, cudnn_thd
+from cpscope.attention._policy import use_kernel_policy
 from tests.attention._fake_cudnn import block_reference, fake_cudnn, rel
 
 _fake_cudnn = fake_cudnn  # the name test_variants.py imports from here

@@ -1,9 +1,9 @@
-"""Deferred cuDNN graph builds (``KernelPolicy.defer_builds``, ``cpscope.attention.kernels.deferral``) on CPU.
+"""Deferred cuDNN graph builds (``KernelPolicy.defer_builds``, ``cpscope.attention._kernels.deferral``) on CPU.
 
 The cuDNN graphs run on the fake frontend (``tests/attention/_fake_cudnn.py``, which interprets the ragged memory
 layout); flash-attention-2 is stood in for at aten's level: ``aten._flash_attention_forward`` / ``_backward`` are
 replaced by the exact block math with FA2's conventions (bf16 / fp16 only, ``lse`` ``[h, t]`` that the backward
-requires contiguous, ``+inf`` for rows that see no key), so cpscope's own flash wrappers (``kernels/aten.py``) run
+requires contiguous, ``+inf`` for rows that see no key), so cpscope's own flash wrappers (``_kernels/aten.py``) run
 as on a GPU, and the router sees a CUDA device (``caps_of`` patched). Proven here, against float64 each time (forward,
 lse, gradients): a packed block's first sighting runs flash and builds nothing, its second builds and runs cuDNN;
 forward and backward decide apart and mix kernels correctly (cuDNN's ``lse`` view into flash's backward and back);
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import Varlen, aten, cudnn_frontend, deferral, exact, router
-from cpscope.attention.policy import use_kernel_policy
+from cpscope.attention._kernels import Varlen, aten, cudnn_frontend, deferral, exact, router
+from cpscope.attention._policy import use_kernel_policy
 from tests.attention._fake_cudnn import block_reference, fake_cudnn, rel
 from tests.attention._virtual import check_virtual
 from tests.attention.test_no_cycles import _check as check_no_cycle
@@ -296,7 +296,7 @@ def test_cp4_virtual_ranks_mix_both_kernels(flash, comm):
 
 def test_graph_keys_are_made_before_any_copy():
     """The key's strides are those of the packed copy that the graph then runs on (head-sliced views included)."""
-    from cpscope.attention.kernels import cudnn_thd
+    from cpscope.attention._kernels import cudnn_thd
 
     x = torch.randn(6, 8, 4)
     for t in (x, x[:, 2:5], x[:, :1], x[:1, 3:4]):

@@ -294,7 +294,7 @@ def test_bad_features_raise_before_any_collective():
 def _auto_window() -> None:
     """``comm="auto"`` with a short window picks the halo exchange (p2p) where a2a would run without it; the
     query carries the window."""
-    from cpscope.attention import variants
+    from cpscope.attention import _variants as variants
     from tests.attention.test_variants import recording
 
     cpscope.set_backward_read_check(True)
@@ -313,7 +313,7 @@ def _auto_window() -> None:
 
 def test_auto_knows_windows():
     run_ranks(4, _auto_window)
-    from cpscope.attention.variants import VariantQuery, default_rule
+    from cpscope.attention._variants import VariantQuery, default_rule
 
     q = lambda **kw: VariantQuery(4, 32, 8, 128, "thd", True, (65536,), **kw)  # noqa: E731
     assert default_rule(q()) == "a2a" and default_rule(q(window=(255, 0))) == "p2p"
@@ -326,8 +326,8 @@ def test_cost_model_window_term_matches_the_plan():
     """``halo_rows`` (the cost model's closed form, used by the auto rule) equals the plan's largest per-rank
     receipt for unpadded packs; and the cost model prices a window's p2p by it."""
     from cpscope._pack import pack_for
-    from cpscope.attention.halo_plan import HaloGeometry
-    from cpscope.hybrid.comm_cost import CommCostModel, halo_rows
+    from cpscope.attention._halo_plan import HaloGeometry
+    from cpscope.hybrid._comm_cost import CommCostModel, halo_rows
 
     for cp, lens, window, causal in ((4, [4096], (256, 0), True), (2, [64, 32, 96], (9, 0), True),
                                      (4, [128, 64], (5, 20), False), (3, [96, 36], (-1, 4), False)):

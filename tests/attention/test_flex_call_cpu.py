@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpscope.attention.kernels import exact, flex
+from cpscope.attention._kernels import exact, flex
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="no FlexAttention in this torch")
 

@@ -1,4 +1,4 @@
-"""FlexAttention as a block kernel (``cpscope.attention.kernels.flex``) on CPU, where FlexAttention runs its eager
+"""FlexAttention as a block kernel (``cpscope.attention._kernels.flex``) on CPU, where FlexAttention runs its eager
 math through the same block masks and score modifier as its compiled CUDA kernels.
 
 * the block-sparse structure (which tiles are visible, which entirely) against a brute-force mask — the eager math
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import Varlen, exact, flex, router
-from cpscope.attention.policy import use_kernel_policy
+from cpscope.attention._kernels import Varlen, exact, flex, router
+from cpscope.attention._policy import use_kernel_policy
 from tests.attention.test_features import check
 from tests.distributed import run_ranks
 

@@ -30,7 +30,7 @@ def _dev() -> torch.device:
 
 
 def _spy(monkeypatch):
-    from cpscope.attention.kernels import flex
+    from cpscope.attention._kernels import flex
 
     calls = {"forward": 0, "backward": 0, "attend": 0}
     for name in calls:
@@ -59,7 +59,7 @@ def test_flex_block_parity(name, monkeypatch):
 def test_router_takes_flex_when_cudnn_refuses(layout, monkeypatch):
     """A window + softcap block whose cuDNN graph is refused runs on FlexAttention, both directions (here the
     refusal is forced, as cuDNN 9.19 gives it; where cuDNN itself refused earlier, the same holds)."""
-    from cpscope.attention.kernels import Varlen, cudnn_frontend, router
+    from cpscope.attention._kernels import Varlen, cudnn_frontend, router
 
     dev = _dev()
     monkeypatch.setattr(router, "_REFUSED", {})
@@ -91,7 +91,7 @@ def test_router_takes_flex_when_cudnn_refuses(layout, monkeypatch):
 @pytest.mark.parametrize("fmt,with_sinks", [("bshd", False), ("thd", False), ("thd", True)])
 def test_cp1_call_through_flex_autograd(fmt, with_sinks, monkeypatch):
     import cpscope
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
     from tests.attention._reference import reference_attention
 
     dev = _dev()
@@ -127,8 +127,8 @@ def test_dynamic_divisible_lengths_match_reference():
     """Whole calls at a first length, then new lengths (a dynamic graph): where both lengths divide by 128 the
     kernels skip their bounds checks (``IS_DIVISIBLE``), elsewhere not — forward and gradients against float64."""
     import cpscope
-    from cpscope.attention.kernels import flex
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._kernels import flex
+    from cpscope.attention._policy import use_kernel_policy
     from tests.attention._reference import reference_attention
 
     dev = _dev()
@@ -156,7 +156,7 @@ def test_new_packs_compile_at_most_twice():
     tile (whose kernels skip the bounds checks) and the rest."""
     from torch._dynamo.utils import counters
 
-    from cpscope.attention.kernels import Varlen, flex
+    from cpscope.attention._kernels import Varlen, flex
 
     dev = _dev()
     flex.clear_cache()
@@ -178,7 +178,7 @@ def test_new_packs_compile_at_most_twice():
 
 @pytest.mark.gpu
 def test_no_dense_scores_or_mask():
-    from cpscope.attention.kernels import flex
+    from cpscope.attention._kernels import flex
 
     dev = _dev()
     q, k, v = (torch.randn(1, 8192, h, 128, device=dev, dtype=torch.bfloat16) for h in (8, 2, 2))

@@ -91,7 +91,7 @@ def test_cp2_parity_with_single_gpu(fmt, causal):
 
 def gpu_parity_varlen_kernel(kernel: str, causal: bool, h_kv: int) -> dict:
     """:func:`gpu_parity` for thd with packed blocks forced onto ``kernel`` ("flash" / "cudnn"), restored after."""
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     with use_kernel_policy(varlen=kernel):
         return gpu_parity("thd", causal, h=32, h_kv=h_kv, seq=8192)
@@ -103,7 +103,7 @@ def gpu_parity_varlen_kernel(kernel: str, causal: bool, h_kv: int) -> dict:
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 def test_cp2_parity_varlen_kernels(kernel, causal, h_kv):
     """Both packed-block kernels (cuDNN needs nvidia-cudnn-frontend; skipped without it)."""
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
     from tests.distributed import run_ranks
 
     if torch.cuda.device_count() < 2:
@@ -133,7 +133,7 @@ def gpu_padded_parity(causal: bool, kernel: str) -> float:
     """Padded thd (real + layout offsets, a padding-only document) at CP1 vs per-document SDPA on the real tokens;
     padding rows and their gradients must be zero."""
     import cpscope
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     dev = torch.device("cuda", torch.cuda.current_device())
     real, lay = [700, 0, 333, 1024], [768, 128, 384, 1024]
@@ -168,7 +168,7 @@ def gpu_padded_parity(causal: bool, kernel: str) -> float:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 def test_padded_thd_one_gpu(kernel, causal):
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
 
     if kernel == "cudnn" and not cudnn_frontend.available(torch.device("cuda", 0)):
         pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
@@ -181,7 +181,7 @@ def test_padded_thd_one_gpu(kernel, causal):
 def test_ring_block_shapes_one_gpu(kind, h_kv):
     """The ring's blocks (diagonal: causal; kv_front: all Q vs the front half of K/V; q_back: the back half of Q vs
     all K/V) on the dense kernels with GQA, vs fp32 attention with expanded K/V."""
-    from cpscope.attention.kernels import Placeholders, block_backward, block_forward
+    from cpscope.attention._kernels import Placeholders, block_backward, block_forward
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(3)

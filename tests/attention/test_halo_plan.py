@@ -1,4 +1,4 @@
-"""The window's plan (``cpscope.attention.halo_plan``) without any process group.
+"""The window's plan (``cpscope.attention._halo_plan``) without any process group.
 
 For every rank, the blocks of its :class:`HaloGeometry` compute exactly the (query, key) pairs the global mask
 allows for its real queries — documents, causality, the window, padding — each once; and the rows it receives from
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpscope._pack import pack_for
-from cpscope.attention.halo_plan import HaloGeometry, effective_window
+from cpscope.attention._halo_plan import HaloGeometry, effective_window
 from tests.attention._reference import zigzag_index
 
 CPU = torch.device("cpu")

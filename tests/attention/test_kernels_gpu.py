@@ -17,7 +17,7 @@ from tests.attention._kernel_cases import CASES, REL_TOL, run_case
 
 
 def _cudnn_frontend() -> bool:
-    from cpscope.attention.kernels import cudnn_frontend
+    from cpscope.attention._kernels import cudnn_frontend
 
     return torch.cuda.is_available() and cudnn_frontend.available(torch.device("cuda", 0))
 
@@ -49,7 +49,7 @@ def check_fallbacks(name: str, res: dict) -> None:
 @pytest.mark.gpu
 def test_block_forward_routes_windows_through_the_kernels():
     """The public block entry points reach these kernels with ``window`` / ``softcap`` (no dense mask)."""
-    from cpscope.attention import kernels
+    from cpscope.attention import _kernels as kernels
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -82,7 +82,7 @@ def test_no_leak_warnings_at_exit():
         pytest.skip("cuDNN frontend (nvidia-cudnn-frontend) / cuDNN >= 9.6 / sm90 not available")
     code = (
         "import torch, cpscope\n"
-        "from cpscope.attention.kernels import cudnn_frontend\n"
+        "from cpscope.attention._kernels import cudnn_frontend\n"
         "cu = torch.tensor([0, 1000, 4096], dtype=torch.int32, device='cuda')\n"
         "for fmt, shape, kw in (('thd', (4096,), {'cu_seqlens': cu}), ('bshd', (1, 4096), {'softcap': 30.0})):\n"
         "    q, k, v = (torch.randn(*shape, h, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention import merge
-from cpscope.attention.merge import merge_rows_, rows_add_
-from cpscope.attention.policy import kernel_policy, set_kernel_policy, use_kernel_policy
-from cpscope.attention.ring_plan import RingPlan, _doc_split
+from cpscope.attention import _merge as merge
+from cpscope.attention._merge import merge_rows_, rows_add_
+from cpscope.attention._policy import kernel_policy, set_kernel_policy, use_kernel_policy
+from cpscope.attention._ring_plan import RingPlan, _doc_split
 from tests.attention.test_ring_cpu import H, TOL, check_one
 from tests.distributed import run_ranks
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import Varlen, cudnn_frontend, router
+from cpscope.attention._kernels import Varlen, cudnn_frontend, router
 from tests.attention._fake_cudnn import fake_cudnn
 
 

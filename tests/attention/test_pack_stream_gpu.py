@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import cudnn_frontend, deferral
-from cpscope.attention.policy import use_kernel_policy
+from cpscope.attention._kernels import cudnn_frontend, deferral
+from cpscope.attention._policy import use_kernel_policy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from cpscope.attention.kernels import cudnn_frontend, router
+from cpscope.attention._kernels import cudnn_frontend, router
 from tests.attention._fake_cudnn import fake_cudnn
 from tests.attention._kernel_cases import run_case
 from tests.attention.test_kernels_gpu import check_fallbacks
@@ -89,7 +89,7 @@ def test_graphs_and_handles_are_released_at_exit(monkeypatch):
     assert destroyed == ["handle 0"]
     # and it runs at exit: a process that holds a (fake) handle destroys it when it ends
     code = ("import contextlib, types, torch\n"
-            "from cpscope.attention.kernels import cudnn_frontend as fe\n"
+            "from cpscope.attention._kernels import cudnn_frontend as fe\n"
             "fake = types.SimpleNamespace(destroy_handle=lambda h: print('destroyed', h))\n"
             "fe.module = lambda: fake\n"
             "torch.cuda.device = lambda idx: contextlib.nullcontext()\n"

@@ -104,7 +104,7 @@ def test_ring_matches_reference(world, fmt, causal):
 
 
 def _varlen_route(world: int) -> None:
-    from cpscope.attention.policy import use_kernel_policy
+    from cpscope.attention._policy import use_kernel_policy
 
     cpscope.set_backward_read_check(True)
     group = cpscope.new_cp_groups([world])[world]
@@ -279,7 +279,7 @@ def test_dtype_and_device_mismatch():
 
 
 def _comm_misuse() -> None:
-    from cpscope.attention.comm import RingComm
+    from cpscope.attention._comm import RingComm
 
     group = cpscope.new_cp_groups([2])[2]
     comm = RingComm(group, dist.get_rank(group), 2)
@@ -306,7 +306,7 @@ def test_ring_comm_misuse_and_exchange():
 
 
 def test_merge_handles_rows_without_keys():
-    from cpscope.attention.merge import merge_rows_
+    from cpscope.attention._merge import merge_rows_
 
     out_a, out_b = torch.randn(3, 2, 4), torch.randn(3, 2, 4)  # [t, h, d]; lse [h, t]
     lse_a = torch.tensor([[0.5, float("-inf"), float("-inf")], [1.0, 2.0, float("-inf")]])
@@ -327,7 +327,7 @@ def test_merge_handles_rows_without_keys():
 
 def test_cpu_varlen_block_matches_per_sequence_reference():
     """Unequal q/k lengths per sequence, bottom-right causal, an empty sequence, GQA."""
-    from cpscope.attention.kernels import Varlen, block_backward, block_forward
+    from cpscope.attention._kernels import Varlen, block_backward, block_forward
 
     g = torch.Generator().manual_seed(3)
     lq, lk = [3, 0, 5], [4, 0, 5]

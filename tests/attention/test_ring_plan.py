@@ -1,4 +1,4 @@
-"""The ring's plan (``cpscope.attention.ring_plan``) without any process group: over all its steps, every rank's
+"""The ring's plan (``cpscope.attention._ring_plan``) without any process group: over all its steps, every rank's
 blocks compute exactly the (query, key) pairs that full attention over the whole sequences allows — each once.
 
 For every step the plan says which K/V the rank holds (``RingStep.src``), which of its Q rows and which of the held
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpscope._pack import pack_for
-from cpscope.attention.ring_plan import RingPlan, plan_for_pack
+from cpscope.attention._ring_plan import RingPlan, plan_for_pack
 from tests.attention._reference import zigzag_index
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The kernel router's decision table (``cpscope.attention.kernels.router``) on CPU: every kind of block, every
+"""The kernel router's decision table (``cpscope.attention._kernels.router``) on CPU: every kind of block, every
 capability of a device, the policy, and refused graphs — the route one function picks, with the fake cuDNN frontend
 of ``tests/attention/_fake_cudnn.py`` standing in for the graphs where a block must actually run."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpscope.attention.kernels import Varlen, cudnn_frontend, exact, router
-from cpscope.attention.kernels.router import Caps, TABLE, available_routes, kind_of
-from cpscope.attention.policy import KernelPolicy, use_kernel_policy
+from cpscope.attention._kernels import Varlen, cudnn_frontend, exact, router
+from cpscope.attention._kernels.router import Caps, TABLE, available_routes, kind_of
+from cpscope.attention._policy import KernelPolicy, use_kernel_policy
 from tests.attention._fake_cudnn import fake_cudnn
 
 GPU = Caps(cuda=True, frontend=True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cpscope
-from cpscope.attention.kernels import Placeholders, Varlen, aten, router
-from cpscope.attention.kernels.router import DTYPES, TABLE, routes_for
+from cpscope.attention._kernels import Placeholders, Varlen, aten, router
+from cpscope.attention._kernels.router import DTYPES, TABLE, routes_for
 from tests.attention._fake_cudnn import block_reference, rel
 from tests.attention._fake_efficient import fake_aten
 from tests.attention.test_router_cpu import BLOCKS, CPU, GPU, GPU_NO_FRONTEND

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import cpscope
 from cpscope.attention import ContextParallelAttention, context_parallel_attention
-from cpscope.attention import variants as _dispatch
+from cpscope.attention import _variants as _dispatch
 from tests.attention._reference import zigzag_index
 from tests.attention._virtual import check_virtual
 from tests.attention.test_ring_cpu import _case, _cu, _reference, _to_layout
@@ -82,7 +82,7 @@ def recording():
 
     Windowed calls run the halo functions: ``"p2p"`` or ``"all_gather"`` by their exchange (inside the
     hierarchical variant, called without one, they are its middle: not recorded)."""
-    from cpscope.attention import allgather, halo, ring, ulysses
+    from cpscope.attention import _allgather as allgather, _halo as halo, _ring as ring, _ulysses as ulysses
 
     def by_exchange(n):
         return lambda a: None if len(a) < n else {"p2p": "p2p", "gather": "all_gather"}[a[n - 1]]
@@ -389,7 +389,7 @@ def test_compiled_module_with_a_variant():
 def test_packed_blocks_through_the_cudnn_wrapper(comm, monkeypatch):
     """The variants' varlen block descriptors through cpscope's cuDNN packed-block wrapper (the GPU's default route
     for thd), against the fake cuDNN frontend of test_cudnn_thd_cpu, on 4 virtual ranks in bf16."""
-    from cpscope.attention.kernels import cudnn_frontend, cudnn_thd
+    from cpscope.attention._kernels import cudnn_frontend, cudnn_thd
     from tests.attention.test_cudnn_thd_cpu import _fake_cudnn
 
     cudnn = _fake_cudnn()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import cpscope
 from cpscope._variants import VARIANTS
-from cpscope.hybrid.comm_cost import (
+from cpscope.hybrid._comm_cost import (
     FEATURES,
     CommCostModel,
     Sample,
@@ -27,8 +27,8 @@ from cpscope.hybrid.comm_cost import (
     load_cached,
     variant_allowed,
 )
-from cpscope.hybrid.variants import choose, predict
-from cpscope.train.auto import cached_cost
+from cpscope.hybrid._variants import choose, predict
+from cpscope.train._auto import cached_cost
 from tests.distributed import run_ranks
 
 TRUE = {  # a plausible machine: per-feature coefficients of each variant
@@ -118,7 +118,7 @@ def test_json_roundtrip_and_cache_files(tmp_path) -> None:
 
 
 def test_cache_dir_override(tmp_path, monkeypatch) -> None:
-    from cpscope.hybrid.comm_cost import cache_dir
+    from cpscope.hybrid._comm_cost import cache_dir
 
     monkeypatch.setenv("CPSCOPE_CACHE_DIR", str(tmp_path / "x"))
     assert cache_dir() == tmp_path / "x"
@@ -219,7 +219,7 @@ SMALL = dict(heads=4, kv_heads=(4, 2), head_dim=8, tokens=(32, 64), docs=(1, 2),
 
 
 def _calibrate_with_stand_in(directory: str) -> str:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -249,7 +249,7 @@ def test_calibration_on_gloo_ranks_agrees_and_is_cached(tmp_path) -> None:
 
 
 def _calibrate_default() -> str:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
 
     groups = cpscope.new_cp_groups([1, 2])
     try:
@@ -269,7 +269,7 @@ def test_calibration_needs_comm_keyword_or_a_stand_in() -> None:
 
 
 def _calibrate_bad_args() -> bool:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -285,7 +285,7 @@ def test_calibration_bad_arguments_raise_before_any_collective() -> None:
 
 
 def test_calibration_outside_a_process_group_raises() -> None:
-    from cpscope.train.calibrate import calibrate
+    from cpscope.train._calibrate import calibrate
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
@@ -294,7 +294,7 @@ def test_calibration_outside_a_process_group_raises() -> None:
 
 
 def test_split_lengths() -> None:
-    from cpscope.train.calibrate import _split_lengths
+    from cpscope.train._calibrate import _split_lengths
 
     assert _split_lengths(64, 2, 4) == (32, 32)
     assert _split_lengths(70, 3, 8) == (24, 24, 24)
@@ -302,14 +302,14 @@ def test_split_lengths() -> None:
 
 
 # -- the hook for cpscope.attention's comm="auto" ----------------------------------------------------------
-class Query:  # the fields of cpscope.attention.variants.VariantQuery that the chooser reads
+class Query:  # the fields of cpscope.attention._variants.VariantQuery that the chooser reads
     def __init__(self, cp, heads, kv_heads, head_dim=128, causal=True, seq_lens=(), dtype="bfloat16"):
         self.cp, self.heads, self.kv_heads, self.head_dim = cp, heads, kv_heads, head_dim
         self.causal, self.seq_lens, self.dtype = causal, seq_lens, dtype
 
 
 def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
-    from cpscope.train.auto import auto_chooser
+    from cpscope.train._auto import auto_chooser
 
     hier = {**TRUE, "a2a+p2p": (2.0e-14, 3.0e-12, 1.0e-13, 1.0e-6, 1.0e-6)}  # cheap: wins where it may run
     model = CommCostModel({"bfloat16": hier})
@@ -328,8 +328,8 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
-    dispatch = pytest.importorskip("cpscope.attention.variants")
-    from cpscope.train.auto import auto_chooser
+    dispatch = pytest.importorskip("cpscope.attention._variants")
+    from cpscope.train._auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
         pytest.skip("no VariantQuery in this cpscope.attention")
@@ -349,8 +349,8 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
 def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path) -> None:
     import torch
 
-    from cpscope.attention import variants as dispatch
-    from cpscope.train.auto import use_calibration
+    from cpscope.attention import _variants as dispatch
+    from cpscope.train._auto import use_calibration
 
     with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):
         use_calibration(directory=str(tmp_path))  # nothing cached there
@@ -366,7 +366,7 @@ def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path)
 
 
 def _load_or_calibrate_twice(directory: str) -> bool:
-    from cpscope.train.calibrate import load_or_calibrate
+    from cpscope.train._calibrate import load_or_calibrate
     from tests._stand_in import ring_stand_in
 
     groups = cpscope.new_cp_groups([1, 2])
@@ -390,8 +390,8 @@ def test_load_or_calibrate_reuses_the_cache_on_every_rank(tmp_path) -> None:
 @pytest.mark.parametrize("cp", [3, 5, 6, 9, 10, 12, 24])
 @pytest.mark.parametrize("heads_kv", [(12, 12), (12, 4), (30, 10), (24, 6), (18, 3), (36, 12), (8, 8)])
 def test_variant_rules_match_the_attention_at_any_cp_size(cp: int, heads_kv: tuple[int, int]) -> None:
-    from cpscope.attention.hierarchical import check_inner_size, default_inner_size
-    from cpscope.attention.ulysses import check_heads
+    from cpscope.attention._hierarchical import check_inner_size, default_inner_size
+    from cpscope.attention._ulysses import check_heads
 
     h, g = heads_kv
     assert default_inner(cp, h, g) == default_inner_size(cp, h, g)
@@ -440,7 +440,7 @@ def test_formula_at_non_power_of_two_sizes() -> None:
 def test_choose_prices_the_window_at_any_cp_size() -> None:
     """A window reaches the cost model (fewer pairs; the ring receives only halos): at CP3 a 256-token window on
     64k tokens turns Ulysses' win into the ring's, and the chooser passes the query's window through."""
-    from cpscope.train.auto import auto_chooser
+    from cpscope.train._auto import auto_chooser
 
     model = CommCostModel({"bfloat16": TRUE})
     kw = dict(cp=3, heads=12, kv_heads=12, head_dim=128, dtype="bfloat16")

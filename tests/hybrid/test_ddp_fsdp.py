@@ -1,4 +1,4 @@
-"""Hybrid CP composes with DistributedDataParallel and FSDP2 (cpscope.train.sync through run_step).
+"""Hybrid CP composes with DistributedDataParallel and FSDP2 (cpscope.train._sync through run_step).
 
 The demo's GPT (examples/train_hybrid.py, small shapes) trains 3 steps on 4 gloo ranks, wrapped in DDP or sharded by
 FSDP2, on fixed document lengths whose plans mix CP1, CP2 and CP4 and give one rank **no microbatch** in step 1 (so
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope.train.loop import allreduce_gradients, empty_microbatch, run_step
-from cpscope.train.sync import DDPSync, FSDPSync, ManualSync, gradient_sync
+from cpscope.train._loop import allreduce_gradients, empty_microbatch, run_step
+from cpscope.train._sync import DDPSync, FSDPSync, ManualSync, gradient_sync
 from tests.distributed import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -195,7 +195,7 @@ def _custom_step_vs_reference(wrap: str, reshard: bool):
     import copy
 
     from cpscope.hybrid import Microbatch
-    from cpscope.train.loop import prepare_microbatches
+    from cpscope.train._loop import prepare_microbatches
     from tests.hybrid.test_loop import reference_loss
 
     cpscope.set_backward_read_check(True)
@@ -259,7 +259,7 @@ class _WithBuffer(torch.nn.Module):
 
 
 def _ddp_broadcasts_buffers_once_per_step():
-    from cpscope.train.loop import prepare_microbatch
+    from cpscope.train._loop import prepare_microbatch
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -392,7 +392,7 @@ def _tp_dp_step_vs_reference():
     import copy
 
     from cpscope.hybrid import plan_hybrid
-    from cpscope.train.loop import global_num_targets, prepare_microbatch, prepare_microbatches, run_microbatches
+    from cpscope.train._loop import global_num_targets, prepare_microbatch, prepare_microbatches, run_microbatches
     from tests.hybrid.test_loop import reference_loss
 
     cpscope.set_backward_read_check(True)

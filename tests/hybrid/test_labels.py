@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cpscope.train.prepare import next_token_labels
+from cpscope.train._prepare import next_token_labels
 
 
 def test_next_token_labels_per_document():

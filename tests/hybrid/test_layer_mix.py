@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from cpscope.cli import parser
-from cpscope.cli.plan import build
+from cpscope.cli._plan import build
 from cpscope.cli._shape import PRESETS, Assumptions, Hardware, ModelShape, analytic_cost
 from cpscope.hybrid import CostModel, LayerMix, plan_hybrid
 

@@ -19,10 +19,10 @@ from cpscope.hybrid import (
     plan_hybrid,
     plan_static,
 )
-from cpscope.hybrid.comm_cost import CommCostModel, default_inner, variant_allowed
-from cpscope.hybrid.data import sft_like_lengths
+from cpscope.hybrid._comm_cost import CommCostModel, default_inner, variant_allowed
+from cpscope.hybrid._data import sft_like_lengths
 from cpscope.hybrid._problem import Problem
-from cpscope.hybrid.step_cost import StepCost
+from cpscope.hybrid._step_cost import StepCost
 
 CAPACITY = 16384
 PLANNERS = (plan_hybrid, plan_static, plan_greedy)
@@ -337,8 +337,8 @@ def test_docstring_examples() -> None:
     import doctest
     import importlib
 
-    names = ("cost", "data", "plan", "_problem", "_bound", "_lpt", "_packing", "baselines", "planner", "comm_cost",
-             "_comm_features", "_nnls", "variants", "step_cost")
+    names = ("_cost", "_data", "_plan", "_problem", "_bound", "_lpt", "_packing", "_baselines", "_planner",
+             "_comm_cost", "_comm_features", "_nnls", "_variants", "_step_cost")
     for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

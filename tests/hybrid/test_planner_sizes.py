@@ -16,7 +16,7 @@ from cpscope.hybrid import (
     plan_hybrid,
     plan_static,
 )
-from cpscope.hybrid.data import sft_like_lengths
+from cpscope.hybrid._data import sft_like_lengths
 from cpscope.hybrid._problem import divisors, is_nested
 from tests.hybrid.test_planner import CAPACITY, check_plan, optimum, simulate, toy_step
 
@@ -173,7 +173,7 @@ def test_placement_plans_of_straddling_sizes_are_valid_and_exact(n_ranks: int) -
     """The all-sizes pass alone (before the nested subsets compete): blocks wait, the order is the placement's."""
     from cpscope.hybrid._bound import problem_bound
     from cpscope.hybrid._packing import build_plan
-    from cpscope.hybrid.planner import DEFAULT_TARGETS, _search
+    from cpscope.hybrid._planner import DEFAULT_TARGETS, _search
     from cpscope.hybrid._problem import Problem
 
     waits = 0

@@ -364,7 +364,7 @@ class _HostSyncCounter:
     ``unique``, ``repeat_interleave`` without ``output_size``). Python-level: ``Tensor.tolist``, ``.numpy``,
     ``.cpu`` (on CPU those dispatch nothing, so they are counted where they are called).
 
-    Not counted: the inside of cpscope's CPU exact-math attention blocks (``cpscope.attention.kernels.exact``
+    Not counted: the inside of cpscope's CPU exact-math attention blocks (``cpscope.attention._kernels.exact``
     ``forward`` / ``backward``), the stand-in on CPU for the GPU's cuDNN / flash kernels (it builds its document mask with
     ``repeat_interleave``); everything around them — the adapter, validation, ring plan, RoPE — is counted.
     """
@@ -394,7 +394,7 @@ class _HostSyncCounter:
             self.handles.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "where", f"layer {i}")))
             self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "where", "outside layers")))
         self.saved = {m: getattr(torch.Tensor, m) for m in self._METHODS}
-        from cpscope.attention.kernels import exact
+        from cpscope.attention._kernels import exact
 
         self.blocks = exact
         self.kernels = {name: getattr(exact, name) for name in ("forward", "backward")}

@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 import cpscope  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
-from cpscope.integrations.hf import bound_layers  # noqa: E402
+from cpscope.integrations.hf import _bound_layers as bound_layers  # noqa: E402
 from tests.attention._reference import zigzag_index  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.integrations._hybrid_models import MODEL_TYPES, VOCAB, build  # noqa: E402

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import cpscope  # noqa: E402
 from cpscope import _tensor_cache  # noqa: E402
 from cpscope.integrations import hf as cphf  # noqa: E402
-from cpscope.integrations.hf.inputs import check_mask  # noqa: E402
+from cpscope.integrations.hf._inputs import check_mask  # noqa: E402
 from cpscope.scope import resolve_scope  # noqa: E402
 
 

@@ -200,7 +200,7 @@ def test_features_change_the_reference(family):
 def test_trainer_model_check_accepts_the_models():
     """The hybrid-CP trainers' pre-flight check (switch to cpscope, every layer through it, a packed probe that
     must not mix documents) passes for each of these models built with eager attention."""
-    from cpscope.integrations.hf.model_check import check_model_for_cp, use_cpscope_attention
+    from cpscope.integrations.hf._model_check import check_model_for_cp, use_cpscope_attention
 
     for family in FAMILIES:
         _, ref = _models(family)

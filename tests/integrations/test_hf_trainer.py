@@ -146,7 +146,7 @@ def _packed_batch() -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = ex.build_trainer(_run(mode="single"), out)
         batch = next(iter(trainer.get_train_dataloader()))
-    from cpscope.integrations.hf.documents import document_offsets
+    from cpscope.integrations.hf._documents import document_offsets
 
     cut = max(c for c in document_offsets(batch["position_ids"]) if c <= 512)  # whole documents, <= 512 tokens
     return {k: batch[k][:, :cut] for k in ("input_ids", "labels", "position_ids")}
@@ -162,7 +162,7 @@ def _cpscope_logits(model, batch: dict, group, rank: int):
     their indices in the row."""
     from cpscope.hybrid import Microbatch
     from cpscope.integrations.hf import trainer as hf_trainer
-    from cpscope.integrations.hf.documents import batch_documents, local_microbatches
+    from cpscope.integrations.hf._documents import batch_documents, local_microbatches
 
     docs = batch_documents(batch)
     planned = Microbatch(cp=4, block=0, seqs=tuple(range(len(docs.lengths))), tokens_per_rank=0, cost=0.0)
@@ -181,7 +181,7 @@ def _cpscope_logits(model, batch: dict, group, rank: int):
 
 def _cross_document(batch: dict):
     import cpscope.integrations.hf as cphf
-    from cpscope.integrations.hf.documents import document_offsets
+    from cpscope.integrations.hf._documents import document_offsets
 
     _register_row_causal()
     group = cpscope.new_cp_groups([4])[4]

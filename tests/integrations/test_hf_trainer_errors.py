@@ -19,8 +19,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
 
 import cpscope.integrations.hf.trainer as cpt  # noqa: E402
-from cpscope.integrations.hf.documents import batch_documents, gather_documents  # noqa: E402
-from cpscope.integrations.hf.model_check import check_model_for_cp, use_cpscope_attention  # noqa: E402
+from cpscope.integrations.hf._documents import batch_documents, gather_documents  # noqa: E402
+from cpscope.integrations.hf._model_check import check_model_for_cp, use_cpscope_attention  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -255,7 +255,7 @@ def test_model_check_accepts_bound_hybrids_and_refuses_unbound_ones():
     """The trainer's pre-step probe: every hybrid type passes once bound (Nemotron-H's MLP blocks and Falcon-H1's
     attention + Mamba2 blocks included), and an unbound one is refused with the call that fixes it."""
     import cpscope.integrations.hf as cphf
-    from cpscope.integrations.hf.model_check import check_model_for_cp
+    from cpscope.integrations.hf._model_check import check_model_for_cp
     from tests.integrations._hybrid_models import MODEL_TYPES
 
     for model_type in MODEL_TYPES:

@@ -202,7 +202,7 @@ def _for_rank(plan: list[Any], rank: int) -> list[Any]:
 
 
 def _cp_step(model: Any, plan: list[Any], docs: list[Any], groups: dict) -> tuple[torch.Tensor, int]:
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
     from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
 
     mbs = prepare_megatron_microbatches(_for_rank(plan, dist.get_rank()), docs, groups)
@@ -445,7 +445,7 @@ def _planner_bridge() -> list[int]:
         assert len(holders) == cp and holders[0] % cp == 0 and holders == list(range(holders[0], holders[0] + cp))
         assert [lengths[i]] * 1 == [groups_out[0][holders[0]][ids_out[0][holders[0]].index(i)]]
     assert max(plan.cp_sizes) > 1  # the 96-token document cannot fit one rank's 32 tokens
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
     from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
 
     mine = plan.microbatches_for_rank(rank)

@@ -180,7 +180,7 @@ def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, i
     """cpscope's loop on this rank's microbatches; returns the loss, the target count and, per microbatch of the
     plan (by position), the auxiliary losses summed over its CP group's ranks."""
     from cpscope.integrations.megatron import prepare_megatron_microbatches
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
 
     mine = _for_rank(plan, dist.get_rank())
     mbs = prepare_megatron_microbatches(mine, docs, groups)

@@ -105,7 +105,7 @@ def _cp_step(model: Any, plan: list, docs: list, groups: dict) -> tuple[float, i
     """cpscope's loop on this rank's microbatches: the loss, the target count and, per microbatch of the plan (by
     its documents), the MTP loss of each depth summed over its CP ranks."""
     from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
 
     mbs = prepare_megatron_microbatches(_for_rank(plan, dist.get_rank()), docs, groups)
     shares: list = []
@@ -203,7 +203,7 @@ def _dense_mtp(groups: dict, tol: float) -> None:
     """``bshd`` under ``runtime_cp(CP2)`` (no ``PackedSeqParams``: Megatron's dense CP roll, the microbatch's group):
     the MTP losses summed over the ranks and the summed gradients equal the unmodified model's on the whole batch."""
     from cpscope.integrations.megatron import enable_runtime_cp
-    from cpscope.train.loop import allreduce_gradients
+    from cpscope.train._loop import allreduce_gradients
 
     model, ref = _build_mtp(seed=1), _build_mtp(seed=1)
     enable_runtime_cp(model)
@@ -234,7 +234,7 @@ def _exception_restores(model: Any, roll: Any) -> None:
     from megatron.core.transformer import multi_token_prediction as mtp_module
 
     from cpscope.integrations.megatron import prepare_megatron_microbatch
-    from cpscope.integrations.megatron.data import Document
+    from cpscope.integrations.megatron._data import Document
 
     doc = Document(torch.arange(1, 9), torch.arange(2, 10))
     mb = prepare_megatron_microbatch([doc], cp=1, group=None)

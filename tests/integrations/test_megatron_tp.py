@@ -90,7 +90,7 @@ def init_tp_weights(model: Any, tp_rank: int) -> None:
 
 def _cp_step(model: Any, plan: list, docs: list, cp_groups: dict, dp: Any) -> tuple[float, int]:
     from cpscope.integrations.megatron import megatron_forward, prepare_megatron_microbatches
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
 
     dp_ranks = dist.get_process_group_ranks(dp)
     position = dp_ranks.index(dist.get_rank())

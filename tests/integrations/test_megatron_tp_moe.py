@@ -106,7 +106,7 @@ def _summed(logs: dict, group: Any = None) -> dict:
 
 def _cp_step(model: Any, plan: list, docs: list, groups: dict, ps: Any) -> tuple[float, int, dict]:
     from cpscope.integrations.megatron import prepare_megatron_microbatches
-    from cpscope.train.loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
+    from cpscope.train._loop import allreduce_gradients, allreduce_sum, global_num_targets, run_microbatches
 
     dp = ps.get_data_parallel_group()
     dp_ranks = dist.get_process_group_ranks(dp)
@@ -203,7 +203,7 @@ def _static_groups(ps: Any, groups: dict) -> list[tuple[int, float, float]]:
 def _unregistered_cp_group_refused(ps: Any) -> str:
     """A CP group of the right ranks that new_tp_cp_groups did not make: no [tp, cp] group to bind."""
     from cpscope.integrations.megatron import enable_runtime_cp
-    from cpscope.integrations.megatron.data import prepare_megatron_microbatch
+    from cpscope.integrations.megatron._data import prepare_megatron_microbatch
     from cpscope.integrations.megatron import documents_from_batch
 
     cpscope.clear_cp_group_cache()  # on every rank: the next groups are new ones
@@ -228,7 +228,7 @@ def _refused_before_any_collective() -> tuple[str, int]:
     """TP2, a CP2 microbatch whose [tp, cp] group was not made up front: the error, and how many collectives ran
     before it (Megatron's TP all-reduces / gathers, the ring's exchanges)."""
     from cpscope.integrations.megatron import documents_from_batch, enable_runtime_cp
-    from cpscope.integrations.megatron.data import prepare_megatron_microbatch
+    from cpscope.integrations.megatron._data import prepare_megatron_microbatch
 
     with _tensor_parallel(TP) as ps:
         cpscope.clear_cp_group_cache()  # on every rank: the next groups are new ones

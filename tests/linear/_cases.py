@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cpscope
-from cpscope.linear import causal_conv1d, gated_delta_rule, mamba2_scan, summaries
+from cpscope.linear import causal_conv1d, gated_delta_rule, mamba2_scan, _summaries as summaries
 from tests.linear import _reference as ref
 
 KINDS = ("gdn", "kda", "mamba2", "conv")

@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 from cpscope.linear import _fla
-from cpscope.linear.kernels import torch_delta_rule, torch_simple_gla
+from cpscope.linear._kernels import torch_delta_rule, torch_simple_gla
 
 CALLS: list[tuple[str, dict[str, Any]]] = []
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 
 from cpscope._pack import dense_pack, pack_for
-from cpscope.linear import delta_rule, gated_delta_rule, kernels, mamba2, mamba2_scan, summaries
-from cpscope.linear.pieces import runs_of_input
+from cpscope.linear import _delta_rule as delta_rule, gated_delta_rule, _kernels as kernels, _mamba2 as mamba2, mamba2_scan, _summaries as summaries
+from cpscope.linear._pieces import runs_of_input
 from cpscope.scope import CPScope
 from tests.linear import _reference as ref
 

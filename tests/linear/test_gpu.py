@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpscope.linear import _fla, kernels
+from cpscope.linear import _fla, _kernels as kernels
 from tests.linear import _sequential
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +57,7 @@ def test_fla_cp_ranks_in_one_process_equal_reference(kind: str, layout: str, cp:
 
 
 def _runs(seq: dict, cu: list | None):
-    from cpscope.linear.pieces import runs_of_input
+    from cpscope.linear._pieces import runs_of_input
     from cpscope.scope import CPScope
 
     t = next(iter(seq.values()))

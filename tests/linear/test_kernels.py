@@ -13,8 +13,8 @@ import inspect
 import pytest
 import torch
 
-from cpscope.linear import gated_delta_rule, kernels, mamba2_scan
-from cpscope.linear.pieces import runs_of_input
+from cpscope.linear import gated_delta_rule, _kernels as kernels, mamba2_scan
+from cpscope.linear._pieces import runs_of_input
 from cpscope.scope import CPScope
 from tests.distributed import run_ranks
 from tests.linear import _sequential

@@ -31,7 +31,7 @@ def test_local_length_vs_cu_seqlens_and_cp() -> None:
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=16 with CP size 1"):
         gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, group=None)
     fake_cp2 = CPScope(None, 2, 0)  # size/rank only: validation runs before any collective
-    import cpscope.linear.pieces as mod
+    import cpscope.linear._pieces as mod
 
     with pytest.raises(ValueError, match="divisible by 2\\*cp=4"):
         mod.pieces_of_input(1, 8, torch.tensor([0, 6, 16], dtype=torch.int32), fake_cp2, where="t")

@@ -25,12 +25,12 @@ of the full-batch mean loss.
 The per-layer attention options of today's decoders run under CP as in the model's own eager attention:
 ``sliding_window`` (Mistral, Qwen2/3, Gemma 2/3, gpt-oss: query ``i`` sees keys ``i - W < j <= i``), ``softcap``
 (Gemma 2), ``s_aux`` (gpt-oss sinks, differentiable) and a v head dim other than q/k's (DeepSeek-V3's multi-latent
-attention); see :mod:`cpscope.integrations.hf.options`.
+attention); see :mod:`cpscope.integrations.hf._options`.
 
 Hybrid models (linear-attention, state-space or short-convolution layers: Qwen3.5, Qwen3-Next, Kimi Linear,
 Nemotron-H, Bamba, Granite 4 hybrids, Falcon-H1, LFM2) need their token mixers bound to the scope: run under CP > 1
 with only ``attn_implementation="cpscope"`` set, their first attention layer raises ``ValueError`` on every rank
-(:mod:`cpscope.integrations.hf.mixers`).
+(:mod:`cpscope.integrations.hf._mixers`).
 
 Not supported (each raises ``ValueError``): padding masks with zeros, 4-D masks, KV caches / generation
 (query and key lengths differ), a sliding window without a causal mask, attention dropout.
@@ -83,12 +83,12 @@ from ..._tensor_cache import derived
 from ...attention import context_parallel_attention
 from ...scope import CPScope, resolve_scope
 from ...sharding import zigzag_positions
-from . import batch_scope
+from . import _batch_scope as batch_scope
 from ._shard_batch import shard_batch
-from .inputs import check_mask, packed_offsets, unsupported
-from .mixers import refuse_unbound_mixers
-from .options import attention_options, longest_sequence
-from .recompute import (
+from ._inputs import check_mask, packed_offsets, unsupported
+from ._mixers import refuse_unbound_mixers
+from ._options import attention_options, longest_sequence
+from ._recompute import (
     ATTN_IMPLEMENTATION,
     ScopedCheckpointFunction,
     enable_scoped_recompute,
@@ -104,7 +104,6 @@ except ImportError as e:  # pragma: no cover - older transformers
     ) from e
 
 __all__ = [
-    "ATTN_IMPLEMENTATION",
     "ScopedCheckpointFunction",
     "cpscope_attention_forward",
     "cpscope_attention_mask",
@@ -275,4 +274,4 @@ batch_scope.install_generate_guard()
 AttentionInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cpscope_attention_mask)
 
-from .runtime import disable_runtime_cp, enable_runtime_cp  # noqa: E402  (needs this module's helpers)
+from ._runtime import disable_runtime_cp, enable_runtime_cp  # noqa: E402  (needs this module's helpers)

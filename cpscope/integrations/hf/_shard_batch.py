@@ -4,7 +4,7 @@ Private to :mod:`cpscope.integrations.hf`, which re-exports :func:`shard_batch` 
 input side of the adapter, run once per batch before the model: which keys are cut along the sequence, the packed
 documents read from ``position_ids`` (a new document wherever the step is not +1), the labels shifted before the
 cut (a rank's tokens are not contiguous afterwards), and the scope the batch was cut for, marked on it
-(:mod:`cpscope.integrations.hf.batch_scope`) so that the attention function can refuse a model run under another.
+(:mod:`cpscope.integrations.hf._batch_scope`) so that the attention function can refuse a model run under another.
 The per-call side — what the attention function checks and runs for every layer — stays in the package
 ``__init__``.
 
@@ -24,8 +24,8 @@ import torch
 from ..._checks import check_cu_seqlens, check_divisible_seq
 from ...scope import UNSET as _UNSET, resolve_scope
 from ...sharding import zigzag_shard
-from . import batch_scope
-from .inputs import check_mask
+from . import _batch_scope as batch_scope
+from ._inputs import check_mask
 
 __all__ = ["shard_batch"]
 

@@ -17,12 +17,12 @@ What each training step does on every rank (one ``training_step`` call = one acc
    targets transformers' loss would use, and the world's documents are all-gathered (ids and targets only);
 2. :func:`cpscope.hybrid.plan_hybrid` gives every document a CP size and every rank its microbatches (the same
    plan on every rank); each microbatch is packed, padded per document to ``2·cp`` and zigzag-sharded;
-3. :func:`cpscope.train.loop.run_step` runs them under ``runtime_cp`` (document-masked ring attention through
+3. :func:`cpscope.train.run_step` runs them under ``runtime_cp`` (document-masked ring attention through
    ``attn_implementation="cpscope"``, RoPE at global positions), each loss the summed cross-entropy over the
    trainer's **global** target count ``num_items_in_batch`` — so the world-sum of the gradients is the gradient
    one process would compute on the whole batch;
 4. the gradients are synchronised once per optimizer step — after the last micro-step of the accumulation window
-   — as a sum, for DDP or FSDP2 (:mod:`cpscope.train.sync`), whatever the number of microbatches of each rank.
+   — as a sum, for DDP or FSDP2 (:mod:`cpscope.train._sync`), whatever the number of microbatches of each rank.
 
 The trainer calls :func:`cpscope.integrations.hf.enable_runtime_cp` on the model at construction: it is switched to
 ``attn_implementation="cpscope"`` (plain document-masked attention at CP1, so evaluation runs as before; switch back
@@ -33,7 +33,7 @@ convolution layer is bound to the scope, each packed document starting from a ze
 counts the quadratic attention work and the ring traffic of the attention layers only
 (:meth:`cpscope.hybrid.CostModel.for_layer_mix`): the other layers cost linear time in the document length. Before
 the first step a probe checks that the model's layers all attend through cpscope and that no document sees another; the trainer's
-settings, the collator and ``capacity`` are checked at construction (:mod:`cpscope.integrations.hf.setup`). Each
+settings, the collator and ``capacity`` are checked at construction (:mod:`cpscope.integrations.hf._setup`). Each
 logged step gets ``cp_tokens_per_second``, ``cp_step_seconds`` and, per CP size, ``cp{n}_microbatches`` and
 ``cp{n}_token_share``; :attr:`HybridCPMixin.cp_history` keeps every step's figures.
 """
@@ -53,15 +53,15 @@ from transformers import Trainer, TrainerCallback
 
 from ...groups import new_cp_groups
 from ...hybrid import CostModel, LayerMix, cp_candidates, plan_hybrid
-from ...train.collectives import allreduce_sum
-from ...train.loop import IGNORE_INDEX, LocalMicrobatch, run_step
-from ...train.sync import GradientSync, gradient_sync
+from ...train import allreduce_sum
+from ...train._loop import IGNORE_INDEX, LocalMicrobatch, run_step
+from ...train._sync import GradientSync, gradient_sync
 from ...sharding import zigzag_position_ids
-from .documents import (Documents, batch_documents, concat_documents, document_offsets, gather_documents,
+from ._documents import (Documents, batch_documents, concat_documents, document_offsets, gather_documents,
                             local_microbatches)
-from .model_check import base_model, call_model, check_model_for_cp
-from .runtime import enable_runtime_cp
-from .setup import check_trainer
+from ._model_check import base_model, call_model, check_model_for_cp
+from ._runtime import enable_runtime_cp
+from ._setup import check_trainer
 
 # HybridCPSFTTrainer (TRL imported on first use) resolves through the module __getattr__ below.
 __all__ = ["HybridCP", "HybridCPMixin", "HybridCPTrainer", "default_cost", "hybrid_cp_trainer"]

@@ -14,11 +14,11 @@ Model side (needs megatron-core, :data:`SUPPORTED_MEGATRON_CORE`; imported only 
 
 Data side (no Megatron import):
 
-* :mod:`~cpscope.integrations.megatron.data` — a Megatron ``thd`` batch (``tokens`` / ``labels`` / ``loss_mask`` /
+* :mod:`~cpscope.integrations.megatron._data` — a Megatron ``thd`` batch (``tokens`` / ``labels`` / ``loss_mask`` /
   ``cu_seqlens``, ``get_batch_on_this_cp_rank``'s conventions) into cpscope's hybrid loop and back:
   :func:`documents_from_batch`, :func:`prepare_megatron_microbatches`, :func:`megatron_forward`,
   :func:`shard_batch`.
-* :mod:`~cpscope.integrations.megatron.scheduler` — :class:`PlannerScheduler`, cpscope's planner behind the interface
+* :mod:`~cpscope.integrations.megatron._scheduler` — :class:`PlannerScheduler`, cpscope's planner behind the interface
   of Megatron's ``BalancedCPScheduler`` (``get_groups_and_subsamples``).
 
 Example::
@@ -32,7 +32,7 @@ Example::
 from ._packed import PackedSeqInfo, packed_seq_scope, read_packed_seq_params, scope_from_packed_seq_params
 from ._runtime import disable_runtime_cp, enable_runtime_cp
 from ._version import SUPPORTED_MEGATRON_CORE, megatron_core_version
-from .data import (
+from ._data import (
     Document,
     MegatronMicrobatch,
     documents_from_batch,
@@ -41,22 +41,18 @@ from .data import (
     prepare_megatron_microbatches,
     shard_batch,
 )
-from .scheduler import PlannerScheduler
+from ._scheduler import PlannerScheduler
 
+# the user's names; SUPPORTED_MEGATRON_CORE, megatron_core_version, Document, MegatronMicrobatch, PackedSeqInfo and
+# prepare_megatron_microbatch stay importable from here (the types the calls above return, the version pin)
 __all__ = [
-    "SUPPORTED_MEGATRON_CORE",
-    "Document",
-    "MegatronMicrobatch",
-    "PackedSeqInfo",
+    "enable_runtime_cp",
+    "disable_runtime_cp",
     "PlannerScheduler",
     "documents_from_batch",
-    "megatron_forward",
-    "prepare_megatron_microbatch",
     "prepare_megatron_microbatches",
+    "megatron_forward",
     "shard_batch",
-    "disable_runtime_cp",
-    "enable_runtime_cp",
-    "megatron_core_version",
     "packed_seq_scope",
     "read_packed_seq_params",
     "scope_from_packed_seq_params",
