@@ -13,7 +13,7 @@ import torch
 import cpscope
 from cpscope import _tensor_cache
 from cpscope._pack import pack_for
-from cpscope.rope import api
+from cpscope.rope import _api as api
 from cpscope.rope._torch_math import rope_math
 
 

@@ -69,7 +69,7 @@ def rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch
 def rope_math_cos_sin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """:func:`rope_math` with ``cos`` / ``sin`` of the angles given, already in the compute dtype (``≥ fp32``, as
     :func:`rope_math` makes them): the same numbers, without the per-call ``cos`` / ``sin`` (the eager path caches
-    them per pack, see :func:`cpscope.rope.api.apply_rotary_pos_emb`)."""
+    them per pack, see :func:`cpscope.rope._api.apply_rotary_pos_emb`)."""
     rot_dim = cos.shape[-1]
     whole = rot_dim == t.shape[-1]
     x = (t if whole else t[..., :rot_dim]).to(cos.dtype)  # no slice view (an autograd node) when it is all of t
