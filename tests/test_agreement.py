@@ -274,7 +274,7 @@ def test_error_pickles_with_its_values():
 
 def _kept_rows() -> tuple[int, bool, int]:
     """An agreed digest keeps its reduce row; the later calls reduce copies of it (the kept row stays as built)."""
-    from cpscope.attention import agreement
+    from cpscope.attention import _agreement as agreement
 
     group = _group()
     cu = [0, 8, 24]
