@@ -26,9 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..attention._agreement import STAND_DOWN, check_call, raise_differ
-from ..attention import _api as attention_api
-from ..attention._api import AttentionCall
+from ..attention import STAND_DOWN, AttentionCall, check_call, raise_differ
+from ..attention import api_module as attention_api
 from ..scope import CPScope
 from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..attention._api import AttentionCall
+from ..attention import AttentionCall
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from . import recompute

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..attention._api import AttentionCall
+from ..attention import AttentionCall
 from ..sharding import zigzag_indices
 from .agree import hash64
 from .attention_numeric import _SKIPPED, _Call, run_checked

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from .._tensor_cache import lru
-from ..attention._api import AttentionCall
+from ..attention import AttentionCall
 from ..scope import CPScope, capture_scope, scope_for
 from . import switch
 from .attention_check import checked_attention

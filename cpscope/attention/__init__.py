@@ -33,3 +33,9 @@ from ._variants import set_auto_chooser
 __all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser",
            "RanksDisagreeError", "verify_agreement", "KernelPolicy", "kernel_policy", "set_kernel_policy",
            "use_kernel_policy", "routing_table", "fallbacks"]
+
+# For cpscope's other rooms (the sentinel, the TE integration): importable here, not part of ``__all__``.
+from . import _api as api_module  # noqa: E402
+from ._agreement import STAND_DOWN, check_call, raise_differ  # noqa: E402
+from ._api import AttentionCall  # noqa: E402
+from ._variants import te_binding  # noqa: E402

@@ -91,7 +91,7 @@ def default_rule(query: VariantQuery) -> str:
         return P2P
     if query.window is not None and query.seq_lens and sum(query.seq_lens):
         # imported here: the cost model uses numpy, which attention itself (and `import cpscope`) does not need
-        from ..hybrid._comm_cost import halo_rows
+        from ..hybrid import halo_rows
 
         cp, h, g, total = query.cp, query.heads, query.kv_heads, sum(query.seq_lens)
         lens = [n for n in query.seq_lens if n > 0]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..hybrid._data import long_tail_lengths, sft_like_lengths, uniform_lengths
+from ..hybrid import long_tail_lengths, sft_like_lengths, uniform_lengths
 
 __all__ = ["DISTRIBUTIONS", "Pool", "Synthetic", "from_dataset", "from_file"]
 

@@ -47,3 +47,8 @@ from ._step_cost import StepCost  # noqa: E402
 
 __all__ += ["CommCostModel", "StepCost", "sft_like_lengths"]
 
+# For cpscope's other rooms (attention, train, cli): importable here, not part of ``__all__``.
+from ._comm_cost import (LOCAL, Sample, cache_dir, cache_key, cache_path, default_inner, dtype_name,  # noqa: E402
+                         halo_rows, load_cached, variant_allowed)
+from ._data import uniform_lengths  # noqa: E402
+from ._variants import choose as choose_variant  # noqa: E402

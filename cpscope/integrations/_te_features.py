@@ -91,7 +91,7 @@ def te_variant(scope: CPScope, comm: str, module: Any, call: Optional[dict[str, 
         ValueError: the requested variant cannot run the features (naming the variants that can, or saying that
             none can), or ``te_binding``'s own refusals (heads an all-to-all cannot shard).
     """
-    from ..attention._variants import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
+    from ..attention import te_binding  # "auto" resolved, "a2a+p2p[:N]" as TE's [a2a, p2p] groups
 
     features = te_features(module, call)
     if not features:

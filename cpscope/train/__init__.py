@@ -44,3 +44,7 @@ __all__ = [
     "calibrate",
     "use_calibration",
 ]
+
+# For cpscope's integrations: importable here, not part of ``__all__``.
+from ._prepare import IGNORE_INDEX, pad_and_shard, planned_group  # noqa: E402
+from ._sync import GradientSync  # noqa: E402

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from .._tensor_cache import lru
 from .._version import __version__
 from ..attention import set_auto_chooser
-from ..hybrid._comm_cost import CommCostModel, cache_dir, default_inner, dtype_name
-from ..hybrid._variants import choose
+from ..hybrid import CommCostModel, cache_dir, default_inner, dtype_name
+from ..hybrid import choose_variant as choose
 
 __all__ = ["auto_chooser", "cached_cost", "calibration_device", "device_name", "model_digest", "use_calibration"]
 

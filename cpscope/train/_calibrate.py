@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from .._version import __version__
 from .._variants import VARIANTS, check_variants
-from ..hybrid._comm_cost import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
-                                load_cached, variant_allowed)
+from ..hybrid import (LOCAL, CommCostModel, Sample, cache_key, cache_path, default_inner, dtype_name,
+                     load_cached, variant_allowed)
 from ._auto import calibration_device, device_name
 
 __all__ = ["calibrate", "job_key", "load_or_calibrate"]

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ...train._prepare import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
+from ...train import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ..._variants import check_comm
 
 __all__ = ["Documents", "batch_documents", "concat_documents", "document_offsets", "gather_documents",

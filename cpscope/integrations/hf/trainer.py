@@ -54,8 +54,7 @@ from transformers import Trainer, TrainerCallback
 from ...groups import new_cp_groups
 from ...hybrid import CostModel, LayerMix, cp_candidates, plan_hybrid
 from ...train import allreduce_sum
-from ...train._loop import IGNORE_INDEX, LocalMicrobatch, run_step
-from ...train._sync import GradientSync, gradient_sync
+from ...train import IGNORE_INDEX, GradientSync, LocalMicrobatch, gradient_sync, run_step
 from ...sharding import zigzag_position_ids
 from ._documents import (Documents, batch_documents, concat_documents, document_offsets, gather_documents,
                             local_microbatches)

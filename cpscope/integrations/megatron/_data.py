@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ..._pack import cu_seqlens_list
 from ..._variants import check_comm
 from ...hybrid import Microbatch
-from ...train._loop import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
+from ...train import IGNORE_INDEX, LocalMicrobatch, pad_and_shard, planned_group
 from ...scope import UNSET as _UNSET, resolve_scope, scope_for
 from ...sharding import zigzag_positions, zigzag_shard
 
