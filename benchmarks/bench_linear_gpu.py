@@ -84,9 +84,11 @@ def _mamba_inputs(t: dict) -> tuple:
     return Ch, Bh, (t["x"].float() * d[..., None]).to(t["x"].dtype), d * t["A"]
 
 
-def direct_kernels(t: dict) -> kernels.Kernels:
-    """fla where it runs on these inputs, else the torch chunk code."""
-    return kernels.FLA if _fla.usable(next(iter(t.values()))) else kernels.TORCH
+def direct_kernels(kind: str, t: dict) -> kernels.Kernels:
+    """fla where it runs these inputs forward and backward, else the torch chunk code (as cpscope picks: fla refuses
+    its gated backward — GDN, Mamba2 — on Hopper with Triton < 3.7.1 and no tilelang)."""
+    x = next(iter(t.values()))
+    return kernels.FLA if _fla.usable(x, gated_backward=kind != "kda") else kernels.TORCH
 
 
 def via_kernel(kind: str, t: dict, cu: Optional[torch.Tensor], cu_cpu: Optional[torch.Tensor],
@@ -166,7 +168,7 @@ def run_case(kind: str, tokens: int, packed: bool, args: argparse.Namespace, dev
     cu_cpu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long) if packed else None
     cu = None if cu_cpu is None else cu_cpu.to(device=dev, dtype=torch.int32)  # one offsets tensor, every call
     names = list(t)
-    kern = direct_kernels(t)
+    kern = direct_kernels(kind, t)
     direct = functools.partial(via_kernel, kern=kern)
     row: dict[str, Any] = {"layer": kind, "tokens": tokens, "packed": packed, "docs": len(lens), "kernel": kern.name,
                            "dtype": str(dtype)}

@@ -101,7 +101,7 @@ def gated_delta_rule(
     scope = resolve_scope(group)
     B, T = q.shape[:2]
     runs = runs_of_input(B, T, cu_seqlens, scope, q.device, where=_WHERE, name="q")
-    kern = kernels.pick(q, runs)
+    kern = kernels.pick(q, runs, gated_backward=g.dim() == 3 and kernels.needs_grad(q, k, v, g, beta))
     if runs.pieces.cp == 1:  # no exchange: straight to the kernel
         o, _ = kern.delta_rule(*(runs.shape(t) for t in (q, k, v, g, beta)), scale=scale, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,

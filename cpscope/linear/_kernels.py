@@ -128,7 +128,14 @@ FLA = Kernels("fla", _fla.delta_rule, _fla.simple_gla, upcast=False)
 TORCH = Kernels("torch", torch_delta_rule, torch_simple_gla, upcast=True)
 
 
-def pick(x: torch.Tensor, runs: Runs) -> Kernels:
+def pick(x: torch.Tensor, runs: Runs, *, gated_backward: bool = False) -> Kernels:
     """:data:`FLA` when flash-linear-attention takes ``x`` (CUDA, fp32 / bf16 / fp16, installed) and no run is empty,
-    else :data:`TORCH`."""
-    return FLA if not runs.has_empty and _fla.usable(x) else TORCH
+    else :data:`TORCH`. ``gated_backward``: the call uses fla's gated chunk backward (GDN's scalar gate, Mamba2) and
+    needs gradients; where fla refuses that backward (:func:`cpscope.linear._fla.gated_backward_refusal`) the call
+    runs on :data:`TORCH` from the start rather than failing in its backward."""
+    return FLA if not runs.has_empty and _fla.usable(x, gated_backward=gated_backward) else TORCH
+
+
+def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will record a call on these tensors (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -105,7 +105,7 @@ def mamba2_scan(
     _check(x, dt, A, B, C, D, dt_bias, dt_limit, chunk_size)
     scope = resolve_scope(group)
     runs = runs_of_input(x.shape[0], x.shape[1], cu_seqlens, scope, x.device, where=_WHERE, name="x")
-    kern = kernels.pick(x, runs)
+    kern = kernels.pick(x, runs, gated_backward=kernels.needs_grad(x, dt, A, B, C, D, dt_bias))
     a, xdt, Bh, Ch = prepare(kern, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
     y, b = local_scan(kern, runs, a, xdt, Bh, Ch, chunk_size)
     if runs.pieces.cp > 1:

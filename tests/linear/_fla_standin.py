@@ -88,5 +88,5 @@ def standin() -> Iterator[list]:
         setattr(mod, fn_name, _simple_gla if fn_name == "chunk_simple_gla" else _delta(fn_name))
         mods[mod_name] = mod
     CALLS.clear()
-    with mock.patch.dict(sys.modules, mods), mock.patch.object(_fla, "usable", lambda x: True):
+    with mock.patch.dict(sys.modules, mods), mock.patch.object(_fla, "usable", lambda x, gated_backward=False: True):
         yield CALLS
