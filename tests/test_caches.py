@@ -62,6 +62,7 @@ NOT_CACHES = {
     "cpscope.scope._build_time": "the build-time CP group (a setting)",
     "cpscope.integrations.megatron._moe._CHECKED": "which routers were checked per group (a check's state, weak)",
     "cpscope.integrations.megatron._moe._TP_CHECKED": "the same, per TP group",
+    "cpscope.linear._fla._LOGGED": "the fla refusals already warned about (a log-once set of strings)",
 }
 
 # Memos of an import or a capability probe: the answer cannot change while the process runs (an installed module,
@@ -71,6 +72,8 @@ PROBES = {
     "cpscope.attention._kernels.cudnn_frontend.module": "the cudnn module if importable (sys.modules holds it anyway)",
     "cpscope.attention._kernels.cudnn_frontend._device_ok": "a device's compute capability and the cuDNN version",
     "cpscope.linear._fla.available": "whether flash-linear-attention is installed (importlib.util.find_spec)",
+    "cpscope.linear._fla.gated_backward_refusal": "whether fla refuses its gated backward: a pure function of the GPU's "
+                                                  "capability, Triton's version and tilelang's presence (strings)",
     "cpscope.rope._te._available": "TransformerEngine's apply_rotary_pos_emb if importable (a function object)",
 }
 
