@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_util import env_info, init_world, log  # noqa: E402
 
 import cpscope  # noqa: E402
-from cpscope.attention import _comm as comm  # noqa: E402
+from cpscope.attention import _exchange as comm  # noqa: E402
 from cpscope.attention._kernels import acc_dtype, exact  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- byte counting

@@ -38,7 +38,7 @@ from cpscope.train._calibrate import calibrate  # noqa: E402
 from tests._stand_in import ring_stand_in  # noqa: E402
 from cpscope._variants import VARIANTS  # noqa: E402
 from cpscope.hybrid._comm_cost import LOCAL, CommCostModel, cache_path  # noqa: E402
-from cpscope.hybrid._variants import choose, predict  # noqa: E402
+from cpscope.hybrid._cheapest_variant import choose, predict  # noqa: E402
 from _results import dump  # noqa: E402
 
 

@@ -55,7 +55,7 @@ NOT_CACHES = {
     "cpscope.attention._agreement._HOOKED": "the handle of the one optimizer pre-hook (clearing would register a "
                                            "second hook: every step would read the verdicts twice)",
     "cpscope.attention._policy._policy": "the kernel policy that set_kernel_policy set (a setting)",
-    "cpscope.attention._variants._chooser": "the variant chooser that was installed (a setting)",
+    "cpscope.attention._dispatch._chooser": "the variant chooser that was installed (a setting)",
     "cpscope.backward_check._switch": "whether the backward read check is on (a setting)",
     "cpscope.backward_check._allowances": "the backward read check's allowances (a setting)",
     "cpscope.backward_check._checking": "the backward read check's state",

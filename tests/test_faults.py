@@ -206,7 +206,7 @@ def test_a_reentrant_recompute_mismatch_is_raised_on_every_rank():
 def _calibration(case: str) -> tuple:
     import tempfile
 
-    from cpscope.attention import _variants as dispatch
+    from cpscope.attention import _dispatch as dispatch
     from cpscope.hybrid._comm_cost import CommCostModel
     from cpscope.train._auto import use_calibration
     from tests.hybrid.test_comm_cost import TRUE

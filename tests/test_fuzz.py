@@ -250,7 +250,7 @@ def _run(case: Case) -> Optional[str]:
 def _run_planted(case: Case, plant: str) -> Optional[str]:
     """``check_case`` with a planted bug: a swapped zigzag chunk order, or a ring that turns the wrong way."""
     from cpscope import _pack
-    from cpscope.attention import _comm as comm
+    from cpscope.attention import _exchange as comm
 
     cpscope.clear_caches()
     saved_index, saved_init = _pack._zigzag_index, comm.RingComm.__init__

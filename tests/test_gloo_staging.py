@@ -16,7 +16,7 @@ from tests.distributed import run_ranks
 
 def _ops() -> dict:
     import cpscope
-    from cpscope.attention import _comm as comm
+    from cpscope.attention import _exchange as comm
     from tests.gloo_staging import ALIASES, COUNTS, staged
 
     r, n = dist.get_rank(), dist.get_world_size()
@@ -27,7 +27,7 @@ def _ops() -> dict:
     originals = {name: getattr(dist, name) for name in ("isend", "all_gather_into_tensor", "all_to_all_single")}
     alias = comm._ALL_GATHER
     with staged(stage_cpu=True):
-        assert comm._ALL_GATHER is not alias and "cpscope.attention._comm._ALL_GATHER" in ALIASES
+        assert comm._ALL_GATHER is not alias and "cpscope.attention._exchange._ALL_GATHER" in ALIASES
         nxt, prv = (r + 1) % n, (r - 1) % n
         recv = torch.empty(3, 2)
         reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt, group),

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import cpscope
 from cpscope.groups import _registry as G
-from cpscope.groups._blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
+from cpscope.groups._rank_blocks import hierarchical_blocks, pad_schedule, plan_cp_blocks
 from tests.attention._reference import reference_attention, zigzag_index
 from tests.distributed import run_ranks
 

@@ -8,11 +8,11 @@ of four communication variants. Under CP1 it is plain local attention.
 The public names are this package's ``__all__``: the call and the module, the ``"auto"`` hook, the agreement check,
 and the kernel policy with what the router chose (``routing_table``, ``fallbacks``). Everything else lives in
 private modules, top down: :mod:`._api` (validate once, prepare the call, run it), :mod:`._module` (the
-``nn.Module``), :mod:`._variants` (``comm=`` and the ``"auto"`` chooser), one algorithm each — :mod:`._ring` (the
+``nn.Module``), :mod:`._dispatch` (``comm=`` and the ``"auto"`` chooser), one algorithm each — :mod:`._ring` (the
 zigzag ring; its plan of blocks and rows per step in :mod:`._ring_plan`), :mod:`._allgather`, :mod:`._ulysses`,
 :mod:`._hierarchical` — the windowed form of ``p2p`` / ``all_gather`` — :mod:`._halo` over :mod:`._halo_plan` (which
 blocks a window leaves, which K/V rows each rank needs from whom) — and their pieces: :mod:`._kernels` (one block and
-its kernels, chosen by one router; steered by :mod:`._policy`), :mod:`._merge` (log-sum-exp merging), :mod:`._comm`
+its kernels, chosen by one router; steered by :mod:`._policy`), :mod:`._merge` (log-sum-exp merging), :mod:`._exchange`
 (the exchange between ranks), :mod:`._layout` (the packed form of the collective variants), :mod:`._inputs`
 (validation), :mod:`._agreement` (the ranks of a group agree on each call before any exchange:
 :class:`RanksDisagreeError` on every rank instead of a hang or wrong rows).
@@ -28,7 +28,7 @@ from ._api import attention_with_scope, context_parallel_attention
 from ._kernels import fallbacks, routing_table
 from ._module import ContextParallelAttention
 from ._policy import KernelPolicy, kernel_policy, set_kernel_policy, use_kernel_policy
-from ._variants import set_auto_chooser
+from ._dispatch import set_auto_chooser
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "ContextParallelAttention", "set_auto_chooser",
            "RanksDisagreeError", "verify_agreement", "KernelPolicy", "kernel_policy", "set_kernel_policy",
@@ -38,4 +38,4 @@ __all__ = ["context_parallel_attention", "attention_with_scope", "ContextParalle
 from . import _api as api_module  # noqa: E402
 from ._agreement import STAND_DOWN, check_call, raise_differ  # noqa: E402
 from ._api import AttentionCall  # noqa: E402
-from ._variants import te_binding  # noqa: E402
+from ._dispatch import te_binding  # noqa: E402

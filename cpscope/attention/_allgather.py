@@ -39,7 +39,7 @@ from .._pack import pack_for
 from .._tensor_cache import lru
 from ..scope import CPScope
 from ._kernels import Varlen, Window, acc_dtype, block_backward, block_forward
-from ._comm import GroupCollectives, Pending
+from ._exchange import GroupCollectives, Pending
 from ._halo import halo_attention
 from ._halo_plan import halo_plan_for
 from ._layout import Packed

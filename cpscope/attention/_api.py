@@ -6,7 +6,7 @@ with grouped-query attention. Under CP1 (no group, or a size-1 group) it is plai
 
 A call is validated and resolved once into an :class:`AttentionCall` (:func:`prepare_call`: shapes, offsets and
 their per-pack metadata, the variant); :func:`run_call` runs it — the zigzag ring (:mod:`.ring`) here, the
-collective variants through :func:`cpscope.attention._variants.run_variant`. Under CP > 1 the ranks first agree on
+collective variants through :func:`cpscope.attention._dispatch.run_variant`. Under CP > 1 the ranks first agree on
 the call (:mod:`.agreement`: a fixed-size digest, no host sync per layer). An observer in the
 ``cpscope._hooks.attention`` slot (the sentinel) wraps the run of the prepared call.
 
@@ -43,7 +43,7 @@ from ._layout import packed, unpacked
 from ._policy import kernel_policy
 from ._ring import ring_attention
 from ._ring_plan import RingPlan, plan_for_pack
-from ._variants import Variant, resolve_variant, run_variant
+from ._dispatch import Variant, resolve_variant, run_variant
 
 __all__ = ["context_parallel_attention", "attention_with_scope", "AttentionCall", "prepare_call", "run_call"]
 

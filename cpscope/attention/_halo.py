@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..groups import group_ranks
 from ._kernels import acc_dtype, block_backward, block_forward
-from ._comm import GroupCollectives
+from ._exchange import GroupCollectives
 from ._halo_plan import HaloBlock, HaloGeometry, HaloPlan, Rows
 from ._merge import merge_rows_, merge_sinks_, sinks_grad
 

@@ -40,7 +40,7 @@ from .._tensor_cache import register_clear
 from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
 from ._kernels import Window
-from ._comm import GroupCollectives
+from ._exchange import GroupCollectives
 from ._layout import Packed
 from ._ulysses import UlyssesPlan, check_heads, run
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._kernels import acc_dtype, block_backward, block_forward, run_whole
-from ._comm import RingComm, is_dense
+from ._exchange import RingComm, is_dense
 from ._merge import merge_rows_, merge_sinks_, sinks_grad
 from ._ring_plan import DiagPart, RingGeometry, RingPlan, RingStep
 
@@ -43,7 +43,7 @@ def ring_forward(
     """Forward ring: returns ``(out, lse)``; ``out`` in q's dtype, ``lse`` in the accumulation dtype; ``sinks``
     (``[h]``, optional) are merged into both (what :func:`ring_backward` then takes).
 
-    ``k`` / ``v`` are the send buffers (dense: gap-free, see :class:`~cpscope.attention._comm.RingComm`). Merges run
+    ``k`` / ``v`` are the send buffers (dense: gap-free, see :class:`~cpscope.attention._exchange.RingComm`). Merges run
     in fp32 (fp64) through :func:`merge_rows_`. With CP2 there is exactly one merge, so the remote block merges
     straight into the diagonal block's output (q's dtype, rounded once): the same numbers as an fp32 accumulator
     cast at the end, without the upcast and the cast. Larger rings keep an fp32 accumulator.
@@ -264,7 +264,7 @@ def _join(plan: RingPlan, recv: torch.Tensor, recv_front: bool, own: torch.Tenso
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its elements fill one block of memory in some dimension order (e.g. the ``[b, s, h, d]``
     view of an ``sbhd`` tensor), else a contiguous copy: such tensors can be sent as they are (see
-    :class:`~cpscope.attention._comm.RingComm`) and the kernels read their strides."""
+    :class:`~cpscope.attention._exchange.RingComm`) and the kernels read their strides."""
     return t if is_dense(t) else t.contiguous()
 
 

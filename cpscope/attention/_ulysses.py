@@ -32,7 +32,7 @@ from .._tensor_cache import lru
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from ._kernels import Window
-from ._comm import GroupCollectives
+from ._exchange import GroupCollectives
 from ._halo import halo_backward, halo_forward
 from ._halo_plan import HaloPlan, halo_plan_for
 from ._layout import Packed

@@ -5,7 +5,7 @@
   :func:`lookup_hierarchical`: the cached pair or ``None``, never a collective (for consumers inside a forward).
 * :mod:`~cpscope.groups._tp_cp` — :func:`new_tp_cp_groups`: with tensor parallelism, per CP size the CP group (one
   TP rank), the ``[tp, cp]`` group and the ``[tp, dp, cp]`` domain, created up front; :func:`lookup_tp_cp` in a forward.
-* :mod:`~cpscope.groups._blocks` — the pure block plan (which ranks form a group of each size).
+* :mod:`~cpscope.groups._rank_blocks` — the pure block plan (which ranks form a group of each size).
 * :mod:`~cpscope.groups._create` — creating one rank's own blocks through ``torch.distributed``.
 
 Example::

@@ -21,7 +21,7 @@ of the arguments, how many groups torch has registered on the rank, whether its 
 Arguments that differ between ranks raise ``ValueError`` there instead of hanging later; a block is (re)created
 when any member lacks it; and in ``"local"`` mode members whose torch group counts differ (torch names local groups
 after that count) first create single-rank placeholder groups so that they agree
-(:func:`cpscope.groups._blocks.pad_schedule`).
+(:func:`cpscope.groups._rank_blocks.pad_schedule`).
 
 :class:`TorchLayer` is the only place that calls ``torch.distributed``; a fake layer stands in for it to count the
 calls at thousands of simulated ranks (``tests/_sim.py``, ``benchmarks/bench_groups.py``).
@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ._blocks import Block, pad_schedule
+from ._rank_blocks import Block, pad_schedule
 
 __all__ = ["TorchLayer", "Report", "create_blocks", "resolve_method", "METHODS", "digest"]
 

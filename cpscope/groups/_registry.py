@@ -33,7 +33,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from ._blocks import Block, as_int, hierarchical_blocks, plan_cp_blocks
+from ._rank_blocks import Block, as_int, hierarchical_blocks, plan_cp_blocks
 from ._create import Report, TorchLayer, create_blocks, digest, resolve_method
 
 __all__ = ["new_cp_groups", "hierarchical_cp_groups", "lookup_hierarchical", "group_ranks", "clear_cp_group_cache"]

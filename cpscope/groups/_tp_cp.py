@@ -35,7 +35,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import torch.distributed as dist
 
 from . import _registry as _reg
-from ._blocks import Block, as_int
+from ._rank_blocks import Block, as_int
 from ._create import digest, resolve_method
 
 __all__ = ["TPCPGroups", "TPCPPlan", "plan_tp_cp_blocks", "new_tp_cp_groups", "lookup_tp_cp"]

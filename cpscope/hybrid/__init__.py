@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 # Communication variants chosen per microbatch: the per-call cost model (cpscope.hybrid._comm_cost), the pure choice
-# (cpscope.hybrid._variants) and the planner's cost built on them. Timing them on the machine (cpscope.train._calibrate)
+# (cpscope.hybrid._cheapest_variant) and the planner's cost built on them. Timing them on the machine (cpscope.train._calibrate)
 # and installing the choice for comm="auto" (cpscope.train._auto) is the torch runtime's job.
 from ._comm_cost import CommCostModel  # noqa: E402
 from ._data import sft_like_lengths  # noqa: E402
@@ -51,4 +51,4 @@ __all__ += ["CommCostModel", "StepCost", "sft_like_lengths"]
 from ._comm_cost import (LOCAL, Sample, cache_dir, cache_key, cache_path, default_inner, dtype_name,  # noqa: E402
                          halo_rows, load_cached, variant_allowed)
 from ._data import uniform_lengths  # noqa: E402
-from ._variants import choose as choose_variant  # noqa: E402
+from ._cheapest_variant import choose as choose_variant  # noqa: E402

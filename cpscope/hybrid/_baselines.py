@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._lpt import lpt_heap
-from ._packing import build_plan, first_fit
+from ._bin_packing import build_plan, first_fit
 from ._plan import Plan
 from ._problem import Cost, CpSizes, Problem
 

@@ -41,7 +41,7 @@ import numpy.typing as npt
 from ._baselines import plan_greedy, plan_static
 from ._bound import problem_bound, lower_bound
 from ._lpt import NO_LIMIT, lpt_prefix
-from ._packing import build_plan
+from ._bin_packing import build_plan
 from ._plan import Microbatch, Plan
 from ._problem import Cost, CpSizes, first_within, Problem, cp_candidates
 

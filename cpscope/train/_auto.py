@@ -1,11 +1,11 @@
 """``comm="auto"`` at run time: the job's calibrated cost model, found on disk and installed in the attention.
 
-The choice itself is pure and lives with the planner (:func:`cpscope.hybrid._variants.choose`); this module is the
+The choice itself is pure and lives with the planner (:func:`cpscope.hybrid._cheapest_variant.choose`); this module is the
 torch side around it:
 
 * :func:`cached_cost` — the calibration :mod:`cpscope.train._calibrate` cached for this device, world size and
   versions (or ``None``);
-* :func:`auto_chooser` — :func:`~cpscope.hybrid._variants.choose` wrapped as the chooser that
+* :func:`auto_chooser` — :func:`~cpscope.hybrid._cheapest_variant.choose` wrapped as the chooser that
   ``cpscope.attention.set_auto_chooser`` takes (it answers the dispatch's query);
 * :func:`use_calibration` — both at once: make ``comm="auto"`` follow the job's cached (or a given) model;
 * :func:`device_name`, :func:`calibration_device` — the device a calibration is timed on and named after.
@@ -115,7 +115,7 @@ def auto_chooser(cost: CommCostModel, *, inner: Optional[int] = None,
     """A chooser for ``comm="auto"`` in ``cpscope.attention`` (``set_auto_chooser(auto_chooser(cost))``).
 
     The returned function takes the dispatch's query (attributes ``cp``, ``heads``, ``kv_heads``, ``head_dim``,
-    ``causal``, ``seq_lens``, ``dtype``, ``window``) and returns :func:`~cpscope.hybrid._variants.choose`'s answer,
+    ``causal``, ``seq_lens``, ``dtype``, ``window``) and returns :func:`~cpscope.hybrid._cheapest_variant.choose`'s answer,
     ``"a2a+p2p:N"`` with its sub-group size. Where the query cannot be priced — no ``seq_lens`` (e.g. a TE module
     bound before its forward), or no ``dtype`` and a model of several dtypes — it returns ``fallback(query)``
     (default ``"p2p"``). Pure and deterministic: every rank of a group, asked the same query, answers the same.

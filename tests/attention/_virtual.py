@@ -1,6 +1,6 @@
 """Several virtual CP ranks in one process, one thread each: the variants' own kernels on one device.
 
-:class:`VirtualWorld` implements the collectives of :class:`cpscope.attention._comm.GroupCollectives`
+:class:`VirtualWorld` implements the collectives of :class:`cpscope.attention._exchange.GroupCollectives`
 (``all_gather``, ``reduce_scatter``, ``all_to_all``) between threads, in lockstep; the variants' plain ``forward`` /
 ``backward`` functions (no autograd engine: it would run every virtual rank's CUDA backward on one device thread)
 then run unchanged for each virtual rank. :func:`check_virtual` compares every virtual rank's rows and gradients with
@@ -65,7 +65,7 @@ class _Pending:
 
 
 class VirtualCollectives:
-    """:class:`~cpscope.attention._comm.GroupCollectives` of one virtual rank."""
+    """:class:`~cpscope.attention._exchange.GroupCollectives` of one virtual rank."""
 
     def __init__(self, world: VirtualWorld, rank: int) -> None:
         self.world, self.size, self.rank, self.group = world, world.n, rank, None

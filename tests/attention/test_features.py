@@ -294,7 +294,7 @@ def test_bad_features_raise_before_any_collective():
 def _auto_window() -> None:
     """``comm="auto"`` with a short window picks the halo exchange (p2p) where a2a would run without it; the
     query carries the window."""
-    from cpscope.attention import _variants as variants
+    from cpscope.attention import _dispatch as variants
     from tests.attention.test_variants import recording
 
     cpscope.set_backward_read_check(True)
@@ -313,7 +313,7 @@ def _auto_window() -> None:
 
 def test_auto_knows_windows():
     run_ranks(4, _auto_window)
-    from cpscope.attention._variants import VariantQuery, default_rule
+    from cpscope.attention._dispatch import VariantQuery, default_rule
 
     q = lambda **kw: VariantQuery(4, 32, 8, 128, "thd", True, (65536,), **kw)  # noqa: E731
     assert default_rule(q()) == "a2a" and default_rule(q(window=(255, 0))) == "p2p"

@@ -279,7 +279,7 @@ def test_dtype_and_device_mismatch():
 
 
 def _comm_misuse() -> None:
-    from cpscope.attention._comm import RingComm
+    from cpscope.attention._exchange import RingComm
 
     group = cpscope.new_cp_groups([2])[2]
     comm = RingComm(group, dist.get_rank(group), 2)

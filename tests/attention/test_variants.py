@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import cpscope
 from cpscope.attention import ContextParallelAttention, context_parallel_attention
-from cpscope.attention import _variants as _dispatch
+from cpscope.attention import _dispatch
 from tests.attention._reference import zigzag_index
 from tests.attention._virtual import check_virtual
 from tests.attention.test_ring_cpu import _case, _cu, _reference, _to_layout

@@ -27,7 +27,7 @@ from cpscope.hybrid._comm_cost import (
     load_cached,
     variant_allowed,
 )
-from cpscope.hybrid._variants import choose, predict
+from cpscope.hybrid._cheapest_variant import choose, predict
 from cpscope.train._auto import cached_cost
 from tests.distributed import run_ranks
 
@@ -302,7 +302,7 @@ def test_split_lengths() -> None:
 
 
 # -- the hook for cpscope.attention's comm="auto" ----------------------------------------------------------
-class Query:  # the fields of cpscope.attention._variants.VariantQuery that the chooser reads
+class Query:  # the fields of cpscope.attention._dispatch.VariantQuery that the chooser reads
     def __init__(self, cp, heads, kv_heads, head_dim=128, causal=True, seq_lens=(), dtype="bfloat16"):
         self.cp, self.heads, self.kv_heads, self.head_dim = cp, heads, kv_heads, head_dim
         self.causal, self.seq_lens, self.dtype = causal, seq_lens, dtype
@@ -328,7 +328,7 @@ def test_auto_chooser_answers_like_choose_and_falls_back() -> None:
 
 
 def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
-    dispatch = pytest.importorskip("cpscope.attention._variants")
+    dispatch = pytest.importorskip("cpscope.attention._dispatch")
     from cpscope.train._auto import auto_chooser
 
     if not hasattr(dispatch, "VariantQuery"):
@@ -349,7 +349,7 @@ def test_auto_chooser_plugs_into_the_attention_dispatch_when_present() -> None:
 def test_use_calibration_installs_the_chooser_or_names_what_is_missing(tmp_path) -> None:
     import torch
 
-    from cpscope.attention import _variants as dispatch
+    from cpscope.attention import _dispatch as dispatch
     from cpscope.train._auto import use_calibration
 
     with pytest.raises(ValueError, match=r"no calibrated communication cost model cached for 'cpu-.*world size 1"):

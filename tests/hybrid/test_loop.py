@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cpscope
-import cpscope.hybrid._variants
+import cpscope.hybrid._cheapest_variant
 from cpscope.train._loop import (
     IGNORE_INDEX,
     allreduce_gradients,
@@ -153,7 +153,7 @@ def test_hybrid_package_is_the_pure_planner():
     out = subprocess.run([sys.executable, "-c", _LOAD_HYBRID_ALONE, str(root)], capture_output=True, text=True,
                          check=True)
     loaded = out.stdout.split()
-    assert "cpscope.hybrid._variants" in loaded and "cpscope.hybrid._planner" in loaded, loaded
+    assert "cpscope.hybrid._cheapest_variant" in loaded and "cpscope.hybrid._planner" in loaded, loaded
     assert [m for m in loaded if m.split(".")[0] == "torch"] == []
     assert [m for m in loaded if m != "cpscope" and not m.startswith("cpscope.hybrid") and m not in _L0] == []
     for path in sorted((root / "hybrid").glob("*.py")):
@@ -171,7 +171,7 @@ def test_hybrid_package_is_the_pure_planner():
                     assert name in _L0, (path.name, node.lineno, name)
     for name in ("run_microbatches", "run_step", "auto_chooser", "use_calibration", "cached_cost"):
         # the loop, the sync and comm="auto"'s run-time glue live in cpscope.train only
-        assert not hasattr(cpscope.hybrid, name) and not hasattr(cpscope.hybrid._variants, name), name
+        assert not hasattr(cpscope.hybrid, name) and not hasattr(cpscope.hybrid._cheapest_variant, name), name
 
 
 def test_run_microbatches_needs_a_positive_count():
@@ -350,7 +350,7 @@ def test_examples_run_on_the_rank_pool(name, world):
 
 
 def _planned_variant_is_bound(comm: str):
-    from cpscope.attention import _variants as _dispatch
+    from cpscope.attention import _dispatch
 
     cfg = th.TrainConfig(mode="hybrid", **SMALL)
     rank, world = dist.get_rank(), dist.get_world_size()

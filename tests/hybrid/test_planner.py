@@ -337,8 +337,8 @@ def test_docstring_examples() -> None:
     import doctest
     import importlib
 
-    names = ("_cost", "_data", "_plan", "_problem", "_bound", "_lpt", "_packing", "_baselines", "_planner",
-             "_comm_cost", "_comm_features", "_nnls", "_variants", "_step_cost")
+    names = ("_cost", "_data", "_plan", "_problem", "_bound", "_lpt", "_bin_packing", "_baselines", "_planner",
+             "_comm_cost", "_comm_features", "_nnls", "_cheapest_variant", "_step_cost")
     for module in (importlib.import_module(f"cpscope.hybrid.{n}") for n in names):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

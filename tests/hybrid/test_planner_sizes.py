@@ -172,7 +172,7 @@ def test_padding_at_non_power_of_two_sizes() -> None:
 def test_placement_plans_of_straddling_sizes_are_valid_and_exact(n_ranks: int) -> None:
     """The all-sizes pass alone (before the nested subsets compete): blocks wait, the order is the placement's."""
     from cpscope.hybrid._bound import problem_bound
-    from cpscope.hybrid._packing import build_plan
+    from cpscope.hybrid._bin_packing import build_plan
     from cpscope.hybrid._planner import DEFAULT_TARGETS, _search
     from cpscope.hybrid._problem import Problem
 

@@ -29,7 +29,7 @@ Example::
                           cp_group=groups[2], local_cp_size=2)
     logits = model(tokens_local, None, None, packed_seq_params=psp)   # this microbatch runs CP2
 """
-from ._packed import PackedSeqInfo, packed_seq_scope, read_packed_seq_params, scope_from_packed_seq_params
+from ._packed_seq_params import PackedSeqInfo, packed_seq_scope, read_packed_seq_params, scope_from_packed_seq_params
 from ._runtime import disable_runtime_cp, enable_runtime_cp
 from ._version import SUPPORTED_MEGATRON_CORE, megatron_core_version
 from ._data import (

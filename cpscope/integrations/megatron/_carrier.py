@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from ...backward_check import in_backward
 from ...scope import CPScope, capture_scope
-from ._packed import scope_from_packed_seq_params
+from ._packed_seq_params import scope_from_packed_seq_params
 
 __all__ = ["with_scope", "carried_scope", "consumer_scope"]
 

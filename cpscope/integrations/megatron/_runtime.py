@@ -52,7 +52,7 @@ from ._core_attention import RingCoreAttention, TEAttentionMixin, is_causal
 from ._mixers import LINEAR_MIXER_REFUSALS
 from ._moe import MoELayerMixin, check_cp_beside_tp, check_routers, is_moe_layer, moe_refusals
 from ._mtp import MTPModelMixin, is_mtp_model, mtp_refusals
-from ._packed import read_packed_seq_params
+from ._packed_seq_params import read_packed_seq_params
 from ._rope import AttentionRopeMixin, RotaryTableMixin
 from ._version import check_megatron_core
 from .._swap import ForwardSignature, original_class, swap_class, unswap_all
