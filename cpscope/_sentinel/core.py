@@ -56,7 +56,7 @@ from .loop_check import check_loss, watch
 from .options import Options
 from .positions import check_user_positions, on_hf_positions, on_rope
 from .report import Mismatch, SentinelError, Summary
-from .state import Microbatch, in_backward
+from .state import MicrobatchRecord, in_backward
 from .tracker import Tracker
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
@@ -84,7 +84,7 @@ class _MicrobatchMarker:
         self._t.end_microbatch(self._mb, flush=exc_type is None)
 
     @property
-    def state(self) -> Optional[Microbatch]:
+    def state(self) -> Optional[MicrobatchRecord]:
         """The microbatch's state (its index in the group, whether it is sampled) once entered."""
         return self._mb
 

@@ -3,7 +3,7 @@ small helpers on scopes and offsets (nothing here reads the ContextVar).
 
 Example::
 
-    mb = Microbatch(scope, index=0, sampled=True, step=None, marked=True)
+    mb = MicrobatchRecord(scope, index=0, sampled=True, step=None, marked=True)
     mb.where(call=1)            # {"step": None, "microbatch": 0, "call": 1}: the where-fields of a report
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..groups import group_ranks
 from ..scope import CPScope
 from ..backward_check import graph_task_id as _current_graph_task_id
 
-__all__ = ["in_backward", "me", "same_scope", "describe", "group_of", "offsets_list", "fingerprint", "Microbatch",
+__all__ = ["in_backward", "me", "same_scope", "describe", "group_of", "offsets_list", "fingerprint", "MicrobatchRecord",
            "Records"]
 
 
@@ -61,7 +61,7 @@ def fingerprint(t: torch.Tensor) -> tuple:
     return tuple(torch.stack([x.sum(), (x * x).sum()]).tolist())
 
 
-class Microbatch:
+class MicrobatchRecord:
     """What the sentinel knows about the microbatch being run: its group, index, whether it is sampled."""
 
     __slots__ = ("scope", "index", "sampled", "step", "calls", "rope_layouts", "marked", "unverified", "due")

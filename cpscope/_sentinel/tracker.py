@@ -22,7 +22,7 @@ from .cuts import Cuts
 from .handshake import handshake, options_code
 from .options import Options
 from .sampling import Sampler
-from .state import Microbatch, Records
+from .state import MicrobatchRecord, Records
 from .verdicts import Verdicts
 
 __all__ = ["Tracker"]
@@ -37,7 +37,7 @@ class Tracker:
         self.verdicts = Verdicts(opts.on_mismatch, opts.timeout)
         self.records = Records()
         self.cuts = Cuts()  # the scope each live zigzag_shard output was cut for (:mod:`.cuts`)
-        self.mb: Optional[Microbatch] = None  # the marked microbatch being run
+        self.mb: Optional[MicrobatchRecord] = None  # the marked microbatch being run
         self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.handshake`)
         self.armed = 0  # recomputes of sampled calls due: checked meanwhile (:mod:`.recompute`)
         self.taps_due = 0  # gradient taps of sampled calls not yet run (a sampled backward is due)
@@ -45,12 +45,12 @@ class Tracker:
         # raises RanksDisagreeError on every rank; until then this rank runs no collective of its own
         self.stood_down = False
 
-    def begin_microbatch(self, scope: CPScope, *, step: Optional[int] = None) -> Microbatch:
+    def begin_microbatch(self, scope: CPScope, *, step: Optional[int] = None) -> MicrobatchRecord:
         """A marked microbatch of ``scope``'s group begins (``run_microbatches``, :meth:`cpscope.sentinel.microbatch`)."""
         index, sampled = self.sampler.microbatch(scope.group)
         if not sampled and not self.taps_due:  # no sampled backward due: an unsampled microbatch's recomputes go unchecked
             self.armed = 0
-        mb = Microbatch(scope, index, sampled, step, marked=True)
+        mb = MicrobatchRecord(scope, index, sampled, step, marked=True)
         if sampled:  # at its first attention call, after the core's digest showed every rank sampling it
             mb.due.append(lambda: self.agree_options(scope))
         self.mb = mb
@@ -59,7 +59,7 @@ class Tracker:
         self.verdicts.summary.sampled += int(sampled)
         return mb
 
-    def end_microbatch(self, mb: Optional[Microbatch], *, flush: bool = True) -> None:
+    def end_microbatch(self, mb: Optional[MicrobatchRecord], *, flush: bool = True) -> None:
         """The microbatch ends; ``flush=False`` when it failed (its pending mismatches are logged, its error is on
         its way: no collectives now)."""
         if self.mb is mb:
@@ -69,14 +69,14 @@ class Tracker:
         elif mb is not None and mb.sampled and mb.unverified:  # else the last attention digest was the verdict
             self.verdicts.agree(mb.scope)
 
-    def current(self, kind: str, scope: CPScope) -> Microbatch:
+    def current(self, kind: str, scope: CPScope) -> MicrobatchRecord:
         """The microbatch a forward call of ``kind`` under ``scope`` belongs to (a one-call unit without markers)."""
         mb = self.mb
         if mb is not None:
             return mb
         unit = self.expected_scope(None) or scope
         index, sampled = self.sampler.call(kind, unit.group)
-        mb = Microbatch(unit, index, sampled, None, marked=False)
+        mb = MicrobatchRecord(unit, index, sampled, None, marked=False)
         if sampled and kind == "attention":  # (other kinds run no collective of their own)
             mb.due.append(lambda: self.agree_options(unit))
         return mb
@@ -91,7 +91,7 @@ class Tracker:
         handshake(scope, {**options_code(self.opts), "steps": self.sampler.steps}, timeout=self.opts.timeout)
         self._agreed.add(scope.group)
 
-    def expected_scope(self, mb: Optional[Microbatch]) -> Optional[CPScope]:
+    def expected_scope(self, mb: Optional[MicrobatchRecord]) -> Optional[CPScope]:
         """The scope consumers must use in forward: the bound runtime scope, else the marked microbatch's, else
         ``None`` (nothing bound: a consumer's own scope — a static-CP module's build-time scope — is authoritative)."""
         bound = runtime_scope_or(None)  # type: ignore[arg-type]
