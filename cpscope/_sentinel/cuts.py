@@ -21,8 +21,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..scope import CPScope
+from .comm import describe, me, same_scope
 from .report import Mismatch
-from .state import describe, me, same_scope
 
 __all__ = ["Cuts", "cut_mismatch"]
 

@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 from ..scope import CPScope
 from .agree import disagreements
-from .comm import collective_device, exchange
+from .comm import collective_device, exchange, group_of, me
 from .report import Mismatch, SentinelError
-from .state import group_of, me
 
 __all__ = ["handshake", "check_rows", "options_code"]
 

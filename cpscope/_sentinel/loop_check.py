@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from ..scope import CPScope, scope_for
 from .agree import comm_code, disagreements, hash64
-from .comm import collective_device, exchange, exchange_objects, gather_zigzag
+from .comm import collective_device, describe, exchange, exchange_objects, gather_zigzag, group_of, me
 from .reference import segment_ids
 from .report import Mismatch
-from .state import MicrobatchRecord, describe, group_of, me, offsets_list
+from .state import MicrobatchRecord, offsets_list
 from .tracker import Tracker
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]

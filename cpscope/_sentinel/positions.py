@@ -16,9 +16,10 @@ from ..scope import CPScope
 from ..sharding import zigzag_positions
 from . import recompute
 from .agree import hash64
+from .comm import describe, group_of, me, same_scope
 from .cuts import cut_mismatch
 from .report import Mismatch
-from .state import MicrobatchRecord, describe, group_of, in_backward, me, offsets_list, same_scope
+from .state import MicrobatchRecord, in_backward, offsets_list
 from .tracker import Tracker
 
 __all__ = ["on_rope", "on_hf_positions", "check_user_positions", "compare_positions"]

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..scope import CPScope
+from .comm import describe, group_of, me, same_scope
 from .report import Mismatch
-from .state import describe, fingerprint, group_of, me, same_scope
+from .state import fingerprint
 from .tracker import Tracker
 
 __all__ = ["remember", "check"]

@@ -1,5 +1,5 @@
 """The sentinel's bookkeeping: the microbatch being run, what sampled forwards recorded for their recomputes, and
-small helpers on scopes and offsets (nothing here reads the ContextVar).
+small helpers on offsets and autograd (nothing here reads the ContextVar).
 
 Example::
 
@@ -12,14 +12,11 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..groups import group_ranks
 from ..scope import CPScope
 from ..backward_check import graph_task_id as _current_graph_task_id
 
-__all__ = ["in_backward", "me", "same_scope", "describe", "group_of", "offsets_list", "fingerprint", "MicrobatchRecord",
-           "Records"]
+__all__ = ["in_backward", "offsets_list", "fingerprint", "MicrobatchRecord", "Records"]
 
 
 def in_backward() -> bool:
@@ -28,26 +25,6 @@ def in_backward() -> bool:
     Also true in torch checkpoint's recompute on CUDA device threads, where the engine shows no graph task.
     """
     return _current_graph_task_id() != -1
-
-
-def me() -> int:
-    """This process's global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def same_scope(a: CPScope, b: CPScope) -> bool:
-    """Whether two scopes bind the same group at the same rank (any two CP1 scopes are the same)."""
-    return a is b or (a.size == b.size and a.rank == b.rank and (a.size == 1 or a.group is b.group))
-
-
-def describe(scope: CPScope) -> str:
-    """``"CP1"`` or ``"CP2 rank 1"``: a scope in words, for reports."""
-    return "CP1" if scope.size == 1 else f"CP{scope.size} rank {scope.rank}"
-
-
-def group_of(scope: CPScope) -> tuple[int, ...]:
-    """Global ranks of ``scope``'s group, in group order (``(0,)`` without a process group)."""
-    return tuple(group_ranks(scope.group)) if dist.is_initialized() else (0,)
 
 
 def offsets_list(cu: "torch.Tensor | Sequence[int]") -> list[int]:

@@ -18,9 +18,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from .comm import collective_device, exchange
+from .comm import collective_device, exchange, group_of
 from .report import Mismatch, SentinelError, Summary, logger
-from .state import group_of
 
 __all__ = ["Verdicts"]
 
