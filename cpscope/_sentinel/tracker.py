@@ -1,7 +1,7 @@
 """What a switched-on sentinel keeps while it watches a job: :class:`Tracker`.
 
 The checks (attention, positions, the loop's) receive the tracker, never the :class:`cpscope.sentinel` object: it
-holds the options, the sampling decision (:mod:`.sampling`), the verdicts (:mod:`.verdicts`), the recompute
+holds the options, the sampling decision (:mod:`.sampling`), the verdicts (:mod:`.report`), the recompute
 records and the microbatch being run. The scope is read here only in forward (``runtime_scope_or``).
 
 Example::
@@ -22,8 +22,8 @@ from .cuts import Cuts
 from .handshake import handshake, options_code
 from .options import Options
 from .sampling import Sampler
+from .report import Verdicts
 from .state import MicrobatchRecord, Records
-from .verdicts import Verdicts
 
 __all__ = ["Tracker"]
 
