@@ -48,7 +48,7 @@ NOT_CACHES = {
     "cpscope.integrations.hf.trainer.hybrid_cp_trainer": "one trainer class per class: identity (isinstance)",
     "cpscope._sentinel.switch._STACK": "the sentinels switched on (state)",
     "cpscope._sentinel.switch._EMPTY": "a constant (slots all None)",
-    "cpscope._sentinel.handshake._ROUNDS": "a handshake counter that every rank must keep in step (state)",
+    "cpscope._sentinel.agree._ROUNDS": "a handshake counter that every rank must keep in step (state)",
     "cpscope._sentinel.attention_numeric._SKIPPED": "a constant (figures of a skipped check)",
     "cpscope.attention._kernels.router._REFUSED": "memory of refused kernel routes (clearing repeats a failing build)",
     "cpscope.attention._kernels.cudnn_frontend._handles": "one cuDNN handle per device (a resource, like the stream)",

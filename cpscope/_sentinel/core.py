@@ -25,7 +25,7 @@ Sampling (:mod:`.sampling`, the one place that decides) follows counters that ev
 identically when the ranks run the same program (microbatches of that group, marked by ``run_microbatches`` or
 :meth:`sentinel.microbatch`; without markers, calls of each kind on that group), so the collectives of a sampled
 microbatch match. At a group's first sampled unit its members agree on the sentinel itself
-(:mod:`.handshake`: on, ``every``, policy, checks), and every collective of the sentinel waits at most ``timeout``
+(:mod:`.agree`: on, ``every``, policy, checks), and every collective of the sentinel waits at most ``timeout``
 seconds, so ranks that switched it on at other points, with other options, or that stalled, raise an error naming
 what differs. Off, the core's observer slots (:mod:`cpscope._hooks`) are ``None``: one attribute check per call.
 

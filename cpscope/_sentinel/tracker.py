@@ -18,11 +18,11 @@ from typing import Optional
 import torch
 
 from ..scope import CPScope, runtime_scope_or
+from .agree import handshake, options_code
 from .cuts import Cuts
-from .handshake import handshake, options_code
 from .options import Options
-from .sampling import Sampler
 from .report import Verdicts
+from .sampling import Sampler
 from .state import MicrobatchRecord, Records
 
 __all__ = ["Tracker"]
@@ -38,7 +38,7 @@ class Tracker:
         self.records = Records()
         self.cuts = Cuts()  # the scope each live zigzag_shard output was cut for (:mod:`.cuts`)
         self.mb: Optional[MicrobatchRecord] = None  # the marked microbatch being run
-        self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.handshake`)
+        self._agreed: set = set()  # groups whose members agreed on this sentinel (:mod:`.agree`)
         self.armed = 0  # recomputes of sampled calls due: checked meanwhile (:mod:`.recompute`)
         self.taps_due = 0  # gradient taps of sampled calls not yet run (a sampled backward is due)
         # a sampled call found peers that do not sample it (:func:`.attention_check.stand_down`): the step boundary
@@ -83,7 +83,7 @@ class Tracker:
 
     def agree_options(self, scope: CPScope) -> None:
         """At the first sampled unit of ``scope``'s group: its members agree on how this sentinel runs (on, every,
-        policy, checks, steps so far), or every member that got here raises the same error (:mod:`.handshake`).
+        policy, checks, steps so far), or every member that got here raises the same error (:mod:`.agree`).
         Run at the unit's first attention call, after the core's agreement digest showed every member sampling it
         (a member without the sentinel is named there, on every rank, before anyone waits here)."""
         if scope.size == 1 or scope.group in self._agreed:
