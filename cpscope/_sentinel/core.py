@@ -21,7 +21,7 @@ logged only, or handed to a callback (``on_mismatch=``). A raise happens on ever
 point: verdicts travel with the sentinel's own collectives, so no rank is left waiting. A summary is logged when the
 sentinel stops (and at exit).
 
-Sampling (:mod:`.sampling`, the one place that decides) follows counters that every member of a group advances
+Sampling (:mod:`.config`, the one place that decides) follows counters that every member of a group advances
 identically when the ranks run the same program (microbatches of that group, marked by ``run_microbatches`` or
 :meth:`sentinel.microbatch`; without markers, calls of each kind on that group), so the collectives of a sampled
 microbatch match. At a group's first sampled unit its members agree on the sentinel itself
@@ -52,8 +52,8 @@ from ..attention import AttentionCall
 from ..scope import CPScope, capture_scope, scope_for
 from . import switch
 from .attention_check import checked_attention
+from .config import Options
 from .loop_check import check_loss, watch
-from .options import Options
 from .positions import check_user_positions, on_hf_positions, on_rope
 from .report import Mismatch, SentinelError, Summary
 from .state import MicrobatchRecord, in_backward

@@ -1,7 +1,7 @@
 """What a switched-on sentinel keeps while it watches a job: :class:`Tracker`.
 
 The checks (attention, positions, the loop's) receive the tracker, never the :class:`cpscope.sentinel` object: it
-holds the options, the sampling decision (:mod:`.sampling`), the verdicts (:mod:`.report`), the recompute
+holds the options, the sampling decision (:mod:`.config`), the verdicts (:mod:`.report`), the recompute
 records and the microbatch being run. The scope is read here only in forward (``runtime_scope_or``).
 
 Example::
@@ -19,10 +19,9 @@ import torch
 
 from ..scope import CPScope, runtime_scope_or
 from .agree import handshake, options_code
+from .config import Options, Sampler
 from .cuts import Cuts
-from .options import Options
 from .report import Verdicts
-from .sampling import Sampler
 from .state import MicrobatchRecord, Records
 
 __all__ = ["Tracker"]
