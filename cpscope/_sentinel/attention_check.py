@@ -33,11 +33,9 @@ from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
-from .cuts import cut_mismatch
 from .comm import collective_device, describe, exchange, exchange_objects, group_of, me, same_scope, wait_for
 from .report import Mismatch, logger
-from .state import MicrobatchRecord, in_backward
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, cut_mismatch, in_backward
 
 __all__ = ["checked_attention", "signature"]
 

@@ -29,7 +29,7 @@ from .comm import (CollectiveTimeout, all_gather_list, all_reduce, collective_de
                    me)
 from .reference import Mods, canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .report import Mismatch
-from .tracker import Tracker
+from .state import Tracker
 
 __all__ = ["numeric", "run_checked"]
 

@@ -56,8 +56,7 @@ from .config import Options
 from .loop_check import check_loss, watch
 from .positions import check_user_positions, on_hf_positions, on_rope
 from .report import Mismatch, SentinelError, Summary
-from .state import MicrobatchRecord, in_backward
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, in_backward
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
 
@@ -246,7 +245,7 @@ class sentinel:
             _outside_graph(on_rope)(self._t, scope, cu, qkv_format, t)
 
     def on_shard(self, scope: CPScope, out: torch.Tensor) -> None:
-        """The sharding slot: ``zigzag_shard`` cut ``out`` for ``scope`` (remembered weakly, :mod:`.cuts`)."""
+        """The sharding slot: ``zigzag_shard`` cut ``out`` for ``scope`` (remembered weakly, :class:`.state.Cuts`)."""
         self._t.cuts.record(scope, out)
 
     def on_hf_positions(self, module: Any, query: torch.Tensor, scope: CPScope, kwargs: dict) -> None:

@@ -21,8 +21,7 @@ from .agree import comm_code, disagreements, hash64
 from .comm import collective_device, describe, exchange, exchange_objects, gather_zigzag, group_of, me
 from .reference import segment_ids
 from .report import Mismatch
-from .state import MicrobatchRecord, offsets_list
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, offsets_list
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 

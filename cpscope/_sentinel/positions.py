@@ -17,10 +17,8 @@ from ..sharding import zigzag_positions
 from . import recompute
 from .agree import hash64
 from .comm import describe, group_of, me, same_scope
-from .cuts import cut_mismatch
 from .report import Mismatch
-from .state import MicrobatchRecord, in_backward, offsets_list
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, cut_mismatch, in_backward, offsets_list
 
 __all__ = ["on_rope", "on_hf_positions", "check_user_positions", "compare_positions"]
 

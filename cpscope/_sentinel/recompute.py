@@ -24,8 +24,7 @@ import torch
 from ..scope import CPScope
 from .comm import describe, group_of, me, same_scope
 from .report import Mismatch
-from .state import fingerprint
-from .tracker import Tracker
+from .state import Tracker, fingerprint
 
 __all__ = ["remember", "check"]
 
