@@ -179,7 +179,7 @@ def test_sentinels_stopped_out_of_order_are_never_active_again_and_the_slots_fol
 
 
 def test_sampling_is_decided_per_group_and_per_kind_in_one_place():
-    from cpscope._sentinel.sampling import Sampler
+    from cpscope._sentinel.config import Sampler
 
     s = Sampler(every=3)
     g1, g2 = object(), object()

@@ -2,16 +2,18 @@
 
 Modules, each one concept, imports pointing down this list:
 
-* :mod:`.core` — the :class:`sentinel` class: options, switch, the hooks it gives the observer slots;
-* :mod:`.attention_check`, :mod:`.positions`, :mod:`.loop_check` — the checks (attention; RoPE and transformers
-  positions; labels and loss normalisation in ``run_microbatches``), :mod:`.attention_numeric` (attention against
-  the reference, forward and gradients), :mod:`.recompute` (a recompute runs under its forward's scope);
-* :mod:`.tracker` — what a running sentinel keeps (options, sampling, verdicts, records, the current microbatch);
-  :mod:`.switch` — which sentinel is active;
-* :mod:`.sampling` (which units are sampled), :mod:`.verdicts` (mismatches to raises on every rank),
-  :mod:`.options`, :mod:`.state`;
-* :mod:`.agree` (the agreement digest), :mod:`.comm` (the sentinel's collectives), :mod:`.reference` (the
-  independent attention), :mod:`.report` (mismatches, tolerances, summary).
+* :mod:`.core` — the :class:`sentinel` object and its switch: its arguments, which sentinel is active, the hooks it
+  gives the observer slots;
+* the checks: :mod:`.attention_check` (local checks, agreement digest), :mod:`.attention_numeric` (attention against
+  the reference, forward and gradients), :mod:`.attention_sampled` (sampled rows against a streamed reference),
+  :mod:`.positions` (RoPE and transformers positions), :mod:`.loop_check` (labels and loss normalisation in
+  ``run_microbatches``), :mod:`.recompute` (a recompute runs under its forward's scope);
+* the bookkeeping: :mod:`.state` (what a running sentinel keeps: the tracker, the microbatch record, recompute
+  records, shard cuts); :mod:`.agree` (members of a group agree: the per-call digest, the handshake on the
+  sentinel); :mod:`.config` (what it was asked to do: options, sampling policy); :mod:`.report` (what it reports
+  and how: mismatches, errors, tolerances, summary, verdicts on every rank); :mod:`.comm` (the groups it checks
+  over: members, and its own bounded collectives);
+* :mod:`.reference` — the independent float64 / float32 attention.
 
 ``cpscope.sentinel.active()`` is the active sentinel; the core reaches it only through :mod:`cpscope._hooks`.
 """

@@ -33,11 +33,9 @@ from . import recompute
 from .agree import DTYPES, FORMATS, comm_code, disagreements, float_bits, hash64
 from .attention_numeric import numeric
 from .attention_sampled import sampled_numeric
-from .cuts import cut_mismatch
-from .comm import collective_device, exchange, exchange_objects, wait_for
+from .comm import collective_device, describe, exchange, exchange_objects, group_of, me, same_scope, wait_for
 from .report import Mismatch, logger
-from .state import Microbatch, describe, group_of, in_backward, me, same_scope
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, cut_mismatch, in_backward
 
 __all__ = ["checked_attention", "signature"]
 
@@ -126,7 +124,7 @@ def checked_attention(t: Tracker, call: AttentionCall, run: Callable[[AttentionC
     return check(t, call, run, cu, signature(call), mb.where(index))
 
 
-def _gate(t: Tracker, call: AttentionCall, mb: Microbatch) -> Optional[tuple]:
+def _gate(t: Tracker, call: AttentionCall, mb: MicrobatchRecord) -> Optional[tuple]:
     """The core's agreement digest of a sampled CP > 1 call, with its ``sentinel`` field set: ``()`` when every
     member samples the call and agrees, the fields that differ while every member samples it (reported by
     :func:`_agree` first), ``None`` when members that do not sample it run it unchecked (this rank stands down).
@@ -156,7 +154,7 @@ def canonical_rows(call: AttentionCall) -> int:
     return int(shape[0]) if call.qkv_format == "thd" else int(shape[0]) * int(shape[1])
 
 
-def _local_checks(call: AttentionCall, mb: Microbatch, expected: Optional[CPScope], vscope: CPScope,
+def _local_checks(call: AttentionCall, mb: MicrobatchRecord, expected: Optional[CPScope], vscope: CPScope,
                   cu: Optional[list], index: int) -> list[Mismatch]:
     """This rank's own findings: attention under another scope than the active one, RoPE with other offsets."""
     scope, fmt = call.scope, call.qkv_format
@@ -199,7 +197,7 @@ def _shape_fields(q: torch.Tensor, k: torch.Tensor, fmt: str) -> dict[str, int]:
         return {"batch": -1, "local_len": -1, "heads": -1, "kv_heads": -1, "head_dim": -1}
 
 
-def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list], mb: Microbatch, index: int,
+def _digest(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list], mb: MicrobatchRecord, index: int,
             members: list) -> dict[str, int]:
     """This rank's fixed-size digest of the call (same keys on every rank, whatever the inputs)."""
     scope, q = call.scope, call.q
@@ -254,7 +252,8 @@ def _unsharded(rows: list[dict[str, int]], members: list, where: dict) -> list[M
         {"ranks": list(members)}, **where)]
 
 
-def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list], mb: Microbatch, index: int) -> bool:
+def _agree(t: Tracker, vscope: CPScope, call: AttentionCall, cu: Optional[list], mb: MicrobatchRecord,
+           index: int) -> bool:
     """The agreement collective over ``vscope``'s group; returns whether the numeric check may go on."""
     members = list(group_of(vscope))
     t.verdicts.count("agreement")

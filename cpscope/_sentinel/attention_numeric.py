@@ -25,11 +25,11 @@ from ..attention import AttentionCall
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 from . import recompute
-from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device, gather_zigzag
+from .comm import (CollectiveTimeout, all_gather_list, all_reduce, collective_device, describe, gather_zigzag, group_of,
+                   me)
 from .reference import Mods, canonical, canonical_offsets, compare, error_floor, reference_dtype, reference_rows
 from .report import Mismatch
-from .state import describe, group_of, me
-from .tracker import Tracker
+from .state import Tracker
 
 __all__ = ["numeric", "run_checked"]
 

@@ -35,7 +35,7 @@ from .agree import hash64
 from .attention_numeric import _SKIPPED, _Call, run_checked
 from .comm import CollectiveTimeout, all_gather_list, all_reduce, collective_device
 from .reference import Mods, canonical_offsets, compare, error_floor, reference_dtype, unit_roundoff, visible_keys
-from .tracker import Tracker
+from .state import Tracker
 
 __all__ = ["sampled_numeric"]
 

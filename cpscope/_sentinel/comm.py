@@ -1,4 +1,5 @@
-"""The sentinel's own collectives: small fixed-size exchanges, and gathers of a group's shards in global order.
+"""The groups the sentinel checks over: who the members are (this rank, a scope's members, a scope in words), and the
+sentinel's own collectives over them — small fixed-size exchanges, and gathers of a group's shards in global order.
 
 Every collective here has a size that the ranks agree on before it runs (a fixed-length digest; a gather only
 after the agreement digest matched), so a disagreement can be reported instead of hanging. Each one waits at most
@@ -22,10 +23,30 @@ from ..groups import group_ranks
 from ..scope import CPScope
 from ..sharding import zigzag_indices
 
-__all__ = ["collective_device", "exchange", "exchange_objects", "gather_zigzag", "all_gather_list", "all_reduce",
-           "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "wait_for"]
+__all__ = ["me", "group_of", "same_scope", "describe", "collective_device", "exchange", "exchange_objects",
+           "gather_zigzag", "all_gather_list", "all_reduce", "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "wait_for"]
 
 DEFAULT_TIMEOUT_S = 300.0  # the sentinel's default bound on any of its collectives (seconds)
+
+
+def me() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def same_scope(a: CPScope, b: CPScope) -> bool:
+    """Whether two scopes bind the same group at the same rank (any two CP1 scopes are the same)."""
+    return a is b or (a.size == b.size and a.rank == b.rank and (a.size == 1 or a.group is b.group))
+
+
+def describe(scope: CPScope) -> str:
+    """``"CP1"`` or ``"CP2 rank 1"``: a scope in words, for reports."""
+    return "CP1" if scope.size == 1 else f"CP{scope.size} rank {scope.rank}"
+
+
+def group_of(scope: CPScope) -> tuple[int, ...]:
+    """Global ranks of ``scope``'s group, in group order (``(0,)`` without a process group)."""
+    return tuple(group_ranks(scope.group)) if dist.is_initialized() else (0,)
 
 
 class CollectiveTimeout(RuntimeError):

@@ -21,13 +21,18 @@ logged only, or handed to a callback (``on_mismatch=``). A raise happens on ever
 point: verdicts travel with the sentinel's own collectives, so no rank is left waiting. A summary is logged when the
 sentinel stops (and at exit).
 
-Sampling (:mod:`.sampling`, the one place that decides) follows counters that every member of a group advances
+Sampling (:mod:`.config`, the one place that decides) follows counters that every member of a group advances
 identically when the ranks run the same program (microbatches of that group, marked by ``run_microbatches`` or
 :meth:`sentinel.microbatch`; without markers, calls of each kind on that group), so the collectives of a sampled
 microbatch match. At a group's first sampled unit its members agree on the sentinel itself
-(:mod:`.handshake`: on, ``every``, policy, checks), and every collective of the sentinel waits at most ``timeout``
+(:mod:`.agree`: on, ``every``, policy, checks), and every collective of the sentinel waits at most ``timeout``
 seconds, so ranks that switched it on at other points, with other options, or that stalled, raise an error naming
 what differs. Off, the core's observer slots (:mod:`cpscope._hooks`) are ``None``: one attribute check per call.
+
+This module is the sentinel object and its switch: the sentinels switched on and not stopped form a stack whose
+innermost one is active; whenever the stack changes, the observer slots are pointed at the active sentinel's hooks
+(or emptied). A sentinel stopped out of order leaves the stack at once, so it is never active again. The checks
+(:mod:`.attention_check`, :mod:`.positions`, :mod:`.loop_check`) receive the sentinel's tracker (:mod:`.state`).
 
 Scope: process-wide (one training thread); enable it on every rank at the same point, e.g. before the loop.
 
@@ -43,21 +48,22 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
+import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from .. import _hooks
 from .._tensor_cache import lru
 from ..attention import AttentionCall
 from ..scope import CPScope, capture_scope, scope_for
-from . import switch
 from .attention_check import checked_attention
+from .config import Options
 from .loop_check import check_loss, watch
-from .options import Options
 from .positions import check_user_positions, on_hf_positions, on_rope
 from .report import Mismatch, SentinelError, Summary
-from .state import Microbatch, in_backward
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, in_backward
 
 __all__ = ["sentinel", "SentinelError", "Mismatch"]
 
@@ -66,6 +72,44 @@ _ACTIVE_SCOPE: Any = object()  # "group not given": the scope in force (a group,
 
 def _scope(group: Any) -> CPScope:
     return capture_scope() if group is _ACTIVE_SCOPE else scope_for(group)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The switch: which sentinel is on (process-wide, like the observer slots themselves)
+
+_STACK: list["sentinel"] = []  # switched on and not stopped, in the order they were switched on
+_LOCK = threading.Lock()
+_EMPTY = dict.fromkeys(_hooks.SLOTS)
+
+
+def _active() -> Optional["sentinel"]:
+    """The innermost sentinel switched on and not stopped, or ``None``."""
+    return _STACK[-1] if _STACK else None
+
+
+def _push(s: "sentinel") -> None:
+    """Switch ``s`` on: it becomes the active sentinel."""
+    with _LOCK:
+        _STACK.append(s)
+        _install()
+
+
+def _remove(s: "sentinel") -> None:
+    """Switch ``s`` off (wherever it is on the stack); the innermost one still on becomes active."""
+    with _LOCK:
+        _STACK.remove(s)
+        _install()
+
+
+def _install() -> None:
+    s = _active()
+    _hooks.install(**(_EMPTY if s is None else s.slots()))
+
+
+@atexit.register
+def _log_summaries() -> None:
+    for s in list(_STACK):
+        s.log_summary(" (at exit)")
 
 
 class _MicrobatchMarker:
@@ -84,7 +128,7 @@ class _MicrobatchMarker:
         self._t.end_microbatch(self._mb, flush=exc_type is None)
 
     @property
-    def state(self) -> Optional[Microbatch]:
+    def state(self) -> Optional[MicrobatchRecord]:
         """The microbatch's state (its index in the group, whether it is sampled) once entered."""
         return self._mb
 
@@ -166,13 +210,13 @@ class sentinel:
     @staticmethod
     def active() -> Optional["sentinel"]:
         """The sentinel switched on now (the innermost one not stopped), or ``None``."""
-        return switch.active()  # type: ignore[return-value]
+        return _active()
 
     def start(self) -> "sentinel":
         """Switch this sentinel on (constructing it already does); idempotent."""
         if not self._on:
             self._on = True
-            switch.push(self)
+            _push(self)
         return self
 
     def stop(self) -> Summary:
@@ -182,7 +226,7 @@ class sentinel:
         """
         if self._on:
             self._on = False
-            switch.remove(self)
+            _remove(self)
             self.log_summary()
         return self._t.verdicts.summary
 
@@ -246,7 +290,7 @@ class sentinel:
             _outside_graph(on_rope)(self._t, scope, cu, qkv_format, t)
 
     def on_shard(self, scope: CPScope, out: torch.Tensor) -> None:
-        """The sharding slot: ``zigzag_shard`` cut ``out`` for ``scope`` (remembered weakly, :mod:`.cuts`)."""
+        """The sharding slot: ``zigzag_shard`` cut ``out`` for ``scope`` (remembered weakly, :class:`.state.Cuts`)."""
         self._t.cuts.record(scope, out)
 
     def on_hf_positions(self, module: Any, query: torch.Tensor, scope: CPScope, kwargs: dict) -> None:
@@ -275,7 +319,7 @@ class sentinel:
             pos = my_position_ids(...)
             cpscope.sentinel.check_positions(pos, cu_seqlens=cu)     # in forward, before rotating
         """
-        s = switch.active()
+        s = _active()
         if not isinstance(s, sentinel) or in_backward() or not s._t.opts.positions:
             return
         check_user_positions(s._t, position_ids, cu_seqlens, _scope(group), where)

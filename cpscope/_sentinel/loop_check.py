@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from ..scope import CPScope, scope_for
 from .agree import comm_code, disagreements, hash64
-from .comm import collective_device, exchange, exchange_objects, gather_zigzag
+from .comm import collective_device, describe, exchange, exchange_objects, gather_zigzag, group_of, me
 from .reference import segment_ids
 from .report import Mismatch
-from .state import Microbatch, describe, group_of, me, offsets_list
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, offsets_list
 
 __all__ = ["watch", "check_microbatch", "check_labels", "check_loss"]
 
@@ -60,7 +59,7 @@ def watch(t: Tracker, microbatches: Iterable[Any], num_targets: int) -> Iterator
         check_loss(t, used, num_targets, device, step)
 
 
-def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: Microbatch) -> None:
+def check_microbatch(t: Tracker, mb: Any, scope: CPScope, state: MicrobatchRecord) -> None:
     """Agreement on the pack over the microbatch's group, then the labels' layout."""
     cu = offsets_list(mb.cu_seqlens)
     n_local = int(mb.input_ids.numel())
@@ -98,7 +97,7 @@ def _real(mb: Any) -> Optional[tuple]:
     return None if real is None else tuple(offsets_list(real))
 
 
-def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: Microbatch) -> None:
+def check_labels(t: Tracker, mb: Any, scope: CPScope, cu: list, state: MicrobatchRecord) -> None:
     """The labels must be the next token of the same document in the zigzag-ordered microbatch."""
     cp = scope.size
     ids = mb.input_ids.reshape(-1).to(torch.int64)

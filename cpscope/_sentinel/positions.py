@@ -16,10 +16,9 @@ from ..scope import CPScope
 from ..sharding import zigzag_positions
 from . import recompute
 from .agree import hash64
-from .cuts import cut_mismatch
+from .comm import describe, group_of, me, same_scope
 from .report import Mismatch
-from .state import Microbatch, describe, group_of, in_backward, me, offsets_list, same_scope
-from .tracker import Tracker
+from .state import MicrobatchRecord, Tracker, cut_mismatch, in_backward, offsets_list
 
 __all__ = ["on_rope", "on_hf_positions", "check_user_positions", "compare_positions"]
 
@@ -92,8 +91,8 @@ def _rope_signature(cu: tuple, qkv_format: str, x: torch.Tensor) -> tuple:
     return ("rope", qkv_format, tuple(x.shape), str(x.dtype), hash64(tuple(cu)) if qkv_format == "thd" else None)
 
 
-def _report_rope_scope(t: Tracker, mb: Microbatch, scope: CPScope, expected: CPScope, cu: Optional[list], seq: int,
-                       n_local: int) -> None:
+def _report_rope_scope(t: Tracker, mb: MicrobatchRecord, scope: CPScope, expected: CPScope, cu: Optional[list],
+                       seq: int, n_local: int) -> None:
     """RoPE rotated with ``scope`` while ``expected`` is active: the positions it used against the expected ones."""
     used = zigzag_positions(cu if cu is not None else seq * scope.size, scope.size, scope.rank)
     want, why = _expected(cu if cu is not None else seq * expected.size, expected, n_local, used.device)
@@ -110,7 +109,7 @@ def _report_rope_scope(t: Tracker, mb: Microbatch, scope: CPScope, expected: CPS
         consistent=expected.size == 1)
 
 
-def _check(t: Tracker, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: str, mb: Microbatch,
+def _check(t: Tracker, got: torch.Tensor, cu: Optional[list], scope: CPScope, what: str, mb: MicrobatchRecord,
            call: Optional[int]) -> None:
     n_local = got.shape[-1]
     layout = list(cu) if cu is not None else n_local * scope.size
@@ -152,8 +151,8 @@ def check_user_positions(t: Tracker, position_ids: torch.Tensor, cu_seqlens: Any
         _check_given(t, position_ids, cu_seqlens, scope, where, mb, None)
 
 
-def _check_given(t: Tracker, position_ids: torch.Tensor, cu_seqlens: Any, scope: CPScope, what: str, mb: Microbatch,
-                 call: Optional[int]) -> None:
+def _check_given(t: Tracker, position_ids: torch.Tensor, cu_seqlens: Any, scope: CPScope, what: str,
+                 mb: MicrobatchRecord, call: Optional[int]) -> None:
     """Positions as given (``[n]`` / ``[b, n]``; one row when packed with global offsets ``cu_seqlens``)."""
     cu = offsets_list(cu_seqlens) if cu_seqlens is not None else None
     got = position_ids.reshape(1, -1) if cu is not None else position_ids.reshape(-1, position_ids.shape[-1])

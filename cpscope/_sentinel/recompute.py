@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..scope import CPScope
+from .comm import describe, group_of, me, same_scope
 from .report import Mismatch
-from .state import describe, fingerprint, group_of, me, same_scope
-from .tracker import Tracker
+from .state import Tracker, fingerprint
 
 __all__ = ["remember", "check"]
 
