@@ -44,6 +44,7 @@ def test_the_reference_with_features_matches_autograd_of_an_independent_attentio
 
 def _features(name: str, rows: int, bug: bool):
     import cpscope.attention._api as api
+    from cpscope.attention._mods import Mods as CallMods
 
     groups = cpscope.new_cp_groups([1, 2])
     gen = torch.Generator().manual_seed(5 + 100 * dist.get_rank())
@@ -52,8 +53,7 @@ def _features(name: str, rows: int, bug: bool):
     kw = {"window": mods.window, "softcap": mods.softcap, "sinks": mods.sinks}
     orig = api.run_call
     if bug:  # a kernel that drops the feature
-        plain = {"window": None, "softcap": None, "sinks": None}
-        api.run_call = lambda call: orig(dataclasses.replace(call, **plain))
+        api.run_call = lambda call: orig(dataclasses.replace(call, mods=CallMods()))
     try:
         with cpscope.sentinel(every=1, rows=rows) as s, cpscope.runtime_cp(groups[2]):
             try:

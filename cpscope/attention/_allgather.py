@@ -38,12 +38,13 @@ import torch
 from .._pack import pack_for
 from .._tensor_cache import lru
 from ..scope import CPScope
-from ._kernels import Varlen, Window, acc_dtype, block_backward, block_forward
+from ._kernels import Varlen, acc_dtype, block_backward, block_forward
 from ._exchange import GroupCollectives, Pending
 from ._halo import halo_attention
 from ._halo_plan import halo_plan_for
 from ._layout import Packed
 from ._merge import merge_rows_, merge_sinks_, sinks_grad
+from ._mods import Mods
 from ._ring_plan import DiagPart, RingPlan
 
 __all__ = ["AllGatherPlan", "all_gather_attention"]
@@ -88,9 +89,9 @@ class AllGatherPlan:
     """
 
     def __init__(self, *, causal: bool, scale: float, rank: int, size: int, cu: tuple[int, ...], dense: bool,
-                 device: torch.device, softcap: Optional[float] = None) -> None:
+                 device: torch.device, mods: Mods = Mods()) -> None:
         self.causal, self.scale, self.rank, self.size, self.cu, self.dense = causal, scale, rank, size, cu, dense
-        self.softcap = softcap
+        self.mods, self.softcap = mods, mods.softcap  # the call's features; the softcap is the block kernels' input
         self.ring = RingPlan(varlen=not dense, causal=causal, scale=scale, rank=rank, size=size,
                              cu=None if dense else cu, local_len=cu[-1] // size, device=device)
         r = rank
@@ -103,10 +104,10 @@ class AllGatherPlan:
 
     @classmethod
     def of(cls, how: Packed, *, rank: int, size: int, causal: bool, scale: float, device: torch.device,
-           softcap: Optional[float] = None) -> "AllGatherPlan":
+           mods: Mods = Mods()) -> "AllGatherPlan":
         """The plan for packed tensors (``how``): the dense kernels for one dense row, else varlen."""
         return cls(causal=causal, scale=scale, rank=rank, size=size, cu=how.cu, dense=how.rows == 1, device=device,
-                   softcap=softcap)
+                   mods=mods)
 
     def inner(self, x: torch.Tensor) -> torch.Tensor:
         """Packed ``[t, h, d]`` as this plan computes on it (``[1, t, h, d]`` when dense; a view)."""
@@ -262,20 +263,20 @@ class _AllGatherAttention(torch.autograd.Function):
 @torch.compiler.disable  # collectives and a custom Function: always eager
 def all_gather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
-    window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+    mods: Mods = Mods(),
 ) -> torch.Tensor:
     """All-gather attention on validated packed ``[t, h, d]`` tensors (see :mod:`cpscope.attention._layout`).
 
-    With a ``window`` the gathered K/V feed the window's blocks only (:mod:`cpscope.attention._halo`, its
-    ``"gather"`` exchange). Use :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than
-    calling this directly.
+    ``mods``: the call's features (its window as it restricts the call's sequences). With a window the gathered
+    K/V feed the window's blocks only (:mod:`cpscope.attention._halo`, its ``"gather"`` exchange). Use
+    :func:`cpscope.context_parallel_attention` with ``comm="all_gather"`` rather than calling this directly.
     """
-    if window is not None:
-        hp = halo_plan_for(pack_for(tuple(how.cu), scope.size, scope.rank), q.device, window=window, causal=causal,
-                           scale=scale, softcap=softcap)
-        return halo_attention(q, k, v, plan=hp, group=scope.group, sinks=sinks, exchange="gather")
+    if mods.window is not None:
+        hp = halo_plan_for(pack_for(tuple(how.cu), scope.size, scope.rank), q.device, causal=causal, scale=scale,
+                           mods=mods)
+        return halo_attention(q, k, v, plan=hp, group=scope.group, exchange="gather")
     plan = AllGatherPlan.of(how, rank=scope.rank, size=scope.size, causal=causal, scale=scale, device=q.device,
-                            softcap=softcap)
+                            mods=mods)
     q, k, v = (plan.inner(x) for x in (q, k, v))
-    out = _AllGatherAttention.apply(q, k, v, sinks, plan, GroupCollectives(scope.group, scope.size, scope.rank))
+    out = _AllGatherAttention.apply(q, k, v, mods.sinks, plan, GroupCollectives(scope.group, scope.size, scope.rank))
     return plan.outer(out)

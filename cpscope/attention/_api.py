@@ -33,13 +33,12 @@ from .. import _hooks
 from .._pack import Pack, pack_for
 from .._variants import P2P
 from ..scope import UNSET as _UNSET, CPScope, resolve_scope
-from ._inputs import (check_attention_inputs, check_dense_max_seqlen, check_sinks, check_softcap, check_softmax_scale,
-                      check_thd_pack, check_window)
+from ._inputs import check_attention_inputs, check_dense_max_seqlen, check_softmax_scale, check_thd_pack
 from ._agreement import check_call
-from ._kernels import Window
 from ._halo import halo_attention
-from ._halo_plan import effective_window, halo_plan_for
+from ._halo_plan import halo_plan_for
 from ._layout import packed, unpacked
+from ._mods import Band, Mods
 from ._policy import kernel_policy
 from ._ring import ring_attention
 from ._ring_plan import RingPlan, plan_for_pack
@@ -178,7 +177,7 @@ def attention_with_scope(
     try:
         call = prepare_call(*args, **features)
     except ValueError as e:  # the observer agrees with the other ranks first, then raises it
-        call = AttentionCall(*args, error=e, **features)
+        call = AttentionCall(*args, error=e, mods=Mods(window, softcap, sinks))  # as given, unchecked
     return observer(call, run_call if scope.size == 1 else _agreed_run)
 
 
@@ -197,11 +196,13 @@ _attention_with_scope_island = torch.compiler.disable(attention_with_scope)
 class AttentionCall:
     """One attention call, validated and resolved once: what runs it and what an observer may look at.
 
-    The first fields are the call's arguments as given; ``scale``, ``pack`` and ``variant`` are derived by
-    :func:`prepare_call`; ``window`` / ``sinks`` / ``softcap`` (last, with defaults, so that readers of the older
-    fields need no change) are the validated features. ``error`` holds the ``ValueError`` of inputs that failed
-    validation (then the derived fields are ``None`` and :func:`run_call` raises it). ``dataclasses.replace(call, q=..., k=..., v=...)`` gives the
-    same call on other (e.g. tapped) tensors of the same shapes.
+    The first fields are the call's arguments as given; ``scale``, ``pack``, ``variant`` and ``mods`` are derived
+    by :func:`prepare_call`: ``mods`` is the call's validated score features (:class:`~cpscope.attention._mods.Mods`:
+    the window as a band, the softcap, the sinks), built once there and passed as one value to the variants and
+    their plans; ``window`` / ``sinks`` / ``softcap`` read it. ``error`` holds the ``ValueError`` of inputs that
+    failed validation (then the derived fields are ``None``, ``mods`` holds the features as given, and
+    :func:`run_call` raises it). ``dataclasses.replace(call, q=..., k=..., v=...)`` gives the same call on other
+    (e.g. tapped) tensors of the same shapes.
     """
 
     q: torch.Tensor
@@ -219,20 +220,41 @@ class AttentionCall:
     pack: Optional[Pack] = None  # per-pack metadata (thd; bshd/sbhd with real lengths or as varlen rows)
     variant: Optional[Variant] = None  # the variant that runs (``"auto"`` resolved)
     error: Optional[ValueError] = None
-    window: Optional[tuple[int, int]] = None  # (left, right), -1 unbounded
-    sinks: Optional[torch.Tensor] = None  # [h]
-    softcap: Optional[float] = None
+    mods: Mods = Mods()  # the validated score features
 
     @property
-    def band(self) -> Window:
+    def window(self) -> Optional[tuple[int, int]]:
+        """``(left, right)`` (a :class:`~cpscope.attention._mods.Band`), -1 unbounded; ``None``: no window."""
+        return self.mods.window
+
+    @property
+    def sinks(self) -> Optional[torch.Tensor]:
+        """``[h]``: one logit per q head in every softmax denominator; ``None``: no sinks."""
+        return self.mods.sinks
+
+    @property
+    def softcap(self) -> Optional[float]:
+        """The scores' cap; ``None``: no softcap."""
+        return self.mods.softcap
+
+    @property
+    def band(self) -> Optional[Band]:
         """The window as it restricts this call's sequences (``None``: it restricts nothing; causal: right 0)."""
-        if self.window is None or self.error is not None:
-            return None
+        return self.features.window
+
+    @property
+    def features(self) -> Mods:
+        """:attr:`mods` as the variants run them: the window as it restricts this call's sequences
+        (:meth:`~cpscope.attention._mods.Mods.within`)."""
+        if self.error is not None:
+            return Mods()
+        if self.mods.window is None:
+            return self.mods
         if self.qkv_format == "thd":
             longest = self.pack.longest
         else:
             longest = (self.q.shape[1] if self.qkv_format == "bshd" else self.q.shape[0]) * self.scope.size
-        return effective_window(self.window, self.causal, longest)
+        return self.mods.within(self.causal, longest)
 
     @property
     def padded(self) -> bool:
@@ -253,15 +275,13 @@ def prepare_call(
     """
     check_attention_inputs(q, k, v, qkv_format=qkv_format, cp=scope.size)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    window, softcap = check_window(window), check_softcap(softcap)
-    sinks = check_sinks(sinks, q.shape[-2], q.device)
+    mods = Mods.checked(window, softcap, sinks, heads=q.shape[-2], device=q.device)  # the call's one features value
     pack = _pack_of(q, scope, qkv_format, cu_seqlens, cu_seqlens_padded, max_seqlen)
     variant = resolve_variant(comm, scope, q, k, qkv_format=qkv_format, causal=causal,  # comm= / scope.comm
                               cu=pack.cu if qkv_format == "thd" else None,
-                              padded=pack is not None and pack.real is not None, window=window)
+                              padded=pack is not None and pack.real is not None, window=mods.window)
     return AttentionCall(q, k, v, scope, qkv_format, causal, cu_seqlens, cu_seqlens_padded, max_seqlen,
-                         softmax_scale, comm, scale=scale, pack=pack, variant=variant, window=window, sinks=sinks,
-                         softcap=softcap)
+                         softmax_scale, comm, scale=scale, pack=pack, variant=variant, mods=mods)
 
 
 def _pack_of(q: torch.Tensor, scope: CPScope, qkv_format: str, cu_seqlens: Optional[Any],
@@ -295,22 +315,22 @@ def run_call(call: AttentionCall) -> torch.Tensor:
     """Run a prepared :class:`AttentionCall` (raises its ``error`` if its inputs failed validation)."""
     if call.error is not None:
         raise call.error
-    band = call.band
+    mods = call.features  # the window as it restricts this call's sequences
     if call.variant.name == P2P:
         # a window across ranks, or over padded documents (their compacted keys would shift a kernel's aligned
         # window): the halo plan's blocks; else the ring (one kernel call under CP1)
-        if band is not None and (call.scope.size > 1 or call.padded):
-            return _run_halo(call, band)
-        return _run_ring(call, band)
+        if mods.window is not None and (call.scope.size > 1 or call.padded):
+            return _run_halo(call, mods)
+        return _run_ring(call, mods)
     # causal: padding (at the end of each document) is never seen by a real query; its own rows are zeroed, so no
     # gradient flows from them
     out = run_variant(call.variant, call.q, call.k, call.v, call.scope, qkv_format=call.qkv_format,
                       causal=call.causal, cu=call.pack.cu if call.qkv_format == "thd" else None, scale=call.scale,
-                      window=band, softcap=call.softcap, sinks=call.sinks)
+                      mods=mods)
     return _zero_padding_rows(out, call.pack, call.qkv_format) if call.padded else out
 
 
-def _run_halo(call: AttentionCall, band: tuple[int, int]) -> torch.Tensor:
+def _run_halo(call: AttentionCall, mods: Mods) -> torch.Tensor:
     """``"p2p"`` with a window: the halo exchange (:mod:`cpscope.attention._halo`) on the packed rows."""
     q, k, v, scope = call.q, call.k, call.v, call.scope
     pack = call.pack
@@ -319,25 +339,24 @@ def _run_halo(call: AttentionCall, band: tuple[int, int]) -> torch.Tensor:
         g = s * scope.size
         pack = pack_for(tuple(range(0, b * g + 1, g)), scope.size, scope.rank)
     qp, kp, vp, how = packed(q, k, v, qkv_format=call.qkv_format, cu=pack.cu, cp=scope.size)
-    plan = halo_plan_for(pack, q.device, window=band, causal=call.causal, scale=call.scale, softcap=call.softcap)
-    return unpacked(halo_attention(qp, kp, vp, plan=plan, group=scope.group, sinks=call.sinks), how)
+    plan = halo_plan_for(pack, q.device, causal=call.causal, scale=call.scale, mods=mods)
+    return unpacked(halo_attention(qp, kp, vp, plan=plan, group=scope.group), how)
 
 
-def _run_ring(call: AttentionCall, band: Window) -> torch.Tensor:
+def _run_ring(call: AttentionCall, mods: Mods) -> torch.Tensor:
     """The zigzag ring (``"p2p"`` without a window; every variant under CP1) on the call's layout."""
     q, k, v, scope, causal, scale, pack = call.q, call.k, call.v, call.scope, call.causal, call.scale, call.pack
-    feats = {"window": band, "softcap": call.softcap}
     if call.qkv_format == "thd":
-        return ring_attention(q, k, v, plan=plan_for_pack(pack, q.device, causal=causal, scale=scale, **feats),
-                              group=scope.group, **_sinks(call))
+        return ring_attention(q, k, v, plan=plan_for_pack(pack, q.device, causal=causal, scale=scale, mods=mods),
+                              group=scope.group)
     if call.qkv_format == "sbhd":  # [s, b, h, d] -> [b, s, h, d] views; the kernels read the strides (no copies)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     b, s = q.shape[0], q.shape[1]
-    plain = band is None and call.softcap is None and call.sinks is None and v.shape[-1] == q.shape[-1]
+    plain = mods.plain and v.shape[-1] == q.shape[-1]
     if pack is not None:  # [b, s, h, d] -> [b*s, h, d] through the varlen ring
         q2, k2, v2 = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
-        plan = plan_for_pack(pack, q.device, causal=causal, scale=scale, **feats)
-        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group, **_sinks(call))
+        plan = plan_for_pack(pack, q.device, causal=causal, scale=scale, mods=mods)
+        out = ring_attention(q2, k2, v2, plan=plan, group=scope.group)
         out = out.view(b, s, *out.shape[1:])
     elif scope.size == 1 and q.is_cuda and plain:
         # CP1 on CUDA is plain attention: PyTorch's SDPA (cuDNN on Hopper; GQA without expanded K/V) with its own
@@ -347,15 +366,9 @@ def _run_ring(call: AttentionCall, band: Window) -> torch.Tensor:
                                              enable_gqa=k.shape[-2] != q.shape[-2]).transpose(1, 2)
     else:
         plan = RingPlan(varlen=False, causal=causal, scale=scale, rank=scope.rank, size=scope.size, local_len=s,
-                        **feats)
-        out = ring_attention(q, k, v, plan=plan, group=scope.group, **_sinks(call))
+                        mods=mods)
+        out = ring_attention(q, k, v, plan=plan, group=scope.group)
     return out.transpose(0, 1) if call.qkv_format == "sbhd" else out
-
-
-def _sinks(call: AttentionCall) -> dict[str, torch.Tensor]:
-    """``sinks=`` for the ring when the call has them (none otherwise: a plain call stays the plain call, for
-    wrappers of :func:`ring_attention` that take only its plain arguments)."""
-    return {} if call.sinks is None else {"sinks": call.sinks}
 
 
 def _zero_padding_rows(out: torch.Tensor, pack: Pack, qkv_format: str) -> torch.Tensor:

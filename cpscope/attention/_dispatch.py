@@ -38,6 +38,7 @@ from ..scope import CPScope
 from ._allgather import all_gather_attention
 from ._hierarchical import check_inner_size, hierarchical_attention, hierarchical_groups
 from ._layout import packed, unpacked
+from ._mods import Mods
 from ._ulysses import a2a_attention, check_heads
 
 __all__ = ["VARIANTS", "VariantQuery", "Variant", "default_rule", "choose_variant", "set_auto_chooser",
@@ -185,14 +186,13 @@ def resolve_variant(comm: Optional[str], scope: CPScope, q: torch.Tensor, k: tor
 
 def run_variant(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scope: CPScope, *,
                 qkv_format: str, causal: bool, cu: Optional[tuple[int, ...]], scale: float,
-                window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
-                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mods: Mods = Mods()) -> torch.Tensor:
     """Run a collective variant (not ``"p2p"``, which the caller runs) on validated inputs of any layout.
 
-    ``window``: the call's effective window (:func:`cpscope.attention._halo_plan.effective_window`)."""
+    ``mods``: the call's features, its window as it restricts the call's sequences
+    (:meth:`cpscope.attention._mods.Mods.within`)."""
     qp, kp, vp, how = packed(q, k, v, qkv_format=qkv_format, cu=cu, cp=scope.size)
-    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale, "window": window,
-                          "softcap": softcap, "sinks": sinks}
+    kw: dict[str, Any] = {"how": how, "scope": scope, "causal": causal, "scale": scale, "mods": mods}
     if variant.name == HIERARCHICAL:
         kw["inner"] = variant.inner
     out = _RUNNERS[variant.name](qp, kp, vp, **kw)

@@ -19,7 +19,7 @@ Two exchanges:
 
 Example::
 
-    plan = halo_plan_for(pack, q.device, window=(255, 0), causal=True, scale=d ** -0.5)
+    plan = halo_plan_for(pack, q.device, causal=True, scale=d ** -0.5, mods=Mods(window=Band(255, 0)))
     out = halo_attention(q, k, v, plan=plan, group=scope.group, exchange="p2p")    # [t, h, d] local rows
 """
 from __future__ import annotations
@@ -230,11 +230,11 @@ class _HaloAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # point-to-point collectives and a custom Function: always eager
 def halo_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: HaloPlan, group: Any,
-                   sinks: Optional[torch.Tensor] = None, exchange: str = "p2p") -> torch.Tensor:
+                   exchange: str = "p2p") -> torch.Tensor:
     """Differentiable windowed attention on validated local ``[t, h, d]`` rows of the plan's pack.
 
-    ``exchange``: ``"p2p"`` (halo rows) or ``"gather"`` (everything gathered). ``sinks`` (``[h]``) get the
-    gradient of this rank's rows. Use :func:`cpscope.context_parallel_attention` with a ``window`` rather than
-    calling this directly.
+    ``exchange``: ``"p2p"`` (halo rows) or ``"gather"`` (everything gathered). The plan's sinks (``plan.mods``,
+    ``[h]``) get the gradient of this rank's rows. Use :func:`cpscope.context_parallel_attention` with a ``window``
+    rather than calling this directly.
     """
-    return _HaloAttention.apply(q, k, v, sinks, plan, group, exchange)
+    return _HaloAttention.apply(q, k, v, plan.mods.sinks, plan, group, exchange)

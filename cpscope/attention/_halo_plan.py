@@ -23,7 +23,7 @@ computes on this rank.
 
 Example::
 
-    plan = halo_plan_for(pack, q.device, window=(255, 0), causal=True, scale=d ** -0.5)
+    plan = halo_plan_for(pack, q.device, causal=True, scale=d ** -0.5, mods=Mods(window=Band(255, 0)))
     plan.geo.counters()          # {'rows_sent': ..., 'rows_received': ..., 'blocks': ..., 'pieces': ..., ...}
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from .._pack import Pack
 from ._kernels import Varlen, Window
-from ._mods import Band
+from ._mods import Band, Mods
 from ._merge import rows_add_
 
 __all__ = ["effective_window", "Rows", "HaloBlock", "HaloGeometry", "HaloPlan", "halo_plan_for"]
@@ -263,15 +263,19 @@ class HaloGeometry:
 
 
 class HaloPlan:
-    """One windowed call: the pack's :class:`HaloGeometry` plus the call's scale and softcap."""
+    """One windowed call: the pack's :class:`HaloGeometry` plus the call's scale and features (``mods``: its
+    ``softcap`` is what the block kernels read, its ``sinks`` what :func:`~cpscope.attention._halo.halo_attention`
+    hands to the autograd Function; the window is the geometry's)."""
 
-    def __init__(self, geo: HaloGeometry, *, scale: float, softcap: Optional[float]) -> None:
-        self.geo, self.scale, self.softcap = geo, scale, softcap
+    def __init__(self, geo: HaloGeometry, *, scale: float, mods: Mods) -> None:
+        self.geo, self.scale, self.mods, self.softcap = geo, scale, mods, mods.softcap
         self.rank, self.size, self.causal = geo.rank, geo.cp, geo.causal
 
 
-def halo_plan_for(pack: Pack, device: torch.device, *, window: tuple[int, int], causal: bool, scale: float,
-                  softcap: Optional[float] = None) -> HaloPlan:
-    """The windowed plan of a pack (its :class:`HaloGeometry` cached on the pack per device, window, causality)."""
+def halo_plan_for(pack: Pack, device: torch.device, *, causal: bool, scale: float, mods: Mods) -> HaloPlan:
+    """The windowed plan of a pack for a call's features (``mods.window`` as it restricts the pack's documents; its
+    :class:`HaloGeometry` cached on the pack per device, window, causality)."""
+    window = mods.window
+    assert window is not None, "a halo plan needs a window"
     geo = pack.memo(("halo", device, window, causal), lambda: HaloGeometry(pack, device, window, causal))
-    return HaloPlan(geo, scale=scale, softcap=softcap)
+    return HaloPlan(geo, scale=scale, mods=mods)

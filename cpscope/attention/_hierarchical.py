@@ -39,9 +39,9 @@ import torch.distributed as dist
 from .._tensor_cache import register_clear
 from ..groups import group_ranks, lookup_hierarchical
 from ..scope import CPScope
-from ._kernels import Window
 from ._exchange import GroupCollectives
 from ._layout import Packed
+from ._mods import Mods
 from ._ulysses import UlyssesPlan, check_heads, run
 
 __all__ = ["hierarchical_groups", "default_inner_size", "check_inner_size", "hierarchical_attention"]
@@ -147,15 +147,16 @@ def hierarchical_groups(group: dist.ProcessGroup, inner: int) -> tuple[dist.Proc
 @torch.compiler.disable  # collectives and a custom Function: always eager
 def hierarchical_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
-    inner: int, window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+    inner: int, mods: Mods = Mods(),
 ) -> torch.Tensor:
     """``a2a+p2p`` attention on validated packed ``[t, h, d]`` tensors (``inner`` checked by
     :func:`check_inner_size`). Use :func:`cpscope.context_parallel_attention` with ``comm="a2a+p2p"``.
 
-    With a ``window`` the ring across the outer groups is the halo exchange (:mod:`cpscope.attention._halo`)."""
+    ``mods``: the call's features; with a window the ring across the outer groups is the halo exchange
+    (:mod:`cpscope.attention._halo`)."""
     inner_g, outer_g = hierarchical_groups(scope.group, inner)
     o, i = divmod(scope.rank, inner)
     outer = scope.size // inner
     plan = UlyssesPlan(causal=causal, scale=scale, how=how, inner=(i, inner), outer=(o, outer), device=q.device,
-                       window=window, softcap=softcap)
-    return run(q, k, v, plan, GroupCollectives(inner_g, inner, i), outer_g, sinks)
+                       mods=mods)
+    return run(q, k, v, plan, GroupCollectives(inner_g, inner, i), outer_g)

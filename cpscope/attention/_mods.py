@@ -112,9 +112,20 @@ class Mods:
         w = check_window(window)
         return cls(None if w is None else Band(*w), check_softcap(softcap), check_sinks(sinks, heads, device))
 
+    @property
+    def plain(self) -> bool:
+        """No window, no softcap, no sinks: plain attention."""
+        return self.window is None and self.softcap is None and self.sinks is None
+
     def band(self, causal: bool, longest: int) -> Optional[Band]:
         """The window as it restricts sequences of at most ``longest`` tokens (:meth:`Band.effective`)."""
         return Band.effective(self.window, causal, longest)
+
+    def within(self, causal: bool, longest: int) -> "Mods":
+        """The same features with the window as it restricts sequences of at most ``longest`` tokens
+        (:meth:`band`): what the variants, plans and kernels run (no validation: these features were checked)."""
+        band = self.band(causal, longest)
+        return self if band == self.window else Mods(band, self.softcap, self.sinks)
 
     def detached(self) -> "Mods":
         """The same features with the sinks detached from autograd (what a reference reads)."""

@@ -291,16 +291,16 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, group: Optional[dist.ProcessGroup],
-    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Differentiable zigzag ring attention on validated local tensors (dense ``[b, s, h, d]`` or varlen ``[t, h, d]``).
 
-    ``plan`` carries rank/size of ``group`` (resolved once by the caller); ``group`` may be ``None`` only when
-    ``plan.size == 1``. ``sinks`` (``[h]``) get the gradient of this rank's rows. Use
-    :func:`cpscope.context_parallel_attention` rather than calling this directly.
+    ``plan`` carries rank/size of ``group`` (resolved once by the caller) and the call's features (``plan.mods``);
+    ``group`` may be ``None`` only when ``plan.size == 1``. The sinks (``plan.mods.sinks``, ``[h]``) get the
+    gradient of this rank's rows. Use :func:`cpscope.context_parallel_attention` rather than calling this directly.
     """
     if torch.compiler.is_compiling():  # point-to-point collectives and a custom Function: always eager (an island)
-        return _ring_attention_island(q, k, v, plan=plan, group=group, sinks=sinks)
+        return _ring_attention_island(q, k, v, plan=plan, group=group)
+    sinks = plan.mods.sinks
     if plan.size == 1 and plan.pad_rows is None and not plan.compact:
         # CP1 is one block: where the router picks a kernel with its own autograd (FlexAttention), run it as is
         st = plan.step(0)

@@ -40,7 +40,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .._pack import Pack, pack_for
-from ._kernels import Placeholders, Varlen, Window
+from ._kernels import Placeholders, Varlen
+from ._mods import Mods
 from ._merge import rows_add_
 
 __all__ = ["DiagPart", "RingGeometry", "RingPlan", "RingStep", "plan_for_pack"]
@@ -171,11 +172,10 @@ def _geometry(pack: Pack, device: torch.device) -> RingGeometry:
     return pack.memo(("ring", device), lambda: RingGeometry(pack, device))
 
 
-def plan_for_pack(pack: Pack, device: torch.device, *, causal: bool, scale: float, window: Window = None,
-                  softcap: Optional[float] = None) -> RingPlan:
+def plan_for_pack(pack: Pack, device: torch.device, *, causal: bool, scale: float, mods: Mods = Mods()) -> RingPlan:
     """The varlen ring plan of a pack (its :class:`RingGeometry` cached on the pack, per device)."""
     return RingPlan(varlen=True, causal=causal, scale=scale, rank=pack.rank, size=pack.cp,
-                    geometry=_geometry(pack, device), window=window, softcap=softcap)
+                    geometry=_geometry(pack, device), mods=mods)
 
 
 class RingStep(NamedTuple):
@@ -204,19 +204,24 @@ class RingPlan:
     front half of K/V) and ``"q_back"`` (back half of Q vs all K/V). Varlen plans take their per-pack facts from a
     :class:`RingGeometry` (built from ``cu`` when none is given); the plan itself is cheap.
 
-    ``softcap`` applies to every block; a ``window`` only to a plan of one rank (whole sequences: the block's aligned
-    window is the global one) — a windowed call across ranks runs :mod:`cpscope.attention._halo` instead.
+    ``mods``: the call's score features (:class:`~cpscope.attention._mods.Mods`, its window already as it restricts
+    the call's sequences); :func:`~cpscope.attention._ring.ring_attention` hands its ``sinks`` to the autograd
+    Function, ``window`` / ``softcap`` are what the block kernels read. The softcap applies to every block; a window
+    only to a plan of one rank (whole sequences: the block's aligned window is the global one) — a windowed call
+    across ranks runs :mod:`cpscope.attention._halo` instead.
     """
 
     def __init__(
         self, *, varlen: bool, causal: bool, scale: float, rank: int, size: int, cu: Optional[tuple[int, ...]] = None,
         local_len: int = 0, device: Optional[torch.device] = None, geometry: Optional[RingGeometry] = None,
-        window: Window = None, softcap: Optional[float] = None,
+        mods: Mods = Mods(),
     ) -> None:
-        if window is not None and size > 1:
-            raise RuntimeError(f"a ring of {size} ranks with window={window}: windowed calls run the halo exchange")
+        if mods.window is not None and size > 1:
+            raise RuntimeError(f"a ring of {size} ranks with window={mods.window}: windowed calls run the halo "
+                               "exchange")
         self.varlen, self.causal, self.scale, self.rank, self.size = varlen, causal, scale, rank, size
-        self.window, self.softcap = window, softcap
+        self.mods = mods
+        self.window, self.softcap = mods.window, mods.softcap  # the block kernels' inputs, read on the hot path
         self.placeholders = Placeholders()  # what this call's dense forwards hand to its backward (kept on ctx)
         # Halves are slices along `dim` (dense: dim 1; varlen holding ONE sequence: dim 0, zero-copy) or, for
         # several packed documents, index gathers/scatters (`dim` None).

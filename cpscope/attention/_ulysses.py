@@ -31,12 +31,12 @@ from .._pack import pack_for
 from .._tensor_cache import lru
 from ..scope import CPScope
 from ..sharding import zigzag_indices
-from ._kernels import Window
 from ._exchange import GroupCollectives
 from ._halo import halo_backward, halo_forward
 from ._halo_plan import HaloPlan, halo_plan_for
 from ._layout import Packed
 from ._merge import sink_terms
+from ._mods import Mods
 from ._ring import ring_backward, ring_forward
 from ._ring_plan import RingPlan
 
@@ -171,27 +171,30 @@ class UlyssesPlan:
     ``inner``/``outer``: ``(rank, size)`` in the all-to-all group and across the outer groups (Ulysses: the CP
     group and ``(0, 1)``). The middle is a :class:`RingPlan` of the outer size (one local kernel when it is 1, the
     window then applied by the kernel: whole sequences), or — a window across outer ranks — the halo plan of the
-    outer ring's pack (:mod:`cpscope.attention._halo`).
+    outer ring's pack (:mod:`cpscope.attention._halo`). ``mods``: the call's features (its window as it restricts
+    the call's sequences), handed whole to the middle plan; :func:`run` gives its sinks to the autograd Function
+    (the middle attention takes this rank's heads of them, :meth:`sinks`).
     """
 
     def __init__(self, *, causal: bool, scale: float, how: Packed, inner: tuple[int, int], outer: tuple[int, int],
-                 device: torch.device, window: Window = None, softcap: Optional[float] = None) -> None:
+                 device: torch.device, mods: Mods = Mods()) -> None:
         (i_rank, i_size), (o_rank, o_size) = inner, outer
         cu = how.cu
+        self.mods = mods
         self.ex = A2APlan(tuple(x // o_size for x in cu), n=i_size, rank=i_rank, device=device)
         self.rows = how.rows  # dense batch rows (the middle then uses the dense kernels), None for thd
         self.halo: Optional[HaloPlan] = None
-        if window is not None and o_size > 1:
+        if mods.window is not None and o_size > 1:
             self.rows = None  # the halo exchange works on the packed rows
-            self.halo = halo_plan_for(pack_for(tuple(cu), o_size, o_rank), device, window=window, causal=causal,
-                                      scale=scale, softcap=softcap)
+            self.halo = halo_plan_for(pack_for(tuple(cu), o_size, o_rank), device, causal=causal, scale=scale,
+                                      mods=mods)
         elif self.rows is not None:
             self.seq = cu[1] // o_size  # each row's tokens after the exchange
             self.ring = RingPlan(varlen=False, causal=causal, scale=scale, rank=o_rank, size=o_size,
-                                 local_len=self.seq, window=window, softcap=softcap)
+                                 local_len=self.seq, mods=mods)
         else:
             self.ring = RingPlan(varlen=True, causal=causal, scale=scale, rank=o_rank, size=o_size, cu=cu,
-                                 device=device, window=window, softcap=softcap)
+                                 device=device, mods=mods)
 
     def middle(self, x: torch.Tensor) -> torch.Tensor:
         """Exchanged ``[T, h', d]`` as the middle attention takes it (dense: ``[rows, seq, h', d]``, a view)."""
@@ -264,22 +267,24 @@ class _A2AAttention(torch.autograd.Function):
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: UlyssesPlan, coll: Any,
-        outer: Optional[dist.ProcessGroup], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        outer: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The differentiable exchange + middle attention + exchange (shared with the hierarchical variant); k/v heads
-    are replicated first where they do not divide by the all-to-all size (:func:`replicate_kv`)."""
+    are replicated first where they do not divide by the all-to-all size (:func:`replicate_kv`). The plan's sinks
+    (``plan.mods.sinks``) get the gradient of this rank's rows."""
     k, v = replicate_kv(k, v, plan.ex.n)
-    return _A2AAttention.apply(q, k, v, sinks, plan, coll, outer)
+    return _A2AAttention.apply(q, k, v, plan.mods.sinks, plan, coll, outer)
 
 
 @torch.compiler.disable  # collectives and a custom Function: always eager
 def a2a_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, how: Packed, scope: CPScope, causal: bool, scale: float,
-    window: Window = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+    mods: Mods = Mods(),
 ) -> torch.Tensor:
-    """Ulysses attention on validated packed ``[t, h, d]`` tensors (heads already checked with :func:`check_heads`).
+    """Ulysses attention on validated packed ``[t, h, d]`` tensors (heads already checked with :func:`check_heads`;
+    ``mods``: the call's features).
 
     Use :func:`cpscope.context_parallel_attention` with ``comm="a2a"`` rather than calling this directly.
     """
     plan = UlyssesPlan(causal=causal, scale=scale, how=how, inner=(scope.rank, scope.size), outer=(0, 1),
-                       device=q.device, window=window, softcap=softcap)
-    return run(q, k, v, plan, GroupCollectives(scope.group, scope.size, scope.rank), None, sinks)
+                       device=q.device, mods=mods)
+    return run(q, k, v, plan, GroupCollectives(scope.group, scope.size, scope.rank), None)
