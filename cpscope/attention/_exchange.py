@@ -84,7 +84,8 @@ class RingComm:
 
         Measured caveat (H200): enqueuing a cuDNN attention kernel between ``begin`` and ``post`` does NOT overlap
         the exchange with it — those kernels are persistent (a CTA per SM), so the exchange gets no SM until the
-        kernel ends. The ring therefore posts every exchange before the kernel it overlaps (:meth:`send_recv`)."""
+        kernel ends. The ring therefore posts every exchange before the kernel it overlaps (:meth:`send_recv`;
+        ``docs/attention_kernels.md`` §8)."""
         if self._reqs is not None or self._pending is not None:
             raise RuntimeError("RingComm.send_recv called twice without wait()")
         if recv_shapes is None:

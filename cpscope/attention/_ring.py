@@ -135,8 +135,8 @@ class _BackwardRing:
         self.acc = self.q.dtype if size == 2 else acc_dtype(self.q.dtype)
         self.parts = plan.diag_parts(self.q.shape[-2], self.k.shape[-2])
         # Each exchange is posted BEFORE the kernel it overlaps: cuDNN's attention kernels are persistent (one CTA per
-        # SM), so an exchange posted behind one gets no SM until it ends (H200, 16k: the K/V hop then started at the end
-        # of the diagonal block, also on a high-priority NCCL stream). docs/attention_kernels.md §8.
+        # SM), so an exchange posted behind one gets no SM until it ends (the K/V hop then started at the end of the
+        # diagonal block, also on a high-priority NCCL stream). docs/attention_kernels.md §8, §13.
         k, v = self.k, self.v
         kv_comm.send_recv([k, v], recv_shapes=plan.recv_shapes(rank - 1, [k, v]))
         self.dq0 = self._diagonal(self.parts[0])

@@ -11,10 +11,10 @@ Non-interleaved: angle ``i`` and ``i + rot_dim/2`` are equal and the pair is ``(
 ``rot_dim`` pass through unchanged.
 
 Paths, on CUDA: cpscope's Triton kernel (:mod:`cpscope.rope._kernel`: one launch, angles read from the table by
-position, ~25 µs of host time), else TE's fused kernel when TransformerEngine is importable, else plain torch math
-``torch.compile``-d (:mod:`cpscope.rope._torch_math`: inside a user's ``torch.compile`` the math joins that graph; a
-failure of the compiler itself turns compilation off for that case only, logged once; an out-of-memory error
-propagates); on CPU plain torch math.
+position, the least host time: ``docs/attention_kernels.md`` §10), else TE's fused kernel when TransformerEngine is
+importable, else plain torch math ``torch.compile``-d (:mod:`cpscope.rope._torch_math`: inside a user's
+``torch.compile`` the math joins that graph; a failure of the compiler itself turns compilation off for that case
+only, logged once; an out-of-memory error propagates); on CPU plain torch math.
 Everything derived from the offsets (validation, positions) is cached per pack (:mod:`cpscope._pack`), so a call
 costs the same host time whatever the number of documents.
 

@@ -1,9 +1,9 @@
 """RoPE as one Triton kernel per call (forward and backward), reading angles from the table by position.
 
-Why: RoPE runs twice per layer (q and k). The ``torch.compile`` path costs ~0.1 ms of host time per call (guards,
-AOT-autograd wrappers; H200, docs/attention_kernels.md §10) — as much as the attention call around it for a
-short pack. This kernel takes the local tensor, the pack's cached positions and the TE-style table directly: one
-launch, no angle gather, ~20-30 µs of host time.
+Why: RoPE runs twice per layer (q and k). The ``torch.compile`` path's host time per call (guards, AOT-autograd
+wrappers) is as much as the attention call around it for a short pack. This kernel takes the local tensor, the
+pack's cached positions and the TE-style table directly: one launch, no angle gather, a fraction of that host time
+(figures: docs/attention_kernels.md §10).
 
 Math (TE's convention): ``out[j] = x[j]·cos f[p, j] + rot(x)[j]·sin f[p, j]`` for ``j < rot_dim`` with
 ``rot(x) = [-x2, x1]`` (halves) or ``(-x[2i+1], x[2i])`` (pairs); channels past ``rot_dim`` are copied. Computed in

@@ -17,7 +17,7 @@ global rank 0 when unset) and found again by :func:`~cpscope.train._auto.cached_
 Example (2 GPUs; see ``benchmarks/calibrate_comm.py`` for the command line)::
 
     groups = cpscope.new_cp_groups([1, 2])
-    cost = calibrate(groups, heads=32, kv_heads=(32, 8), head_dim=128)       # ~10 s on 2 × H200
+    cost = calibrate(groups, heads=32, kv_heads=(32, 8), head_dim=128)       # seconds: docs/hybrid_planner.md
     step = StepCost(cost, heads=32, kv_heads=8, head_dim=128, layers=32, linear=2e-5)
     plan = plan_hybrid(lengths, n_ranks=2, capacity=65536, cost=step)        # mb.comm per microbatch
 """

@@ -3,17 +3,17 @@ the cuDNN frontend's Python graphs (the machinery of :mod:`.cudnn_frontend`: one
 the ordered execute).
 
 Why: PyTorch's own cuDNN entry (``aten._scaled_dot_product_cudnn_attention``) has no band and no score modifier,
-and flash-attention-2 (``aten._flash_attention_forward`` with ``window_size_*``) runs ~1.7x slower than cuDNN on
-Hopper. The graph takes the tensors' strides as they are (``bshd`` or an ``sbhd`` view, GQA with fewer k/v heads, a
-v head dim other than q/k's), writes ``out`` in a fresh ``[b, s, h, d_v]`` tensor and the log-sum-exp as
-``[b, h, s]`` fp32, and its backward takes the **given** (merged) ``out`` and ``lse``.
+and flash-attention-2 (``aten._flash_attention_forward`` with ``window_size_*``) is slower than cuDNN on Hopper
+(``docs/attention_kernels.md`` §2, §4). The graph takes the tensors' strides as they are (``bshd`` or an ``sbhd``
+view, GQA with fewer k/v heads, a v head dim other than q/k's), writes ``out`` in a fresh ``[b, s, h, d_v]`` tensor
+and the log-sum-exp as ``[b, h, s]`` fp32, and its backward takes the **given** (merged) ``out`` and ``lse``.
 
 Bands (see :mod:`.cudnn_mods`), :func:`pieces`: leading query rows that see no key (only when
 ``n_q > n_k``) and leading keys that no query sees (a halo longer than the window) are left out of the kernel
 (``out = 0``, ``lse = -inf``, ``dq``/``dk``/``dv = 0`` there; views, no copies), and the band of what remains is
 given relative to its top-left diagonal. H200 showed cuDNN skipping the tiles outside a band whose right bound is 0
 (the causal side) and those left of a left bound, but not those right of a positive right bound (a q chunk against
-its own keys plus a halo before them ran as slowly as without the window, 132 TFLOP/s on the area it needs at 64k):
+its own keys plus a halo before them ran as slowly as without the window; ``docs/attention_kernels.md`` §4):
 so a band with a positive right bound runs as two kernels — the keys from ``right`` on with a causal band, and the
 first ``right`` keys (the halo) with only a left bound for the rows that see them — merged through their log-sum-exp
 (:func:`cpscope.attention._merge.merge_rows_`; dq of those rows added). A left bound with more queries than keys turns

@@ -3,17 +3,17 @@ of built graphs, and the helpers both graph families build with (packed: :mod:`.
 :mod:`.cudnn_dense`).
 
 Why cpscope builds graphs itself: PyTorch's own cuDNN entries either rebuild their graph on every call (the ragged
-one, ~60 ms of host time each) or have no band and no score modifier (the dense one). A built graph is cached under
-a key that each family derives from its shapes, strides, dtype, band, softcap, scale and device; a build costs tens
-of milliseconds once (``docs/attention_kernels.md``), a cached call well under a millisecond of host time.
+one) or have no band and no score modifier (the dense one). A built graph is cached under a key that each family
+derives from its shapes, strides, dtype, band, softcap, scale and device; a build is paid once, a cached call adds
+little host time (figures: ``docs/attention_kernels.md`` §3).
 
 A graph the frontend refuses to build raises :class:`GraphUnsupported` — before any kernel ran, and without the
 frontend's exception, whose frames would hold the block — so that the router (:mod:`.router`) sends that kind of
 block to its next route. Every build runs on a short-lived thread of its own (:func:`cached`), from a build function
 that reads shapes (:class:`Spec`), never the call's tensors: the frontend keeps an exception it caught while
 choosing plans in a local of its own frame (a reference cycle through that frame), and a frame keeps its callers'
-frames — on the calling thread, the whole step's activations until Python's cyclic collector runs (5 GiB at 131k
-tokens, H200; 3.4 GiB over 100 packs of 16k tokens, H100). On the builder thread that cycle holds nothing of the
+frames — on the calling thread, the whole step's activations until Python's cyclic collector runs (gigabytes;
+``docs/attention_kernels.md`` §3). On the builder thread that cycle holds nothing of the
 call. At interpreter exit the cached graphs are dropped and the handles destroyed while the
 frontend still works (no nanobind leak warnings).
 

@@ -1,15 +1,15 @@
 """Packed (``thd``) attention blocks on cuDNN's fused flash attention, through the cuDNN frontend's Python graphs.
 
-Why: on Hopper, cuDNN's ragged SDPA kernels run a packed causal block ~1.9x faster than the flash-attention-2
-varlen kernels bundled with PyTorch (H200, 64k local tokens, 32 heads: forward 7.6 vs 14.2 ms, backward 10.2 vs
-20.2 ms per half-block). PyTorch's own entry (``aten._cudnn_attention_forward`` with ``cum_seq``) rebuilds its
-cuDNN graph on every call (~60 ms of host time each), so cpscope builds the graphs itself and caches them.
+Why: on Hopper, cuDNN's ragged SDPA kernels run a packed causal block faster than the flash-attention-2 varlen
+kernels bundled with PyTorch, and PyTorch's own entry (``aten._cudnn_attention_forward`` with ``cum_seq``) rebuilds
+its cuDNN graph on every call, so cpscope builds the graphs itself and caches them (figures:
+``docs/attention_kernels.md`` §3, §13).
 
 Layout (cuDNN "ragged" tensors): a packed contiguous ``[t, h, d]`` tensor (views are copied first) is described
 as logical ``[B, h, S, d]`` with strides ``[-, d, h * d, 1]`` plus a *ragged offset* ``[B + 1]`` (int64, elements) giving where sequence
 ``b`` starts: ``cu[b] * stride_t``. Sequence lengths go in as ``[B, 1, 1, 1]`` int32 with the padding mask on.
 The softmax statistics (log-sum-exp, fp32) are ragged too, token-major ``[t, h]`` (offset ``cu * h``); the ring
-keeps lse as ``[h, t]``, so they are transposed on the way out and in (``h * t * 4`` bytes, ~10 us).
+keeps lse as ``[h, t]``, so they are transposed on the way out and in (``h * t * 4`` bytes).
 
 Causal blocks and windows (``window=(left, right)``, relative to each sequence's bottom-right-aligned diagonal, as
 in flash-attention) use cuDNN's diagonal band: top-left aligned when every sequence has as many queries as keys
@@ -19,8 +19,8 @@ band and the padding mask into a score modifier (:mod:`.cudnn_mods`). Query rows
 
 Graph cache: one graph per (direction, B, S buckets, heads, head dims, strides, dtype, band, softcap, scale, device);
 ``S`` (longest sequence), the backward's total-token bound and the number of sequences (padded with empty ones)
-are rounded up to powers of two so that microbatches of similar shape share graphs. Building a forward + backward
-pair costs ~90 ms on H200, once; a cached call adds well under a millisecond of host time.
+are rounded up to powers of two so that microbatches of similar shape share graphs. A forward + backward pair is
+built once; a cached call adds little host time (``docs/attention_kernels.md`` §3).
 
 With the policy's :attr:`~cpscope.attention.KernelPolicy.defer_builds`, a new key is built only when it
 comes a second time (:mod:`.deferral`; the router runs the first block elsewhere).

@@ -2,8 +2,8 @@
 shape comes back (:attr:`~cpscope.attention.KernelPolicy.defer_builds`, off by default).
 
 Why: a loader's stream of new packs at CP1 meets a new ragged graph key every few packs, and each build costs tens
-of milliseconds (H100: ~65 ms; the process's first ~1 s), more than the block itself takes on flash-attention-2
-(16k tokens: 6.6 vs 4.85 ms on cuDNN). With deferral a key is built the **second** time it is seen, so recurring
+of milliseconds, more than the block itself takes on flash-attention-2 (figures: ``docs/attention_kernels.md`` §7,
+``docs/benchmarks.md`` §7–§8). With deferral a key is built the **second** time it is seen, so recurring
 shapes get cuDNN and one-off shapes never pay a build.
 
 How: :mod:`.cudnn_thd` computes the graph key before it allocates anything; with ``defer=True`` it asks

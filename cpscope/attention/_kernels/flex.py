@@ -15,7 +15,7 @@ softcap, grouped-query, gradient, whether the log-sum-exp is returned, whether b
 128-row tile) — one compiled graph each, which turns dynamic in the sequence lengths at the first new length — so a
 stream of new packs compiles nothing more, and no configuration exhausts the compiler's recompile limit of another.
 A dynamic graph no longer knows that its lengths divide by the tile, and its kernels would then guard every load and
-store at the sequences' ends (``IS_DIVISIBLE=False``: about 3 ms of a 16k-token Gemma 2 call on an H100); where both
+store at the sequences' ends (``IS_DIVISIBLE=False``; its cost: ``docs/attention_flex.md``); where both
 lengths are multiples of :data:`TILE`, the call says so (:data:`DIVISIBLE`), as a static graph at such lengths
 would have found. :func:`attend` asks for no log-sum-exp unless sinks need it (FlexAttention's own call).
 
