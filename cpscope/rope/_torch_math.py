@@ -56,14 +56,8 @@ def rope_math(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch
 
         y = rope_math(torch.randn(2, 8, 4, 64), angles[None, :, None, :], interleaved=False)   # angles [8, 64]
     """
-    rot_dim = angles.shape[-1]
-    compute = torch.promote_types(t.dtype, torch.float32)
-    x = t[..., :rot_dim].to(compute)
-    a = angles.to(compute)
-    y = x * torch.cos(a) + _rotate(x, interleaved) * torch.sin(a)
-    if rot_dim == t.shape[-1]:
-        return y.to(t.dtype)
-    return torch.cat((y.to(t.dtype), t[..., rot_dim:]), dim=-1)
+    a = angles.to(torch.promote_types(t.dtype, torch.float32))
+    return rope_math_cos_sin(t, torch.cos(a), torch.sin(a), interleaved)
 
 
 def rope_math_cos_sin(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
